@@ -1,0 +1,454 @@
+"""Derived defaults and cross-flag rules for the Megatron-style command line.
+
+Every rule raises `ArgumentError` with one sentence that names the flags involved; the
+caller prints it as one line and exits with code 2. Rules run on the parsed namespace
+only (sizes come from the environment), before any process group or file is created.
+Features that are parsed but not built yet are rejected here with "not supported yet".
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from typing import Optional
+
+from megamoe.config import (
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; the message names the flag(s)."""
+
+
+# Flags parsed (so Megatron scripts are recognised) whose feature is not built yet. Any value
+# other than the parser default fails with "not supported yet: --flag".
+NOT_SUPPORTED_YET = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--rotary-seq-len-interpolation-factor",
+    "--apply-layernorm-1p",
+    "--qk-layernorm",
+    "--use-flash-attn",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-force-load-balancing",
+    "--moe-input-jitter-eps",
+    "--moe-expert-capacity-factor",
+    "--moe-pad-expert-input-to-capacity",
+    "--moe-token-dropping",
+    "--moe-use-legacy-grouped-gemm",
+    "--moe-permute-fusion",
+    "--moe-shared-expert-intermediate-size",
+    "--moe-shared-expert-gate",
+    "--moe-shared-expert-overlap",
+    "--moe-use-upcycling",
+    "--moe-layer-recompute",
+    "--moe-a2a-overlap-degree",
+    "--moe-adaptive-parallelism",
+    "--rampup-batch-size",
+    "--train-samples",
+    "--recompute-activations",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--recompute-modules",
+    "--fp16",
+    "--loss-scale",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--async-save",
+    "--reset-position-ids",
+    "--reset-attention-mask",
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_layer_freq(spec: str, num_layers: int) -> list[int]:
+    """--moe-layer-freq: an int N (every Nth layer is MoE, starting with layer 0) or a
+    Python-like list expression such as "([0]+[1]*23)". Evaluated without eval()."""
+
+    def ev(node: ast.AST):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ArgumentError(f"--moe-layer-freq: cannot read {spec!r}")
+
+    try:
+        value = ev(ast.parse(spec.strip(), mode="eval"))
+    except SyntaxError:
+        raise ArgumentError(f"--moe-layer-freq: cannot read {spec!r}") from None
+    if isinstance(value, int):
+        if value < 1:
+            raise ArgumentError(f"--moe-layer-freq must be >= 1, got {value}")
+        return [1 if i % value == 0 else 0 for i in range(num_layers)]
+    if not isinstance(value, list) or any(v not in (0, 1) for v in value):
+        raise ArgumentError(f"--moe-layer-freq pattern must be a list of 0/1, got {spec!r}")
+    if len(value) != num_layers:
+        raise ArgumentError(
+            f"--moe-layer-freq pattern has {len(value)} entries but --num-layers is {num_layers}")
+    return value
+
+
+def _require(args: argparse.Namespace, *flags: str) -> None:
+    for flag in flags:
+        if getattr(args, _dest(flag)) is None:
+            raise ArgumentError(f"{flag} is required")
+
+
+def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
+    """Fill Megatron's derived defaults (they depend on other flags)."""
+    args.world_size = world_size
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.ffn_hidden_size is None:
+        if args.swiglu:  # keep SwiGLU FLOPs equal to a 4h GELU MLP, rounded to 64
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads == 0:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        args.sequence_parallel = False  # as Megatron: SP is meaningless without TP
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * args.context_parallel_size)
+    args.data_parallel_size = world_size // model_parallel if model_parallel else 0
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.moe_router_dtype is None:
+        args.moe_router_dtype = "fp32"
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
+                 "--seq-length", "--num-query-groups"):
+        value = getattr(args, _dest(flag))
+        if value is not None and value <= 0:
+            raise ArgumentError(f"{flag} must be positive, got {value}")
+    if args.hidden_size % args.num_attention_heads != 0:
+        raise ArgumentError(
+            f"--hidden-size ({args.hidden_size}) must be divisible by "
+            f"--num-attention-heads ({args.num_attention_heads})")
+    if args.num_attention_heads % args.num_query_groups != 0:
+        raise ArgumentError(
+            f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+            f"--num-query-groups ({args.num_query_groups})")
+    if (args.position_embedding_type == "learned_absolute" and args.add_position_embedding
+            and args.seq_length > args.max_position_embeddings):
+        raise ArgumentError(
+            f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+            f"({args.max_position_embeddings})")
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are mutually exclusive")
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        value = getattr(args, _dest(flag))
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(f"{flag} must be in [0, 1), got {value}")
+
+
+def _check_moe(args: argparse.Namespace) -> None:
+    if args.num_experts is None:
+        return
+    if args.num_experts < 0:
+        raise ArgumentError(f"--num-experts must be >= 0, got {args.num_experts}")
+    if args.num_experts % args.expert_model_parallel_size != 0:
+        raise ArgumentError(
+            f"--num-experts ({args.num_experts}) must be divisible by "
+            f"--expert-model-parallel-size ({args.expert_model_parallel_size})")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ArgumentError(
+            f"--moe-router-topk ({args.moe_router_topk}) must be between 1 and "
+            f"--num-experts ({args.num_experts})")
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if len(coeffs) == 1 and len(types) > 1:
+        args.moe_aux_loss_coeff = coeffs = coeffs * len(types)
+    if len(coeffs) != len(types):
+        raise ArgumentError(
+            f"--moe-aux-loss-coeff has {len(coeffs)} values but "
+            f"--moe-router-load-balancing-type has {len(types)}")
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ArgumentError(
+            "--moe-router-num-groups and --moe-router-group-topk must be given together")
+    if groups is not None:
+        if args.num_experts % groups != 0:
+            raise ArgumentError(
+                f"--num-experts ({args.num_experts}) must be divisible by "
+                f"--moe-router-num-groups ({groups})")
+        if not 1 <= group_topk <= groups:
+            raise ArgumentError(
+                f"--moe-router-group-topk ({group_topk}) must be between 1 and "
+                f"--moe-router-num-groups ({groups})")
+        if args.moe_router_topk > group_topk * (args.num_experts // groups):
+            raise ArgumentError(
+                f"--moe-router-topk ({args.moe_router_topk}) exceeds the experts in the "
+                f"selected groups ({group_topk} x {args.num_experts // groups})")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ArgumentError(
+            "MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel")
+    args.moe_layer_pattern = parse_layer_freq(args.moe_layer_freq, args.num_layers)
+
+
+def _check_parallel_and_batch(args: argparse.Namespace) -> None:
+    sizes = {f: getattr(args, _dest(f)) for f in (
+        "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+        "--context-parallel-size", "--expert-model-parallel-size",
+        "--expert-tensor-parallel-size", "--micro-batch-size")}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ArgumentError(f"{flag} must be >= 1, got {value}")
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    if args.world_size % (tp * pp * cp) != 0:
+        raise ArgumentError(
+            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size "
+            f"({tp}) x --pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    dp = args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+        raise ArgumentError(
+            f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+            f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp})")
+    if args.train_iters is None and not args.skip_train and not args.dry_run:
+        raise ArgumentError("--train-iters is required")
+    if not args.skip_train and not args.dry_run and args.lr is None:
+        raise ArgumentError("--lr is required")
+    if args.train_iters is not None and args.train_iters < 0:
+        raise ArgumentError(f"--train-iters must be >= 0, got {args.train_iters}")
+    for flag in ("--log-interval", "--eval-interval"):
+        if getattr(args, _dest(flag)) < 1:
+            raise ArgumentError(f"{flag} must be >= 1")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ArgumentError("--save-interval must be >= 1")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save")
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    if args.dry_run:
+        return
+    has_paths = bool(args.data_path) or bool(args.train_data_path)
+    if not has_paths and not args.mock_data:
+        raise ArgumentError("one of --data-path, --train-data-path or --mock-data is required")
+    if has_paths and args.mock_data:
+        raise ArgumentError("--mock-data cannot be combined with --data-path")
+    if args.data_path and args.train_data_path:
+        raise ArgumentError("--data-path and --train-data-path are mutually exclusive")
+    if args.tokenizer_type is None:
+        if not args.mock_data:
+            raise ArgumentError("--tokenizer-type is required")
+    needs = {
+        "SentencePieceTokenizer": ["--tokenizer-model"],
+        "Llama2Tokenizer": ["--tokenizer-model"],
+        "HuggingFaceTokenizer": ["--tokenizer-model"],
+        "GPT2BPETokenizer": ["--vocab-file", "--merge-file"],
+        "NullTokenizer": ["--vocab-size"],
+    }.get(args.tokenizer_type, [])
+    for flag in needs:
+        if getattr(args, _dest(flag)) is None:
+            raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
+    for flag in ("--tokenizer-model", "--vocab-file", "--merge-file"):
+        path = getattr(args, _dest(flag))
+        if path is not None and not os.path.exists(path):
+            raise ArgumentError(f"{flag}: file not found: {path}")
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        for prefix in _data_prefixes(getattr(args, _dest(flag)) or [], flag):
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(prefix + suffix):
+                    raise ArgumentError(f"{flag}: file not found: {prefix + suffix}")
+
+
+def _data_prefixes(values: list[str], flag: str) -> list[str]:
+    """Megatron's "p1 p2" or "w1 p1 w2 p2" -> prefixes (weights checked for numbers)."""
+    if len(values) < 2:
+        return list(values)
+    try:
+        float(values[0])
+    except ValueError:
+        return list(values)
+    if len(values) % 2:
+        raise ArgumentError(f"{flag}: expected weight/prefix pairs, got {len(values)} values")
+    for w in values[0::2]:
+        try:
+            if float(w) < 0:
+                raise ArgumentError(f"{flag}: negative weight {w}")
+        except ValueError:
+            raise ArgumentError(f"{flag}: expected a weight, got {w!r}") from None
+    return list(values[1::2])
+
+
+def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for flag in NOT_SUPPORTED_YET:
+        dest = _dest(flag)
+        value, default = getattr(args, dest), parser.get_default(dest)
+        if dest == "expert_tensor_parallel_size":
+            default = 1  # derived from TP (which is itself checked)
+        if value != default:
+            raise ArgumentError(f"not supported yet: {flag}")
+    if args.sequence_parallel and args.tensor_model_parallel_size > 1:
+        raise ArgumentError("not supported yet: --sequence-parallel")
+    if args.use_distributed_optimizer and args.data_parallel_size > 1:
+        # With one data-parallel rank the sharded optimizer is exactly the plain one.
+        raise ArgumentError("not supported yet: --use-distributed-optimizer with DP > 1")
+    if args.transformer_impl == "transformer_engine":
+        raise ArgumentError("not supported yet: --transformer-impl transformer_engine")
+    if args.ckpt_format == "torch_dist":
+        raise ArgumentError("not supported yet: --ckpt-format torch_dist")
+    if args.num_experts is not None:
+        for kind in args.moe_router_load_balancing_type:
+            if kind not in ("aux_loss", "none"):
+                raise ArgumentError(f"not supported yet: --moe-router-load-balancing-type {kind}")
+        if args.moe_token_dispatcher_type == "flex":
+            raise ArgumentError("not supported yet: --moe-token-dispatcher-type flex")
+
+
+def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                  world_size: Optional[int] = None) -> argparse.Namespace:
+    """Derive defaults, then check every rule; raises ArgumentError on the first failure."""
+    _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+    _derive_defaults(args, env_world_size() if world_size is None else world_size)
+    _check_model(args)
+    _check_parallel_and_batch(args)
+    _check_moe(args)
+    _check_data(args)
+    _check_not_supported(args, parser)
+    return args
+
+
+def args_to_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
+    """Validated namespace (+ the tokenizer's vocabulary size) -> per-feature configs."""
+    moe = None
+    if args.num_experts is not None:
+        moe = MoEConfig(
+            num_experts=args.num_experts,
+            topk=args.moe_router_topk,
+            ffn_hidden_size=args.moe_ffn_hidden_size,
+            score_function=args.moe_router_score_function,
+            pre_softmax=args.moe_router_pre_softmax,
+            topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            num_groups=args.moe_router_num_groups,
+            group_topk=args.moe_router_group_topk,
+            router_dtype=args.moe_router_dtype,
+            input_jitter_eps=args.moe_input_jitter_eps,
+            enable_expert_bias=args.moe_router_enable_expert_bias,
+            bias_update_rate=args.moe_router_bias_update_rate,
+            load_balancing_types=list(args.moe_router_load_balancing_type),
+            aux_loss_coeffs=list(args.moe_aux_loss_coeff),
+            z_loss_coeff=args.moe_z_loss_coeff,
+            capacity_factor=args.moe_expert_capacity_factor,
+            pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+            token_drop_policy=args.moe_token_drop_policy,
+            grouped_gemm=args.moe_grouped_gemm,
+            token_dispatcher_type=args.moe_token_dispatcher_type,
+            shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            shared_expert_gate=args.moe_shared_expert_gate,
+            per_layer_logging=args.moe_per_layer_logging,
+        )
+    pos_type = args.position_embedding_type
+    if pos_type == "learned_absolute" and not args.add_position_embedding:
+        pos_type = "none"
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        vocab_size=vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        position_embedding_type=pos_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        swiglu=args.swiglu,
+        add_bias_linear=args.add_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        moe=moe,
+        moe_layer_pattern=getattr(args, "moe_layer_pattern", None) if moe else None,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        world_size=args.world_size,
+    )
+    data = DataConfig(
+        data_path=args.data_path, train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
+        split=args.split, mock_data=args.mock_data, data_cache_path=args.data_cache_path,
+        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+        seq_length=args.seq_length, num_workers=args.num_workers, seed=args.seed,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+    )
+    optim = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr if args.lr is not None else 0.0,
+        min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        lr_warmup_iters=args.lr_warmup_iters, lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_init=args.lr_warmup_init, lr_decay_iters=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style, lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters or 0, seed=args.seed, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, skip_train=args.skip_train,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        save=args.save, load=args.load, save_interval=args.save_interval,
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+        no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
+        finetune=args.finetune, log_interval=args.log_interval,
+        tensorboard_dir=args.tensorboard_dir,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir, log_throughput=args.log_throughput,
+        timing_log_level=args.timing_log_level,
+    )
+    return RunConfig(model=model, parallel=parallel, data=data, optim=optim, train=train)

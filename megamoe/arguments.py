@@ -1,0 +1,325 @@
+"""Megatron-LM compatible command line: same flag names, meanings and defaults.
+
+A launch script written for Megatron-LM's `pretrain_gpt.py` should run against ours after
+changing only paths. Parsing never touches a process group or a file; every cross-flag
+rule is checked by `megamoe.argument_rules` right after parsing, so a bad launch fails in
+one line before any rank starts work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn, Optional, Sequence
+
+import yaml
+
+from megamoe.argument_rules import ArgumentError, finalize_args
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4*hidden, or 8/3*hidden rounded to 64 with --swiglu")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden/heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--no-position-embedding", dest="add_position_embedding",
+                   action="store_false",
+                   help="no learned absolute position embedding (implied by rope)")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", default="local",
+                   choices=["local", "transformer_engine"])
+    # Megatron flags that only turn off a fused CUDA kernel. megamoe has no fused kernel on
+    # these paths, so the unfused math they ask for is what always runs: accepted as-is.
+    for flag in ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                 "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                 "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
+                 "--use-cpu-initialization", "--no-persist-layer-norm"):
+        g.add_argument(flag, action="store_true", help="accepted; the unfused path always runs")
+    g.add_argument("--use-flash-attn", action="store_true")
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="None or 0 = dense model")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="default: --tensor-model-parallel-size")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="default: --ffn-hidden-size")
+    g.add_argument("--moe-layer-freq", type=str, default="1",
+                   help='every Nth layer is MoE (int), or a pattern such as "([0]+[1]*23)"')
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", default="softmax",
+                   choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
+                   help="router math dtype (megamoe always computes the router in >= fp32)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-force-load-balancing", action="store_true")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"],
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    g.add_argument("--moe-token-dropping", action="store_true",
+                   help="old spelling of token dropping (use --moe-expert-capacity-factor)")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather",
+                   choices=["allgather", "alltoall", "flex"])
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-use-legacy-grouped-gemm", action="store_true")
+    g.add_argument("--moe-permute-fusion", action="store_true")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-use-upcycling", action="store_true")
+    g.add_argument("--moe-layer-recompute", action="store_true")
+    g.add_argument("--moe-per-layer-logging", action="store_true")
+    g.add_argument("--moe-a2a-overlap-degree", type=int, default=1)
+    g.add_argument("--moe-adaptive-parallelism", action="store_true")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes of .bin/.idx files, optionally weighted: w1 p1 w2 p2")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=["SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
+                            "GPT2BPETokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
+                   help="accepted; megamoe never materialises attention masks (causal SDPA)")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size x data-parallel size")
+    g.add_argument("--rampup-batch-size", nargs=3, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--skip-train", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accepted; with --bf16 gradients always accumulate in fp32")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="default: nccl on CUDA, gloo otherwise")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2])
+    g.add_argument("--dry-run", action="store_true",
+                   help="validate flags, print model size, and exit before training")
+
+    o = parser.add_argument_group("optimizer and learning rate")
+    o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    o.add_argument("--lr", type=float, default=None)
+    o.add_argument("--min-lr", type=float, default=0.0)
+    o.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    o.add_argument("--lr-decay-iters", type=int, default=None)
+    o.add_argument("--lr-warmup-iters", type=int, default=0)
+    o.add_argument("--lr-warmup-fraction", type=float, default=None)
+    o.add_argument("--lr-warmup-init", type=float, default=0.0)
+    o.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    o.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--adam-beta1", type=float, default=0.9)
+    o.add_argument("--adam-beta2", type=float, default=0.999)
+    o.add_argument("--adam-eps", type=float, default=1e-8)
+    o.add_argument("--sgd-momentum", type=float, default=0.9)
+    o.add_argument("--clip-grad", type=float, default=1.0)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+
+
+def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
+    c = parser.add_argument_group("checkpointing")
+    c.add_argument("--save", default=None)
+    c.add_argument("--load", default=None)
+    c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--no-load-optim", action="store_true")
+    c.add_argument("--no-load-rng", action="store_true")
+    c.add_argument("--no-save-optim", action="store_true")
+    c.add_argument("--no-save-rng", action="store_true")
+    c.add_argument("--finetune", action="store_true")
+    c.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"])
+    c.add_argument("--async-save", action="store_true")
+
+    lg = parser.add_argument_group("logging")
+    lg.add_argument("--log-interval", type=int, default=100)
+    lg.add_argument("--tensorboard-dir", default=None)
+    lg.add_argument("--tensorboard-log-interval", type=int, default=1)
+    lg.add_argument("--wandb-project", default=None)
+    lg.add_argument("--wandb-exp-name", default=None)
+    lg.add_argument("--wandb-save-dir", default=None)
+    lg.add_argument("--log-throughput", action="store_true")
+    lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
+    # These only select which extra scalars go to TensorBoard/W&B; megamoe always writes
+    # the timers, memory, validation ppl and learning rate it has.
+    for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+                 "--log-validation-ppl-to-tensorboard", "--log-params-norm",
+                 "--log-num-zeros-in-grad"):
+        lg.add_argument(flag, action="store_true")
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(
+        prog=prog, description="megamoe: Megatron-style MoE GPT pretraining",
+        allow_abbrev=False)
+    _add_model_args(parser)
+    _add_moe_args(parser)
+    _add_data_args(parser)
+    _add_training_args(parser)
+    _add_parallel_args(parser)
+    _add_checkpoint_and_logging_args(parser)
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML preset of flags (configs/); command-line flags override it")
+    return parser
+
+
+def config_file_to_argv(path: str) -> list[str]:
+    """A YAML preset -> command-line tokens. Keys are flag names (`num-layers` or
+    `num_layers`); `true` means a bare flag, `false`/null omit it, lists give several values.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ArgumentError(f"--config: file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"--config: {path} is not valid YAML ({e.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise ArgumentError(f"--config: {path} must map flag names to values")
+    tokens: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            tokens.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            tokens += [flag, *map(str, value)]
+        else:
+            tokens += [flag, str(value)]
+    return tokens
+
+
+def expand_config_file(argv: list[str]) -> list[str]:
+    """Replace `--config FILE` with the file's flags, placed first so that flags given on
+    the command line override the preset."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    rest: list[str] = []
+    preset: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ArgumentError("--config needs a file")
+            preset += config_file_to_argv(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--config="):
+            preset += config_file_to_argv(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+        i += 1
+    return preset + rest
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
+               prog: str = "pretrain_gpt.py") -> argparse.Namespace:
+    """Parse and validate; on any bad input print one line and exit with code 2.
+
+    world_size defaults to torchrun's WORLD_SIZE (1 without torchrun); it is read from the
+    environment, never from a process group, so rules run before any group exists.
+    """
+    parser = build_parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(argv)
+    except ArgumentError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
+    try:
+        finalize_args(args, parser, world_size=world_size)
+    except ArgumentError as e:
+        parser.error(str(e))
+    return args

@@ -1,0 +1,156 @@
+"""The training loop: steps, evaluation, logging and checkpoint cadence.
+
+Everything it needs is passed in (mesh, model, optimizer, scheduler, data, logger), so the
+same loop serves pretrain_gpt.py and the tests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import RunConfig
+from megamoe.moe.losses import MoELossTracker
+from megamoe.parallel.mesh import Mesh
+from megamoe.training.logging import MetricsLogger, format_log_line
+from megamoe.training.schedule import Batch, forward_backward_no_pipelining
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    history: list[dict] = field(default_factory=list)  # one entry per iteration (rank-local)
+
+
+def num_microbatches(run: RunConfig, mesh: Mesh) -> int:
+    return run.train.global_batch_size // (run.train.micro_batch_size * mesh.dp_size)
+
+
+def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
+    """Average logged scalars over data-parallel ranks (logging only, never gradients)."""
+    if mesh.dp_group is None or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=mesh.dp_group)
+    return (t / mesh.dp_size).tolist()
+
+
+def _moe_scalars(report: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per-layer MoE loss values -> the mean over layers for the console line."""
+    return {name: float(v.float().mean()) for name, v in report.items() if v.numel()}
+
+
+def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
+               data_iter: Iterator[Batch]) -> dict[str, float]:
+    model.train()
+    optimizer.zero_grad()
+    n_micro = num_microbatches(run, mesh)
+    lm_loss = forward_backward_no_pipelining(model, data_iter, n_micro)
+    success, grad_norm, _ = optimizer.step()
+    if success:
+        scheduler.step(increment=1)
+    moe = _moe_scalars(MoELossTracker.report(n_micro))
+    names = ["lm loss", *moe.keys()]
+    values = _dp_mean([float(lm_loss), *moe.values()], mesh)
+    out = dict(zip(names, values))
+    out["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    out["skipped"] = 0.0 if success else 1.0
+    return out
+
+
+def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
+             data_iter: Iterator[Batch]) -> float:
+    """Mean LM loss over --eval-iters global batches (dropout off, no gradients)."""
+    model.eval()
+    n_micro = num_microbatches(run, mesh)
+    total = 0.0
+    for _ in range(run.train.eval_iters):
+        total += float(forward_backward_no_pipelining(model, data_iter, n_micro,
+                                                      forward_only=True))
+    MoELossTracker.report(n_micro)  # evaluation does not feed the training statistics
+    model.train()
+    return _dp_mean([total / max(run.train.eval_iters, 1)], mesh)[0]
+
+
+def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
+          train_iter: Iterator[Batch], valid_iter: Optional[Iterator[Batch]],
+          logger: Optional[MetricsLogger], state: TrainState,
+          save_fn: Optional[Callable[[TrainState], None]] = None,
+          print_fn: Callable[[str], None] = print) -> TrainState:
+    """Train from state.iteration to --train-iters; returns the final state."""
+    t = run.train
+    tokens_per_iter = t.global_batch_size * run.model.seq_length
+    interval: dict[str, float] = {}
+    interval_iters = 0
+    start_wall = time.time()
+    tick = time.time()
+    while state.iteration < t.train_iters:
+        metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter)
+        state.iteration += 1
+        state.consumed_train_samples += t.global_batch_size
+        skipped = metrics.pop("skipped")
+        state.skipped_iters += int(skipped)
+        if not math.isfinite(metrics["lm loss"]):
+            state.nan_iters += 1
+        lr = optimizer.param_groups[0]["lr"]
+        state.history.append({"iteration": state.iteration, "lr": lr, **metrics})
+        for k, v in metrics.items():
+            interval[k] = interval.get(k, 0.0) + v
+        interval_iters += 1
+
+        if logger is not None and state.iteration % t.tensorboard_log_interval == 0:
+            logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
+                                "learning_rate": lr,
+                                "consumed_samples": state.consumed_train_samples},
+                               state.iteration)
+        if state.iteration % t.log_interval == 0:
+            elapsed = time.time() - tick
+            ms_per_iter = 1000.0 * elapsed / interval_iters
+            means = {k: v / interval_iters for k, v in interval.items()}
+            if mesh.is_logging_rank:
+                print_fn(format_log_line(
+                    iteration=state.iteration, train_iters=t.train_iters,
+                    consumed_samples=state.consumed_train_samples,
+                    elapsed_ms_per_iter=ms_per_iter,
+                    tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
+                    learning_rate=lr, global_batch_size=t.global_batch_size,
+                    losses={k: v for k, v in means.items() if k != "grad norm"},
+                    loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
+                    skipped_iters=state.skipped_iters, nan_iters=state.nan_iters))
+            if logger is not None:
+                logger.log_scalars({"iteration_time_ms": ms_per_iter,
+                                    "throughput_tokens_per_sec":
+                                        tokens_per_iter / (ms_per_iter / 1000.0)},
+                                   state.iteration)
+            interval, interval_iters, tick = {}, 0, time.time()
+
+        if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            loss = evaluate(run, mesh, model, valid_iter)
+            report_validation(state.iteration, loss, logger, mesh, print_fn)
+            state.history[-1]["valid lm loss"] = loss
+        if save_fn is not None and t.save_interval and state.iteration % t.save_interval == 0:
+            save_fn(state)
+        if t.exit_interval and state.iteration % t.exit_interval == 0:
+            break
+        if t.exit_duration_in_mins and (time.time() - start_wall) / 60 > t.exit_duration_in_mins:
+            break
+    return state
+
+
+def report_validation(iteration: int, loss: float, logger: Optional[MetricsLogger],
+                      mesh: Mesh, print_fn: Callable[[str], None] = print) -> None:
+    ppl = math.exp(min(20.0, loss))
+    if mesh.is_logging_rank:
+        line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} |")
+        print_fn("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    if logger is not None:
+        logger.log_scalars({"valid_lm_loss": loss, "valid_lm_loss_ppl": ppl}, iteration)

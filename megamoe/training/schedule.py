@@ -1,0 +1,48 @@
+"""Forward/backward over the micro-batches of one global batch (no pipelining).
+
+Loss normalisation, in one place: each micro-batch's LM loss is the mean over its
+unmasked tokens; the step's loss is the mean over micro-batches. So each backward is
+scaled by 1 / num_microbatches, and the MoE auxiliary losses, which the MoE layers attach
+to the graph, are scaled the same way through `set_aux_loss_backward_scale`. Data-parallel
+averaging of gradients then yields the mean over the global batch in any layout.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from megamoe.moe.losses import set_aux_loss_backward_scale
+
+Batch = dict[str, torch.Tensor]
+
+
+def masked_lm_loss(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
+    """Mean per-token loss over unmasked tokens (fp32)."""
+    mask = loss_mask_BS.to(torch.float32)
+    return (loss_BS.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def forward_step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
+                    labels=batch["labels"])
+    return masked_lm_loss(loss_BS, batch["loss_mask"])
+
+
+def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[Batch],
+                                   num_microbatches: int, *, forward_only: bool = False
+                                   ) -> torch.Tensor:
+    """Run `num_microbatches` micro-batches; returns the mean LM loss (detached, fp32)."""
+    total = torch.zeros((), dtype=torch.float32)
+    set_aux_loss_backward_scale(1.0 / num_microbatches)
+    for _ in range(num_microbatches):
+        batch = next(data_iter)
+        if forward_only:
+            with torch.no_grad():
+                loss = forward_step(model, batch)
+        else:
+            loss = forward_step(model, batch)
+            (loss / num_microbatches).backward()
+        total += loss.detach()
+    return total / num_microbatches

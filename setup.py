@@ -1,0 +1,36 @@
+"""megamoe: Megatron-style Mixture-of-Experts GPT pretraining in PyTorch.
+
+torch is pinned by the set-up scripts, not here: on a machine without CUDA they install
+the CPU build (torch==2.13.0) before this package, so this requirement is already met and
+pip never pulls a multi-GB CUDA build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megamoe",
+    version="0.1.0",
+    description="Megatron-style Mixture-of-Experts GPT pretraining framework",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megamoe", "megamoe.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "sentencepiece",
+        "tokenizers",
+        "safetensors",
+        "tqdm",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "ruff", "tensorboard"],
+        "logging": ["tensorboard", "wandb"],
+        # CUDA clusters only: never install these on a CPU-only machine (they build against
+        # a CUDA torch). NVIDIA apex is installed from NVIDIA's repository, not PyPI.
+        "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
+    },
+    scripts=[],
+)
