@@ -1,0 +1,1 @@
+"""Process groups, data parallelism and the optimizer."""

@@ -1,0 +1,149 @@
+"""The optimizer wrapper: fp32 main parameters, fp32 gradient accumulation, clipping, skip.
+
+With --bf16 the model holds bf16 parameters; Adam must not update those directly (bf16 has
+8 bits of mantissa, so small updates vanish). Like Megatron's Float16OptimizerWithFloat16
+Params, we keep an fp32 "main" copy of every parameter and accumulate gradients in fp32:
+each parameter's bf16 gradient is added to an fp32 `main_grad` as soon as autograd has
+produced it (a post-accumulate-grad hook), so gradient accumulation over micro-batches
+never rounds in bf16. In fp32 the model parameters are the main parameters.
+
+`step()` reduces gradients (data parallel, supplied by the caller), computes the global
+gradient norm, skips the update when it is not finite, clips, runs the inner torch
+optimizer and copies the result back to the model parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from megamoe.config import OptimizerConfig
+
+ReduceGradsFn = Callable[[list[torch.Tensor]], None]
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's rule: no weight decay on biases and on 1-D parameters (norm weights)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
+class MixedPrecisionOptimizer:
+    """Adam/SGD over fp32 main parameters with fp32 gradient accumulation."""
+
+    def __init__(self, model: torch.nn.Module, config: OptimizerConfig,
+                 reduce_grads_fn: Optional[ReduceGradsFn] = None) -> None:
+        self.config = config
+        self.reduce_grads_fn = reduce_grads_fn
+        groups = _param_groups(model, config.weight_decay)
+        self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
+        self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
+        if self.separate_main:
+            main_groups = []
+            self.main_params: list[torch.Tensor] = []
+            for g in groups:
+                mains = [p.detach().float().clone().requires_grad_(True) for p in g["params"]]
+                self.main_params += mains
+                main_groups.append({**g, "params": mains})
+            groups = main_groups
+            for p, main in zip(self.model_params, self.main_params):
+                main.grad = torch.zeros_like(main)
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(main))
+        else:
+            self.main_params = self.model_params
+        if config.optimizer == "adam":
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps, weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                                             weight_decay=config.weight_decay)
+
+    @staticmethod
+    def _make_grad_hook(main: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            main.grad.add_(param.grad.float())  # fp32 accumulation across micro-batches
+            param.grad = None
+        return hook
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        return 1.0  # bf16 and fp32 need no loss scaling
+
+    def zero_grad(self) -> None:
+        for p in self.model_params:
+            p.grad = None
+        if self.separate_main:
+            for main in self.main_params:
+                main.grad.zero_()
+        else:
+            for p in self.main_params:
+                p.grad = None
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """Gradients to reduce and clip; parameters that got no gradient get zeros."""
+        grads = []
+        for p in self.main_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        """Returns (updated, grad norm before clipping, number of zero grads (not counted))."""
+        grads = self.main_grads()
+        if self.reduce_grads_fn is not None:
+            self.reduce_grads_fn(grads)
+        grad_norm = float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            return False, grad_norm, None
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (grad_norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_(grads, coeff)
+        self.optimizer.step()
+        if self.separate_main:
+            for p, main in zip(self.model_params, self.main_params):
+                p.copy_(main)
+        return True, grad_norm, None
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.separate_main:
+            state["main_params"] = [m.detach().clone() for m in self.main_params]
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.separate_main and "main_params" in state:
+            for p, main, saved in zip(self.model_params, self.main_params,
+                                      state["main_params"]):
+                main.copy_(saved)
+                p.copy_(main)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """After model weights change outside the optimizer (checkpoint load without
+        optimizer state), refresh the fp32 main copies from them."""
+        if self.separate_main:
+            for p, main in zip(self.model_params, self.main_params):
+                main.copy_(p.float())
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
+                    reduce_grads_fn: Optional[ReduceGradsFn] = None) -> MixedPrecisionOptimizer:
+    return MixedPrecisionOptimizer(model, config, reduce_grads_fn)

@@ -1,0 +1,1 @@
+"""Training loop, schedules, LR schedule, checkpoints and logging."""
