@@ -26,7 +26,7 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "ruff", "tensorboard", "transformers>=4.46"],
         "logging": ["tensorboard", "wandb"],
         # CUDA clusters only: never install these on a CPU-only machine (they build against
         # a CUDA torch). NVIDIA apex is installed from NVIDIA's repository, not PyPI.

@@ -263,7 +263,8 @@ def config_file_to_argv(path: str) -> list[str]:
     except FileNotFoundError:
         raise ArgumentError(f"--config: file not found: {path}") from None
     except yaml.YAMLError as e:
-        raise ArgumentError(f"--config: {path} is not valid YAML ({e.__class__.__name__})") from None
+        raise ArgumentError(
+            f"--config: {path} is not valid YAML ({e.__class__.__name__})") from None
     if not isinstance(data, dict):
         raise ArgumentError(f"--config: {path} must map flag names to values")
     tokens: list[str] = []

@@ -42,7 +42,8 @@ def test_megatron_defaults():
 
 
 def test_swiglu_ffn_default_and_moe_config():
-    a = parse(f"--swiglu {MOE} --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --disable-bias-linear")
+    a = parse(f"--swiglu {MOE} --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "
+              "--disable-bias-linear")
     assert a.ffn_hidden_size == int((4 * 64 * 2 / 3) / 64) * 64
     run = args_to_configs(a, vocab_size=100)
     assert run.model.moe.num_experts == 8 and run.model.moe.topk == 2

@@ -1,0 +1,70 @@
+"""Causal self-attention with grouped-query attention (GQA) and optional RoPE.
+
+QKV is one GEMM. `linear_qkv.weight` is [(Nq + 2 * Nkv) * D, H] with rows in three
+contiguous blocks: q (Nq * D rows), then k (Nkv * D), then v (Nkv * D); inside each block
+head-major (head i = rows i*D:(i+1)*D). So HF q_proj/k_proj/v_proj map to it by a plain
+concatenation, and `split_qkv_weight` undoes it. (Megatron interleaves per query group
+instead; that layout only matters for tensor parallelism, which splits each block.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe.config import ModelConfig
+from megamoe.model.linear import Linear
+from megamoe.model.rope import apply_rotary
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"num_attention_heads {self.num_heads} must be a multiple of "
+                             f"num_query_groups {self.num_groups}")
+        self.attention_dropout = config.attention_dropout
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_groups * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        std = config.init_method_std
+        self.linear_qkv = Linear(config.hidden_size, q_size + 2 * kv_size,
+                                 bias=config.add_bias_linear, init_std=std)
+        self.linear_proj = Linear(q_size, config.hidden_size, bias=config.add_bias_linear,
+                                  init_std=std / math.sqrt(2.0 * config.num_layers))
+
+    def forward(self, x_SBH: torch.Tensor,
+                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """x [S, B, H] -> [S, B, H]; `rotary` = (cos, sin) from `rope.rotary_cos_sin`."""
+        s, b, _ = x_SBH.shape
+        q, k, v = self.linear_qkv(x_SBH).split(self.split_sizes, dim=-1)
+        q_SBND = q.view(s, b, self.num_heads, self.head_dim)
+        k_SBGD = k.view(s, b, self.num_groups, self.head_dim)
+        v_SBGD = v.view(s, b, self.num_groups, self.head_dim)
+        if rotary is not None:
+            q_SBND = apply_rotary(q_SBND, *rotary)
+            k_SBGD = apply_rotary(k_SBGD, *rotary)
+        # SDPA wants [B, heads, S, D].
+        q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
+        o_BNSD = F.scaled_dot_product_attention(
+            q_BNSD, k_BGSD, v_BGSD, is_causal=True,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.num_groups != self.num_heads)
+        o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.linear_proj(o_SBX)
+
+
+def split_qkv_weight(w: torch.Tensor, config: ModelConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_qkv.weight` (or bias) -> (q, k, v) in HF q_proj/k_proj/v_proj layout."""
+    q_size = config.num_attention_heads * config.kv_channels
+    kv_size = config.num_query_groups * config.kv_channels
+    q, k, v = w.split((q_size, kv_size, kv_size), dim=0)
+    return q, k, v

@@ -1,0 +1,91 @@
+"""Parameter and FLOP counts by formula (no model needed: usable for planning and MFU).
+
+`num_parameters` must equal `sum(p.numel() for p in GPTModel(config).parameters())`; the
+tests check it for many configurations.
+
+FLOPs per token (forward + backward), as in Megatron / PaLM MFU accounting:
+
+    flops_per_token = 6 * M  +  12 * L * S * Nq * D
+
+- M = matmul weights one token actually multiplies by: per layer QKV (H x (Nq + 2 Nkv) D)
+  and output projection (Nq D x H); dense MLP (H x F(x2 for swiglu) + F x H) or, on MoE
+  layers, the router (H x E) plus k experts' fc1/fc2; and the output layer over the real
+  vocabulary (V x H; padded rows are never multiplied). Embedding lookups, norms, biases,
+  activations and RoPE are not matmuls and are left out. 6 = 2 (multiply-add) x 3 (forward,
+  grad wrt input, grad wrt weight).
+- Attention core: QK^T and AV are each 2 * S * Nq * D FLOPs per token forward, x3 for
+  forward + backward = 12 * S * Nq * D per layer. This counts the full S x S score matrix
+  (no causal halving), the convention of Megatron's classic MFU formula and PaLM, so MFU
+  numbers are comparable with theirs. GQA does not reduce it (every query head attends).
+"""
+
+from __future__ import annotations
+
+from megamoe.config import ModelConfig
+
+
+def _norm_params(config: ModelConfig) -> int:
+    return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+
+
+def _attention_params(config: ModelConfig) -> tuple[int, int]:
+    """(all attention parameters, matmul weights) of one layer."""
+    h, d = config.hidden_size, config.kv_channels
+    qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
+    q_size = config.num_attention_heads * d
+    weights = h * qkv_out + q_size * h
+    bias = (qkv_out + h) if config.add_bias_linear else 0
+    return weights + bias, weights
+
+
+def _ffn_params(config: ModelConfig, ffn: int) -> tuple[int, int]:
+    """(all parameters, matmul weights) of one fc1 -> act -> fc2 MLP (dense or one expert)."""
+    h = config.hidden_size
+    fc1_out = 2 * ffn if config.swiglu else ffn
+    weights = h * fc1_out + ffn * h
+    bias = (fc1_out + h) if config.add_bias_linear else 0
+    return weights + bias, weights
+
+
+def _layer_params(config: ModelConfig, i: int) -> tuple[int, int, int]:
+    """(total, active per token, active matmul weights) of layer i."""
+    attn, attn_mm = _attention_params(config)
+    base = 2 * _norm_params(config) + attn
+    if not config.is_moe_layer(i):
+        mlp, mlp_mm = _ffn_params(config, config.ffn_hidden_size)
+        return base + mlp, base + mlp, attn_mm + mlp_mm
+    moe = config.moe
+    expert, expert_mm = _ffn_params(config, moe.ffn_hidden_size)
+    router = moe.num_experts * config.hidden_size
+    total = base + router + moe.num_experts * expert
+    active = base + router + moe.topk * expert
+    return total, active, attn_mm + router + moe.topk * expert_mm
+
+
+def _embedding_params(config: ModelConfig) -> int:
+    n = config.padded_vocab_size * config.hidden_size
+    if config.position_embedding_type == "learned_absolute":
+        n += config.max_position_embeddings * config.hidden_size
+    if config.untie_embeddings_and_output_weights:
+        n += config.padded_vocab_size * config.hidden_size
+    return n + _norm_params(config)  # + final norm
+
+
+def num_parameters(config: ModelConfig) -> tuple[int, int]:
+    """(total parameters, parameters active for one token: k of E experts per MoE layer)."""
+    layers = [_layer_params(config, i) for i in range(config.num_layers)]
+    rest = _embedding_params(config)
+    return rest + sum(t for t, _, _ in layers), rest + sum(a for _, a, _ in layers)
+
+
+def active_matmul_parameters(config: ModelConfig) -> int:
+    """Weights one token is multiplied by (the M of the module docstring)."""
+    output = config.vocab_size * config.hidden_size
+    return output + sum(_layer_params(config, i)[2] for i in range(config.num_layers))
+
+
+def flops_per_token(config: ModelConfig) -> float:
+    """Model FLOPs (forward + backward) per trained token; see the module docstring."""
+    attn_core = 12 * config.num_layers * config.seq_length * (
+        config.num_attention_heads * config.kv_channels)
+    return float(6 * active_matmul_parameters(config) + attn_core)

@@ -1,0 +1,90 @@
+"""MoE balancing losses, how they reach the gradient, and how they are logged.
+
+The auxiliary losses never enter the LM loss tensor. Each MoE layer attaches its loss to
+its output with `attach_aux_loss`; the backward pass of that identity injects
+d(aux)/d(aux) = scale, where the schedule sets scale = 1 / num_microbatches, so the aux
+loss is scaled exactly like the LM loss and counted once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_AUX_LOSS_BACKWARD_SCALE: float = 1.0
+
+
+def set_aux_loss_backward_scale(scale: float) -> None:
+    """Scale applied to every aux-loss gradient (the schedule passes 1/num_microbatches)."""
+    global _AUX_LOSS_BACKWARD_SCALE
+    _AUX_LOSS_BACKWARD_SCALE = float(scale)
+
+
+def get_aux_loss_backward_scale() -> float:
+    return _AUX_LOSS_BACKWARD_SCALE
+
+
+class _AuxLossAutoScaler(torch.autograd.Function):
+    """Identity on `output` whose backward also feeds `scale` into the aux loss's graph."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * _AUX_LOSS_BACKWARD_SCALE
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """Return `output` unchanged; its backward adds scale * d(aux_loss) to the gradients."""
+    return _AuxLossAutoScaler.apply(output, aux_loss)
+
+
+def switch_load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                               topk: int, coeff: float) -> torch.Tensor:
+    """Switch/GShard loss E * coeff / (k * T^2) * sum_e P_e * count_e.
+
+    `probs_TE` are the full (all-expert) router probabilities, `tokens_per_expert_E` the
+    counts of the routing map actually dispatched. Perfect balance gives exactly coeff.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    p_E = probs_TE.sum(dim=0)
+    counts_E = tokens_per_expert_E.to(p_E.dtype)
+    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
+    return (p_E * counts_E).sum() * scale
+
+
+def z_loss(logits_TE: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE router z-loss coeff * mean_t(logsumexp(logits_t)^2): keeps logits small."""
+    return coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class MoELossTracker:
+    """Process-wide per-layer accumulator of MoE loss values, for logging only."""
+
+    _values: dict[str, dict[int, torch.Tensor]] = {}
+
+    @classmethod
+    def record(cls, name: str, layer_number: int, num_layers: int, value: torch.Tensor) -> None:
+        """Add `value` (detached) to the slot of `layer_number` (0 <= layer < num_layers)."""
+        if not 0 <= layer_number < num_layers:
+            raise ValueError(f"layer_number {layer_number} outside [0, {num_layers})")
+        slots = cls._values.setdefault(name, {})
+        v = value.detach().to(torch.float32).reshape(())
+        slots[layer_number] = slots[layer_number] + v if layer_number in slots else v.clone()
+
+    @classmethod
+    def report(cls, num_microbatches: int) -> dict[str, torch.Tensor]:
+        """{name: [layers that recorded] of sum / num_microbatches}, ordered by layer; clears."""
+        out = {}
+        for name, slots in cls._values.items():
+            layers = sorted(slots)
+            out[name] = torch.stack([slots[i].cpu() for i in layers]) / num_microbatches
+        cls.clear()
+        return out
+
+    @classmethod
+    def clear(cls) -> None:
+        cls._values = {}

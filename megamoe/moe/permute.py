@@ -1,0 +1,48 @@
+"""Sort-based, dropless token permutation.
+
+Rows are grouped expert-major (token order inside each expert) by selecting on the
+transposed routing map: O(T*E) booleans and O(N*H) data movement, never a one-hot
+[T, E, capacity] tensor. Everything is a gather/index_add, so autograd flows through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _expert_major(routing_map_TE: torch.Tensor) -> torch.Tensor:
+    return routing_map_TE.bool().t().contiguous()  # [E, T]
+
+
+def permute(x_TH: torch.Tensor, routing_map_TE: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group token copies by expert.
+
+    Returns (x_NH, token_indices_N, tokens_per_expert_E) with N = routing_map.sum():
+    row n of x_NH is token token_indices_N[n], and the first tokens_per_expert_E[0] rows
+    belong to expert 0, and so on.
+    """
+    map_ET = _expert_major(routing_map_TE)
+    num_experts, num_tokens = map_ET.shape
+    tokens_per_expert_E = map_ET.sum(dim=1)
+    token_ids_ET = torch.arange(num_tokens, device=x_TH.device).expand(num_experts, -1)
+    token_indices_N = token_ids_ET.masked_select(map_ET)
+    return x_TH.index_select(0, token_indices_N), token_indices_N, tokens_per_expert_E
+
+
+def permute_probs(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor) -> torch.Tensor:
+    """probs_N aligned with permute()'s rows: the combine weight of each token copy."""
+    return probs_TE.t().contiguous().masked_select(_expert_major(routing_map_TE))
+
+
+def unpermute(y_NH: torch.Tensor, token_indices_N: torch.Tensor, probs_N: torch.Tensor,
+              num_tokens: int) -> torch.Tensor:
+    """out[t] = sum over copies n of token t of probs_N[n] * y_NH[n].
+
+    Accumulates in at least fp32 (index_add, deterministic on CPU) and casts back to y's dtype, so a
+    bf16 model sums its k expert outputs without extra rounding.
+    """
+    acc = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    weighted_NH = y_NH.to(acc) * probs_N.to(acc).unsqueeze(-1)
+    out_TH = weighted_NH.new_zeros(num_tokens, y_NH.shape[-1])
+    return out_TH.index_add(0, token_indices_N, weighted_NH).to(y_NH.dtype)
