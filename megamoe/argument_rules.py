@@ -70,7 +70,6 @@ NOT_SUPPORTED_YET = (
     "--overlap-grad-reduce",
     "--overlap-param-gather",
     "--async-save",
-    "--reset-position-ids",
     "--reset-attention-mask",
 )
 

@@ -146,11 +146,13 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
 
 
 def report_validation(iteration: int, loss: float, logger: Optional[MetricsLogger],
-                      mesh: Mesh, print_fn: Callable[[str], None] = print) -> None:
+                      mesh: Mesh, print_fn: Callable[[str], None] = print,
+                      split: str = "validation") -> None:
     ppl = math.exp(min(20.0, loss))
     if mesh.is_logging_rank:
-        line = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+        line = (f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
                 f"lm loss PPL: {ppl:.6E} |")
         print_fn("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     if logger is not None:
-        logger.log_scalars({"valid_lm_loss": loss, "valid_lm_loss_ppl": ppl}, iteration)
+        prefix = "valid" if split == "validation" else split
+        logger.log_scalars({f"{prefix}_lm_loss": loss, f"{prefix}_lm_loss_ppl": ppl}, iteration)

@@ -160,14 +160,13 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
             if t.save and (not t.save_interval or state.iteration % t.save_interval):
                 save(state)
         log(f"> training done: {state.iteration} iterations in {time.time() - start:.1f} s")
-        for name, ds, it in (("validation", valid_ds, valid_iter), ("test", test_ds, None)):
-            if ds is None or t.eval_iters == 0:
+        evaluated_last = bool(state.history) and "valid lm loss" in state.history[-1]
+        for split, ds in (("validation", valid_ds), ("test", test_ds)):
+            if ds is None or t.eval_iters == 0 or (split == "validation" and evaluated_last):
                 continue
-            it = it if it is not None else make_iterator(ds, 0, run, mesh, 0)
+            it = valid_iter if split == "validation" else make_iterator(ds, 0, run, mesh, 0)
             loss = evaluate(run, mesh, model, it)
-            log(f"> final {name} lm loss: {loss:.6E}")
-            if name == "validation":
-                report_validation(state.iteration, loss, logger, mesh, log)
+            report_validation(state.iteration, loss, logger, mesh, log, split=split)
     finally:
         if logger is not None:
             logger.close()
