@@ -156,7 +156,7 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
             if train_iter is None:
                 raise DataError("the training split is empty: check --split / --data-path")
             state = train(run, mesh, model, optimizer, scheduler, train_iter, valid_iter,
-                          logger, state, save_fn=save if t.save else None, print_fn=log)
+                          logger, state, save_fn=save if t.save else None, print_fn=print_fn)
             if t.save and (not t.save_interval or state.iteration % t.save_interval):
                 save(state)
         log(f"> training done: {state.iteration} iterations in {time.time() - start:.1f} s")
@@ -166,7 +166,7 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
                 continue
             it = valid_iter if split == "validation" else make_iterator(ds, 0, run, mesh, 0)
             loss = evaluate(run, mesh, model, it)
-            report_validation(state.iteration, loss, logger, mesh, log, split=split)
+            report_validation(state.iteration, loss, logger, mesh, print_fn, split=split)
     finally:
         if logger is not None:
             logger.close()
