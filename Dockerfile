@@ -1,8 +1,12 @@
 # megamoe image.
 #   GPU (default):  docker build -t megamoe .
 #   CPU:            docker build -t megamoe:cpu --build-arg VARIANT=cpu .
-# The GPU variant starts from NVIDIA's PyTorch container (CUDA torch, NCCL and apex are
-# already there) and adds the `gpu` extras; the CPU variant installs the CPU torch wheel.
+#   run:            docker run --gpus all --ipc=host megamoe \
+#                     bash scripts/pretrain_mixtral_8x7b.sh CKPT TOKENIZER DATA
+# The GPU variant starts from NVIDIA's PyTorch container (CUDA torch, NCCL, NVIDIA apex and
+# transformer-engine are already there) and adds the `gpu` and `logging` extras; the CPU
+# variant installs the CPU torch wheel and the `logging` extras. The default command
+# prepares the bundled corpus and trains the tiny model (works in both variants).
 ARG VARIANT=gpu
 ARG GPU_BASE=nvcr.io/nvidia/pytorch:25.10-py3
 ARG CPU_BASE=python:3.11-slim
@@ -16,6 +20,7 @@ ENV MEGAMOE_EXTRAS="logging"
 
 FROM base-${VARIANT}
 WORKDIR /workspace/megamoe
+# Package metadata and code first, so editing scripts or configs does not reinstall.
 COPY setup.py pyproject.toml README.md ./
 COPY megamoe ./megamoe
 RUN pip install --no-cache-dir -e ".[${MEGAMOE_EXTRAS}]"
@@ -23,6 +28,7 @@ COPY pretrain_gpt.py ./
 COPY tools ./tools
 COPY scripts ./scripts
 COPY configs ./configs
-COPY data ./data
-ENV OMP_NUM_THREADS=1
-CMD ["bash", "scripts/pretrain_tiny_cpu.sh"]
+COPY data/shakespeare ./data/shakespeare
+RUN chmod +x scripts/*.sh scripts/*.sbatch
+ENV OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 WANDB_MODE=offline
+CMD ["bash", "-c", "bash scripts/prepare_corpus.sh && bash scripts/pretrain_tiny_cpu.sh"]

@@ -31,30 +31,17 @@ class ArgumentError(ValueError):
 # Flags parsed (so Megatron scripts are recognised) whose feature is not built yet. Any value
 # other than the parser default fails with "not supported yet: --flag".
 NOT_SUPPORTED_YET = (
-    "--tensor-model-parallel-size",
-    "--pipeline-model-parallel-size",
     "--context-parallel-size",
     "--expert-model-parallel-size",
     "--expert-tensor-parallel-size",
-    "--num-layers-per-virtual-pipeline-stage",
-    "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
     "--qk-layernorm",
     "--use-flash-attn",
-    "--moe-router-enable-expert-bias",
     "--moe-router-force-load-balancing",
-    "--moe-input-jitter-eps",
-    "--moe-expert-capacity-factor",
-    "--moe-pad-expert-input-to-capacity",
-    "--moe-token-dropping",
     "--moe-use-legacy-grouped-gemm",
     "--moe-permute-fusion",
-    "--moe-shared-expert-intermediate-size",
-    "--moe-shared-expert-gate",
     "--moe-shared-expert-overlap",
-    "--moe-use-upcycling",
     "--moe-layer-recompute",
     "--moe-a2a-overlap-degree",
     "--moe-adaptive-parallelism",
@@ -69,7 +56,6 @@ NOT_SUPPORTED_YET = (
     "--loss-scale",
     "--overlap-grad-reduce",
     "--overlap-param-gather",
-    "--async-save",
     "--reset-attention-mask",
 )
 
@@ -220,7 +206,82 @@ def _check_moe(args: argparse.Namespace) -> None:
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ArgumentError(
             "MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel")
+    _check_moe_balancing_and_capacity(args)
     args.moe_layer_pattern = parse_layer_freq(args.moe_layer_freq, args.num_layers)
+
+
+def _check_moe_balancing_and_capacity(args: argparse.Namespace) -> None:
+    types = args.moe_router_load_balancing_type
+    known = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+    for kind in types:
+        if kind not in known:
+            raise ArgumentError(f"--moe-router-load-balancing-type {kind}: choose from "
+                                f"{', '.join(known)}")
+    if "sinkhorn" in types and args.moe_router_enable_expert_bias:
+        raise ArgumentError("--moe-router-load-balancing-type sinkhorn cannot be combined "
+                            "with --moe-router-enable-expert-bias")
+    if "global_aux_loss" in types and args.data_parallel_size > 1:
+        raise ArgumentError("not supported yet: --moe-router-load-balancing-type "
+                            "global_aux_loss with data-parallel size > 1")
+    if args.moe_router_bias_update_rate < 0:
+        raise ArgumentError("--moe-router-bias-update-rate must be >= 0")
+    eps = args.moe_input_jitter_eps
+    if eps is not None and not 0.0 <= eps < 1.0:
+        raise ArgumentError(f"--moe-input-jitter-eps must be in [0, 1), got {eps}")
+    if args.moe_token_dropping and args.moe_expert_capacity_factor is None:
+        args.moe_expert_capacity_factor = 1.0  # the old spelling's meaning
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        raise ArgumentError("--moe-pad-expert-input-to-capacity needs "
+                            "--moe-expert-capacity-factor")
+    if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
+        raise ArgumentError("--moe-shared-expert-gate needs "
+                            "--moe-shared-expert-intermediate-size")
+    if args.moe_use_upcycling and args.moe_ffn_hidden_size != args.ffn_hidden_size:
+        raise ArgumentError(f"--moe-use-upcycling copies the dense MLP into each expert: "
+                            f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must equal "
+                            f"--ffn-hidden-size ({args.ffn_hidden_size})")
+    if args.moe_use_upcycling and args.tensor_model_parallel_size > 1:
+        raise ArgumentError("not supported yet: --moe-use-upcycling with "
+                            "--tensor-model-parallel-size > 1")
+    size = args.moe_shared_expert_intermediate_size
+    if size is not None and size <= 0:
+        raise ArgumentError(f"--moe-shared-expert-intermediate-size must be positive, "
+                            f"got {size}")
+
+
+def _check_tensor_parallel_shapes(args: argparse.Namespace, tp: int) -> None:
+    """Every tensor-parallel split must be even; the vocabulary padding must not depend on
+    TP (so it is the padding multiple, not the padded size, that TP must divide)."""
+    for flag in ("--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
+                 "--make-vocab-size-divisible-by"):
+        value = getattr(args, _dest(flag))
+        if value % tp:
+            raise ArgumentError(f"{flag} ({value}) must be divisible by "
+                                f"--tensor-model-parallel-size ({tp})")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError(f"--seq-length ({args.seq_length}) must be divisible by "
+                            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+
+
+def _check_pipeline(args: argparse.Namespace, pp: int, dp: int) -> None:
+    """Layers must split over the (virtual) stages; interleaving needs the micro-batches
+    to come in multiples of the pipeline size."""
+    from megamoe.model.pipeline_stage import pipeline_layer_ranges
+
+    vp = args.num_layers_per_virtual_pipeline_stage
+    if vp is not None and pp == 1:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs "
+                            "--pipeline-model-parallel-size > 1")
+    try:
+        pipeline_layer_ranges(args.num_layers, pp, vp, args.decoder_first_pipeline_num_layers,
+                              args.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    micro = args.global_batch_size // max(args.micro_batch_size * dp, 1)
+    if vp is not None and micro % pp:
+        raise ArgumentError(
+            f"--num-layers-per-virtual-pipeline-stage needs the number of micro-batches "
+            f"({micro}) to be divisible by --pipeline-model-parallel-size ({pp})")
 
 
 def _check_parallel_and_batch(args: argparse.Namespace) -> None:
@@ -237,7 +298,10 @@ def _check_parallel_and_batch(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"world size {args.world_size} is not divisible by --tensor-model-parallel-size "
             f"({tp}) x --pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    if tp > 1:
+        _check_tensor_parallel_shapes(args, tp)
     dp = args.data_parallel_size
+    _check_pipeline(args, pp, dp)
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
         raise ArgumentError(
             f"--global-batch-size ({args.global_batch_size}) must be divisible by "
@@ -253,8 +317,15 @@ def _check_parallel_and_batch(args: argparse.Namespace) -> None:
             raise ArgumentError(f"{flag} must be >= 1")
     if args.save_interval is not None and args.save_interval < 1:
         raise ArgumentError("--save-interval must be >= 1")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ArgumentError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save")
+    if args.ckpt_keep_last is not None and args.ckpt_keep_last < 1:
+        raise ArgumentError(f"--ckpt-keep-last must be >= 1, got {args.ckpt_keep_last}")
+    for flag in ("--ckpt-keep-last", "--async-save"):
+        if getattr(args, _dest(flag)) not in (None, False) and args.save is None:
+            raise ArgumentError(f"{flag} needs --save")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -315,11 +386,14 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
         dest = _dest(flag)
         value, default = getattr(args, dest), parser.get_default(dest)
         if dest == "expert_tensor_parallel_size":
-            default = 1  # derived from TP (which is itself checked)
+            default = args.tensor_model_parallel_size  # derived from TP
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    if args.sequence_parallel and args.tensor_model_parallel_size > 1:
-        raise ArgumentError("not supported yet: --sequence-parallel")
+    for size_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        if getattr(args, _dest(size_flag)) > 1:
+            for flag in ("--save", "--load"):
+                if getattr(args, _dest(flag)) is not None:
+                    raise ArgumentError(f"not supported yet: {flag} with {size_flag} > 1")
     if args.use_distributed_optimizer and args.data_parallel_size > 1:
         # With one data-parallel rank the sharded optimizer is exactly the plain one.
         raise ArgumentError("not supported yet: --use-distributed-optimizer with DP > 1")
@@ -328,9 +402,6 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
     if args.ckpt_format == "torch_dist":
         raise ArgumentError("not supported yet: --ckpt-format torch_dist")
     if args.num_experts is not None:
-        for kind in args.moe_router_load_balancing_type:
-            if kind not in ("aux_loss", "none"):
-                raise ArgumentError(f"not supported yet: --moe-router-load-balancing-type {kind}")
         if args.moe_token_dispatcher_type == "flex":
             raise ArgumentError("not supported yet: --moe-token-dispatcher-type flex")
 
@@ -376,6 +447,7 @@ def args_to_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
             shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             shared_expert_gate=args.moe_shared_expert_gate,
             per_layer_logging=args.moe_per_layer_logging,
+            use_upcycling=args.moe_use_upcycling,
         )
     pos_type = args.position_embedding_type
     if pos_type == "learned_absolute" and not args.add_position_embedding:
@@ -414,6 +486,9 @@ def args_to_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
         sequence_parallel=args.sequence_parallel,
         use_distributed_optimizer=args.use_distributed_optimizer,
         world_size=args.world_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
     )
     data = DataConfig(
         data_path=args.data_path, train_data_path=args.train_data_path,
@@ -443,11 +518,13 @@ def args_to_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
         save=args.save, load=args.load, save_interval=args.save_interval,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
         no_save_optim=args.no_save_optim, no_save_rng=args.no_save_rng,
-        finetune=args.finetune, log_interval=args.log_interval,
+        finetune=args.finetune, async_save=args.async_save,
+        ckpt_keep_last=args.ckpt_keep_last, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir,
         tensorboard_log_interval=args.tensorboard_log_interval,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         wandb_save_dir=args.wandb_save_dir, log_throughput=args.log_throughput,
+        peak_tflops=args.peak_tflops,
         timing_log_level=args.timing_log_level,
     )
     return RunConfig(model=model, parallel=parallel, data=data, optim=optim, train=train)

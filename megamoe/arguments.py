@@ -219,7 +219,10 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-save-rng", action="store_true")
     c.add_argument("--finetune", action="store_true")
     c.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"])
-    c.add_argument("--async-save", action="store_true")
+    c.add_argument("--async-save", action="store_true",
+                   help="write checkpoints on a background thread (training keeps going)")
+    c.add_argument("--ckpt-keep-last", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints under --save (default: all)")
 
     lg = parser.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=100)
@@ -229,6 +232,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     lg.add_argument("--wandb-exp-name", default=None)
     lg.add_argument("--wandb-save-dir", default=None)
     lg.add_argument("--log-throughput", action="store_true")
+    lg.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak TFLOP/s of one device, for MFU (default: measure a matmul)")
     lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
     # These only select which extra scalars go to TensorBoard/W&B; megamoe always writes
     # the timers, memory, validation ppl and learning rate it has.

@@ -26,6 +26,7 @@ class MoEConfig:
     num_groups: Optional[int] = None
     group_topk: Optional[int] = None
     router_dtype: str = "fp32"  # fp32 | fp64
+    router_type: str = "topk"  # topk (token choice) | expert_choice (Python API)
     input_jitter_eps: Optional[float] = None
     enable_expert_bias: bool = False
     bias_update_rate: float = 1e-3
@@ -33,7 +34,8 @@ class MoEConfig:
     load_balancing_types: list[str] = field(default_factory=lambda: ["aux_loss"])
     aux_loss_coeffs: list[float] = field(default_factory=lambda: [0.0])
     z_loss_coeff: Optional[float] = None
-    # Capacity (None = dropless).
+    # Capacity (None = dropless). > 0: fixed factor x fair share; Python API also Tutel's
+    # 0 = largest needed load (no drops, padded), < 0 = min(needed, |cf| x fair share).
     capacity_factor: Optional[float] = None
     pad_to_capacity: bool = False
     token_drop_policy: str = "probs"  # probs | position
@@ -43,6 +45,7 @@ class MoEConfig:
     shared_expert_intermediate_size: Optional[int] = None
     shared_expert_gate: bool = False
     per_layer_logging: bool = False
+    use_upcycling: bool = False  # experts start as copies of the dense MLP (--moe-use-upcycling)
 
     def aux_loss_coeff(self, kind: str) -> float:
         """Coefficient of balancing loss `kind`, 0.0 when that type is not enabled."""
@@ -109,6 +112,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     world_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -185,6 +191,8 @@ class TrainConfig:
     no_save_optim: bool = False
     no_save_rng: bool = False
     finetune: bool = False
+    async_save: bool = False
+    ckpt_keep_last: Optional[int] = None  # None = keep every checkpoint
     # Logging.
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
@@ -193,6 +201,7 @@ class TrainConfig:
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
     log_throughput: bool = False
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = measure a matmul
     timing_log_level: int = 0
 
 

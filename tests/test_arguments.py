@@ -110,9 +110,8 @@ def test_files_must_exist(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag", [
-    "--pipeline-model-parallel-size 2", "--expert-model-parallel-size 2",
-    "--moe-expert-capacity-factor 1.0", "--recompute-activations", "--fp16",
-    "--moe-shared-expert-intermediate-size 64", "--ckpt-format torch_dist",
+    "--expert-model-parallel-size 2",
+    "--recompute-activations", "--fp16", "--ckpt-format torch_dist",
 ])
 def test_not_supported_yet(capsys, flag):
     world = 2 if "parallel-size 2" in flag else 1
@@ -181,3 +180,11 @@ def test_bundled_config_parses():
     a = parse_args(["--config", os.path.join(ROOT, "configs", "tiny-mixtral-cpu.yaml"),
                     "--train-iters", "1", "--lr", "1", "--mock-data"], world_size=1)
     assert a.num_experts == 8 and a.swiglu and a.normalization == "RMSNorm"
+
+
+def test_checkpoint_retention_and_async_save_flags(capsys):
+    a = parse("--save ckpt --ckpt-keep-last 3 --async-save")
+    assert a.ckpt_keep_last == 3 and a.async_save
+    assert "--ckpt-keep-last must be >= 1" in fails(capsys, "--save ckpt --ckpt-keep-last 0")
+    assert "--ckpt-keep-last needs --save" in fails(capsys, "--ckpt-keep-last 2")
+    assert "--async-save needs --save" in fails(capsys, "--async-save")

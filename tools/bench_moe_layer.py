@@ -1,12 +1,18 @@
-"""Micro benchmark: forward+backward of one MoE layer, grouped GEMM vs loop vs one-hot.
+"""Benchmark: forward+backward of one MoE layer against the naive ways and dense GEMMs.
 
-Baselines, all in one run on the same weights and input:
-  grouped  MoELayer with --moe-grouped-gemm (sort-based dispatch, one grouped GEMM per fc)
-  loop     MoELayer with per-expert matmuls (Megatron SequentialMLP)
-  onehot   GShard-style einsum dispatch/combine through a [T, E, C] one-hot tensor with
-           capacity C = capacity_factor * T * k / E (drops overflow; O(T*E*C) memory)
+In one process and one run, on the same weights and input (SwiGLU experts, fp32 by default,
+2 threads, one warm-up then the median of --repeats):
+  moe     megamoe.MoELayer: sort-based dropless dispatch + one grouped GEMM per projection
+  loop    per-expert loop as transformers' MixtralSparseMoeBlock (one_hot mask, where,
+          index_add)
+  einsum  GShard/fairseq: one-hot [T, E, C] dispatch/combine einsums, capacity factor 1.0
+  dense   a dense SwiGLU MLP with intermediate k x F: the same expert FLOPs as one GEMM
+          each, this machine's ceiling
+Peak activation memory = bytes saved for backward during the forward (unique storages),
+the memory a training step holds per layer; reported relative to dense.
 
-Usage: python tools/bench_moe_layer.py --json
+Shapes: mixtral (E=8, k=2, H=1024, F=2048, S=4096), fine_grained (E=64, k=8, H=1024,
+F=256, S=4096), tiny (smoke test). Usage: python tools/bench_moe_layer.py --json
 """
 
 from __future__ import annotations
@@ -29,10 +35,32 @@ from megamoe.moe.grouped_gemm import resolve_backend  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
 from megamoe.moe.router import topk_routing  # noqa: E402
 
+SHAPES = {
+    "mixtral": dict(E=8, k=2, H=1024, F=2048, T=4096),
+    "fine_grained": dict(E=64, k=8, H=1024, F=256, T=4096),
+    "tiny": dict(E=4, k=2, H=64, F=128, T=256),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def onehot_moe(layer: MoELayer, x_TH: torch.Tensor, capacity_factor: float) -> torch.Tensor:
-    """GShard einsum MoE with the layer's weights (the baseline sort-based dispatch replaces)."""
-    cfg = layer.config
+
+def loop_moe(layer: MoELayer, x_TH: torch.Tensor) -> torch.Tensor:
+    """transformers' MixtralSparseMoeBlock: for each expert, where() its tokens, run, add."""
+    cfg, ex = layer.config, layer.experts
+    probs_TE, map_TE = topk_routing(layer.router.gating(x_TH), cfg.topk)
+    out_TH = torch.zeros_like(x_TH)
+    for e in range(cfg.num_experts):
+        (token_idx,) = torch.where(map_TE[:, e])
+        if token_idx.numel() == 0:
+            continue
+        h = ex.activation(x_TH[token_idx] @ ex.fc1_weight[e]) @ ex.fc2_weight[e]
+        out_TH = out_TH.index_add(0, token_idx, h * probs_TE[token_idx, e, None].to(h.dtype))
+    return out_TH
+
+
+def einsum_moe(layer: MoELayer, x_TH: torch.Tensor, capacity_factor: float = 1.0
+               ) -> torch.Tensor:
+    """GShard einsum MoE: one-hot [T, E, C] dispatch and combine tensors (drops overflow)."""
+    cfg, ex = layer.config, layer.experts
     T, E = x_TH.shape[0], cfg.num_experts
     capacity = math.ceil(capacity_factor * T * cfg.topk / E)
     probs_TE, map_TE = topk_routing(layer.router.gating(x_TH), cfg.topk)
@@ -41,11 +69,37 @@ def onehot_moe(layer: MoELayer, x_TH: torch.Tensor, capacity_factor: float) -> t
     slot_TEC = F.one_hot(position_TE.clamp(max=capacity - 1), capacity).to(x_TH.dtype)
     dispatch_TEC = slot_TEC * keep_TE.unsqueeze(-1)
     combine_TEC = dispatch_TEC * probs_TE.to(x_TH.dtype).unsqueeze(-1)
-    ex = layer.experts
     x_ECH = torch.einsum("tec,th->ech", dispatch_TEC, x_TH)
     h_ECF = torch.einsum("ech,ehf->ecf", x_ECH, ex.fc1_weight)
     y_ECH = torch.einsum("ecf,efh->ech", ex.activation(h_ECF), ex.fc2_weight)
     return torch.einsum("tec,ech->th", combine_TEC, y_ECH)
+
+
+class DenseSwiGLU(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, 2 * ffn, dtype=dtype) * 0.02)
+        self.w2 = torch.nn.Parameter(torch.randn(ffn, hidden, dtype=dtype) * 0.02)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        gate, up = (x_TH @ self.w1).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w2
+
+
+def saved_activation_bytes(fn, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if not isinstance(t, torch.nn.Parameter):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x.detach().requires_grad_(True))
+    del out
+    return sum(seen.values())
 
 
 def time_fwd_bwd(fn, x: torch.Tensor, repeats: int) -> float:
@@ -60,56 +114,61 @@ def time_fwd_bwd(fn, x: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args()
-
-    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int) -> dict:
+    s = SHAPES[name]
+    dtype = DTYPES[dtype_name]
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=args.experts, topk=args.topk, ffn_hidden_size=args.ffn,
-                    grouped_gemm=True)
-    layer = MoELayer(cfg, args.hidden, layer_number=0, num_layers=1, init_method_std=0.02,
-                     add_bias_linear=False, swiglu=True).to(dtype)
-    x = torch.randn(args.tokens, args.hidden).to(dtype)
-
-    def run(grouped: bool):
-        def fn(xi):
-            layer.experts.backend = "auto" if grouped else "loop"
-            return layer(xi)
-        return fn
-
-    t_grouped = time_fwd_bwd(run(True), x, args.repeats)
-    t_loop = time_fwd_bwd(run(False), x, args.repeats)
-    t_onehot = time_fwd_bwd(lambda xi: onehot_moe(layer, xi, args.capacity_factor), x,
-                            args.repeats)
-    flops = 3 * 2 * args.tokens * args.topk * 3 * args.hidden * args.ffn  # fwd + 2x bwd
-    out = {
-        "shape": {"T": args.tokens, "H": args.hidden, "F": args.ffn, "E": args.experts,
-                  "k": args.topk, "dtype": args.dtype, "swiglu": True},
+    cfg = MoEConfig(num_experts=s["E"], topk=s["k"], ffn_hidden_size=s["F"], grouped_gemm=True)
+    layer = MoELayer(cfg, s["H"], init_method_std=0.02, swiglu=True).to(dtype)
+    dense = DenseSwiGLU(s["H"], s["k"] * s["F"], dtype)
+    x = torch.randn(s["T"], s["H"]).to(dtype)
+    fns = {"moe": layer, "loop": lambda xi: loop_moe(layer, xi),
+           "einsum": lambda xi: einsum_moe(layer, xi, 1.0), "dense": dense}
+    ms = {}
+    for k, fn in fns.items():
+        n = repeats if k in ("moe", "dense") else baseline_repeats
+        ms[k] = 1e3 * time_fwd_bwd(fn, x, n)
+        print(f"# {name} {dtype_name} {k}: {ms[k]:.1f} ms", file=sys.stderr, flush=True)
+    mem = {k: saved_activation_bytes(fns[k], x) for k in ("moe", "dense", "einsum")}
+    expert_flops = 3 * 2 * s["T"] * s["k"] * 3 * s["H"] * s["F"]  # fwd + 2x bwd, 3 GEMMs
+    return {
+        "shape": name, "dtype": dtype_name, **s, "threads": torch.get_num_threads(),
+        "repeats": repeats, "baseline_repeats": baseline_repeats,
         "grouped_backend": resolve_backend(x, layer.experts.fc1_weight, "auto"),
-        "threads": torch.get_num_threads(),
-        "grouped_ms": round(1e3 * t_grouped, 2),
-        "loop_ms": round(1e3 * t_loop, 2),
-        "onehot_einsum_ms": round(1e3 * t_onehot, 2),
-        "onehot_capacity_factor": args.capacity_factor,
-        "loop_over_grouped": round(t_loop / t_grouped, 3),
-        "onehot_over_grouped": round(t_onehot / t_grouped, 3),
-        "grouped_expert_gflops": round(flops / t_grouped / 1e9, 1),
+        "moe_ms": round(ms["moe"], 1), "loop_ms": round(ms["loop"], 1),
+        "einsum_ms": round(ms["einsum"], 1), "dense_ms": round(ms["dense"], 1),
+        "ratio_vs_dense": round(ms["dense"] / ms["moe"], 3),
+        "speedup_vs_loop": round(ms["loop"] / ms["moe"], 3),
+        "speedup_vs_einsum": round(ms["einsum"] / ms["moe"], 3),
+        "peak_mem_ratio_vs_dense": round(mem["moe"] / mem["dense"], 3),
+        "einsum_mem_ratio_vs_dense": round(mem["einsum"] / mem["dense"], 3),
+        "moe_expert_gflops": round(expert_flops / ms["moe"] / 1e6, 1),
+        "dense_gflops": round(expert_flops / ms["dense"] / 1e6, 1),
     }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["mixtral", "fine_grained"],
+                   choices=sorted(SHAPES))
+    p.add_argument("--tiny", action="store_true", help="only the tiny shape (smoke test)")
+    p.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(DTYPES),
+                   help="bf16 matmuls are ~30x slower than fp32 on CPUs without AMX")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of moe and dense")
+    p.add_argument("--baseline-repeats", type=int, default=1,
+                   help="timed runs of the (slow) loop and einsum baselines")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = ["tiny"] if args.tiny else args.shapes
+    results = [bench_shape(s, d, args.repeats, args.baseline_repeats)
+               for s in shapes for d in args.dtypes]
     if args.json:
-        print(json.dumps(out))
-    else:
-        for key, value in out.items():
-            print(f"{key:>24}: {value}")
+        print(json.dumps({"results": results}))
+        return
+    for r in results:
+        print(" ".join(f"{k}={v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":

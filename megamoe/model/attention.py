@@ -4,7 +4,9 @@ QKV is one GEMM. `linear_qkv.weight` is [(Nq + 2 * Nkv) * D, H] with rows in thr
 contiguous blocks: q (Nq * D rows), then k (Nkv * D), then v (Nkv * D); inside each block
 head-major (head i = rows i*D:(i+1)*D). So HF q_proj/k_proj/v_proj map to it by a plain
 concatenation, and `split_qkv_weight` undoes it. (Megatron interleaves per query group
-instead; that layout only matters for tensor parallelism, which splits each block.)
+instead.) Tensor parallelism splits each of the three blocks into TP contiguous chunks, so
+rank r holds query heads r*Nq/TP.. and exactly the key/value groups those heads use (a
+GQA group never straddles ranks).
 """
 
 from __future__ import annotations
@@ -17,34 +19,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
-from megamoe.model.linear import Linear
 from megamoe.model.rope import apply_rotary
+from megamoe.parallel.tensor_parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_groups = config.num_query_groups
+        heads, groups = config.num_attention_heads, config.num_query_groups
         self.head_dim = config.kv_channels
-        if self.num_heads % self.num_groups:
-            raise ValueError(f"num_attention_heads {self.num_heads} must be a multiple of "
-                             f"num_query_groups {self.num_groups}")
+        if heads % groups:
+            raise ValueError(f"num_attention_heads {heads} must be a multiple of "
+                             f"num_query_groups {groups}")
+        if groups % tp.size:
+            raise ValueError(f"num_query_groups {groups} must be divisible by the "
+                             f"tensor-parallel size {tp.size}")
+        self.num_heads, self.num_groups = heads // tp.size, groups // tp.size  # local
+        self.tp = tp
         self.attention_dropout = config.attention_dropout
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_groups * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
+        q_size = heads * self.head_dim
+        kv_size = groups * self.head_dim
+        self.split_sizes = (self.num_heads * self.head_dim, self.num_groups * self.head_dim,
+                            self.num_groups * self.head_dim)
         std = config.init_method_std
-        self.linear_qkv = Linear(config.hidden_size, q_size + 2 * kv_size,
-                                 bias=config.add_bias_linear, init_std=std)
-        self.linear_proj = Linear(q_size, config.hidden_size, bias=config.add_bias_linear,
-                                  init_std=std / math.sqrt(2.0 * config.num_layers))
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, q_size + 2 * kv_size, bias=config.add_bias_linear,
+            init_std=std, tp=tp, blocks=(q_size, kv_size, kv_size))
+        self.linear_proj = RowParallelLinear(
+            q_size, config.hidden_size, bias=config.add_bias_linear,
+            init_std=std / math.sqrt(2.0 * config.num_layers), tp=tp)
 
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """x [S, B, H] -> [S, B, H]; `rotary` = (cos, sin) from `rope.rotary_cos_sin`."""
-        s, b, _ = x_SBH.shape
-        q, k, v = self.linear_qkv(x_SBH).split(self.split_sizes, dim=-1)
+        """x [S, B, H] -> [S, B, H] (with SP: [S/TP, B, H] shards in and out); `rotary` =
+        (cos, sin) from `rope.rotary_cos_sin` for the full sequence."""
+        qkv = self.linear_qkv(x_SBH)  # [S, B, local q + 2 kv]: the full sequence
+        s, b, _ = qkv.shape
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q_SBND = q.view(s, b, self.num_heads, self.head_dim)
         k_SBGD = k.view(s, b, self.num_groups, self.head_dim)
         v_SBGD = v.view(s, b, self.num_groups, self.head_dim)
@@ -53,10 +69,11 @@ class SelfAttention(nn.Module):
             k_SBGD = apply_rotary(k_SBGD, *rotary)
         # SDPA wants [B, heads, S, D].
         q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
-        o_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BGSD, v_BGSD, is_causal=True,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=self.num_groups != self.num_heads)
+        with self.tp.dropout_rng(split=True):  # this rank's heads: its own dropout stream
+            o_BNSD = F.scaled_dot_product_attention(
+                q_BNSD, k_BGSD, v_BGSD, is_causal=True,
+                dropout_p=self.attention_dropout if self.training else 0.0,
+                enable_gqa=self.num_groups != self.num_heads)
         o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
         return self.linear_proj(o_SBX)
 

@@ -4,6 +4,12 @@ Internally Megatron's [S, B, H] layout. The word embedding has `padded_vocab_siz
 (GEMM-friendly, layout-independent), but only the first `vocab_size` rows ever produce
 logits: the output GEMM uses the real-vocabulary slice of the weight, so padded logits
 never exist, never enter the softmax, and padding cannot change the loss.
+
+Tensor parallelism (`tp`): the vocabulary (padded, layout-independent) is split into TP
+equal row ranges; each rank's output GEMM uses only the real-vocabulary rows of its range
+(possibly none), and the loss is the vocab-parallel cross entropy, so full-vocabulary
+logits are never gathered in training. With sequence parallelism the decoder runs on
+[S/TP, B, H] shards; the loss is over the full sequence on every TP rank.
 """
 
 from __future__ import annotations
@@ -15,54 +21,88 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
-from megamoe.model.linear import Embedding, Linear
+from megamoe.model.linear import Embedding
 from megamoe.model.rope import rotary_cos_sin, rotary_dim
 from megamoe.model.transformer_block import TransformerBlock
+from megamoe.parallel.comm import (
+    copy_to_tp,
+    gather_from_sequence,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
+from megamoe.parallel.tensor_parallel import (
+    SINGLE,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_vocab_logits,
+    mark_sequence_parallel,
+    vocab_parallel_cross_entropy,
+)
 
 
 class GPTEmbedding(nn.Module):
-    """Word (+ learned absolute position) embedding, dropout; [B, S] -> [S, B, H]."""
+    """Word (+ learned absolute position) embedding, dropout; [B, S] -> [S, B, H]
+    ([S/TP, B, H] with sequence parallelism)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         std = config.init_method_std
-        self.word_embeddings = Embedding(config.padded_vocab_size, config.hidden_size,
-                                         init_std=std)
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
+                                                      config.hidden_size, init_std=std, tp=tp)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = Embedding(config.max_position_embeddings,
-                                                 config.hidden_size, init_std=std)
+            # With SP each rank looks up only its own positions: a partial gradient.
+            self.position_embeddings = mark_sequence_parallel(
+                Embedding(config.max_position_embeddings, config.hidden_size, init_std=std), tp)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens_BS: torch.Tensor,
                 position_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
         x_BSH = self.word_embeddings(tokens_BS)
+        if self.tp.size == 1:
+            if self.position_embeddings is not None:
+                if position_ids_BS is None:
+                    position_ids_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+                x_BSH = x_BSH + self.position_embeddings(position_ids_BS)  # [B|1, S, H] bcast
+            return self.dropout(x_BSH.transpose(0, 1).contiguous())  # [S, B, H]
+        x_SBH = x_BSH.transpose(0, 1).contiguous()  # partial sums over the vocab shards
+        if self.tp.sp:
+            x_SBH = reduce_scatter_to_sequence(x_SBH, self.tp.group)  # [S/TP, B, H]
+        else:
+            x_SBH = reduce_from_tp(x_SBH, self.tp.group)
         if self.position_embeddings is not None:
             if position_ids_BS is None:
-                position_ids_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
-            x_BSH = x_BSH + self.position_embeddings(position_ids_BS)  # [B|1, S, H] bcast
-        return self.dropout(x_BSH.transpose(0, 1).contiguous())  # [S, B, H]
+                position_ids_BS = torch.arange(tokens_BS.shape[1],
+                                               device=tokens_BS.device)[None]
+            if self.tp.sp:
+                position_ids_BS = position_ids_BS.chunk(self.tp.size, dim=1)[self.tp.rank]
+            x_SBH = x_SBH + self.position_embeddings(position_ids_BS).transpose(0, 1)
+        with self.tp.dropout_rng(split=self.tp.sp):
+            return self.dropout(x_SBH)
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: Optional[TensorParallel] = None):
         super().__init__()
         if config.position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"unknown position_embedding_type "
                              f"{config.position_embedding_type!r}")
         self.config = config
-        self.embedding = GPTEmbedding(config)
-        self.rot_dim = None
+        self.tp = tp = tp or SINGLE
+        self.embedding = GPTEmbedding(config, tp)
         if config.position_embedding_type == "rope":
-            self.rot_dim = rotary_dim(config.kv_channels, config.rotary_percent)
-        self.decoder = TransformerBlock(config)
+            rotary_dim(config.kv_channels, config.rotary_percent)  # fail early when invalid
+        self.decoder = TransformerBlock(config, tp)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
-            self.output_layer = Linear(config.hidden_size, config.padded_vocab_size,
-                                       bias=False, init_std=config.init_method_std)
+            # Same draws as Linear(H, padded_vocab); rows split like the word embedding.
+            self.output_layer = VocabParallelEmbedding(
+                config.padded_vocab_size, config.hidden_size,
+                init_std=config.init_method_std, tp=tp)
 
     def output_weight(self) -> torch.Tensor:
-        """[padded_vocab, H] matrix of the output layer (the word embedding when tied)."""
+        """[padded_vocab (/ TP), H] matrix of the output layer (the word embedding when tied)."""
         layer = self.output_layer if self.output_layer is not None else \
             self.embedding.word_embeddings
         return layer.weight
@@ -71,17 +111,44 @@ class GPTModel(nn.Module):
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], or with `labels` [B, S] the per-token
         cross-entropy [B, S] in fp32 (no reduction: the schedule masks and averages)."""
-        rotary = None
-        if self.rot_dim is not None:
-            rotary = rotary_cos_sin(tokens_BS.shape[1], self.rot_dim, self.config.rotary_base,
-                                    position_ids_BS=position_ids, device=tokens_BS.device)
+        rotary = rotary_for(self.config, tokens_BS, position_ids)
         h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary)
+        return lm_head(h_SBH, self.output_weight(), labels, self.config, self.tp)
+
+
+def rotary_for(config: ModelConfig, tokens_BS: torch.Tensor,
+               position_ids: Optional[torch.Tensor]
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """RoPE (cos, sin) for the full sequence, or None without rotary embeddings."""
+    if config.position_embedding_type != "rope":
+        return None
+    rot_dim = rotary_dim(config.kv_channels, config.rotary_percent)
+    return rotary_cos_sin(tokens_BS.shape[1], rot_dim, config.rotary_base,
+                          position_ids_BS=position_ids, device=tokens_BS.device)
+
+
+def lm_head(h_SBH: torch.Tensor, w_VH: torch.Tensor, labels: Optional[torch.Tensor],
+            config: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """Final hidden states (after the final norm) -> logits [B, S, vocab] or, with labels,
+    per-token loss [B, S] (fp32). `w_VH` is this rank's [padded_vocab / TP, H] rows; only
+    its real-vocabulary rows are multiplied, so padded logits never exist."""
+    if tp.size == 1:
         h_BSH = h_SBH.transpose(0, 1)
-        w_VH = self.output_weight()[: self.config.vocab_size]  # real vocabulary rows only
-        logits_BSV = F.linear(h_BSH, w_VH)
+        logits_BSV = F.linear(h_BSH, w_VH[: config.vocab_size])
         if labels is None:
             return logits_BSV
         b, s, v = logits_BSV.shape
         loss = F.cross_entropy(logits_BSV.float().reshape(b * s, v), labels.reshape(b * s),
                                reduction="none")
         return loss.view(b, s)
+    per_rank = config.padded_vocab_size // tp.size
+    vocab_start = tp.rank * per_rank
+    num_real_rows = max(0, min(per_rank, config.vocab_size - vocab_start))
+    if tp.sp:
+        h_SBH = gather_from_sequence(h_SBH, tp.group)  # [S, B, H]
+    else:
+        h_SBH = copy_to_tp(h_SBH, tp.group)
+    logits_BSV = F.linear(h_SBH.transpose(0, 1), w_VH[:num_real_rows])  # [B, S, V_local]
+    if labels is None:
+        return gather_vocab_logits(logits_BSV, config.vocab_size, per_rank, tp.group)
+    return vocab_parallel_cross_entropy(logits_BSV, labels, vocab_start, tp.group)

@@ -85,3 +85,60 @@ def hf_to_megamoe(hf_state_dict: Mapping[str, Tensor], config: ModelConfig
         raise KeyError(f"unmapped Hugging Face keys: {sorted(src)[:8]}"
                        f"{' ...' if len(src) > 8 else ''}")
     return out
+
+
+def megamoe_to_hf(state_dict: Mapping[str, Tensor], config: ModelConfig, *,
+                  fused_experts: bool = False) -> dict[str, Tensor]:
+    """GPTModel state dict -> Mixtral/Llama HF names; the exact inverse of hf_to_megamoe.
+
+    Experts come out per expert as transformers writes them to disk
+    (`block_sparse_moe.experts.{e}.w1` gate [F, H], `w3` up [F, H], `w2` down [H, F]), or
+    with `fused_experts` in the in-memory transformers 5.x layout (`mlp.experts.gate_up_proj`
+    [E, 2F, H], `down_proj` [E, H, F]). Padded vocabulary rows are dropped. Every GPTModel
+    key must be consumed.
+    """
+    src = dict(state_dict)
+    v = config.vocab_size
+    out: dict[str, Tensor] = {
+        "model.embed_tokens.weight": src.pop("embedding.word_embeddings.weight")[:v],
+        "model.norm.weight": src.pop("decoder.final_layernorm.weight"),
+    }
+    if config.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = src.pop("output_layer.weight")[:v]
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    splits = [heads * d, groups * d, groups * d]
+    for i in range(config.num_layers):
+        hf, mm = f"model.layers.{i}", f"decoder.layers.{i}"
+        out[f"{hf}.input_layernorm.weight"] = src.pop(f"{mm}.input_layernorm.weight")
+        out[f"{hf}.post_attention_layernorm.weight"] = src.pop(f"{mm}.pre_mlp_layernorm.weight")
+        for kind in ("weight", "bias"):
+            qkv = src.pop(f"{mm}.self_attention.linear_qkv.{kind}", None)
+            if qkv is not None:
+                for n, t in zip("qkv", qkv.split(splits)):
+                    out[f"{hf}.self_attn.{n}_proj.{kind}"] = t
+            proj = src.pop(f"{mm}.self_attention.linear_proj.{kind}", None)
+            if proj is not None:
+                out[f"{hf}.self_attn.o_proj.{kind}"] = proj
+        if config.is_moe_layer(i):
+            prefix = f"{hf}.mlp" if fused_experts else f"{hf}.block_sparse_moe"
+            out[f"{prefix}.gate.weight"] = src.pop(f"{mm}.mlp.router.weight")
+            fc1_EH2F = src.pop(f"{mm}.mlp.experts.fc1_weight")
+            fc2_EFH = src.pop(f"{mm}.mlp.experts.fc2_weight")
+            if fused_experts:
+                out[f"{prefix}.experts.gate_up_proj"] = fc1_EH2F.transpose(1, 2).contiguous()
+                out[f"{prefix}.experts.down_proj"] = fc2_EFH.transpose(1, 2).contiguous()
+                continue
+            for e in range(fc1_EH2F.shape[0]):
+                w1_FH, w3_FH = fc1_EH2F[e].t().chunk(2, dim=0)  # [2F, H] = cat(gate, up)
+                out[f"{prefix}.experts.{e}.w1.weight"] = w1_FH.contiguous()
+                out[f"{prefix}.experts.{e}.w3.weight"] = w3_FH.contiguous()
+                out[f"{prefix}.experts.{e}.w2.weight"] = fc2_EFH[e].t().contiguous()
+        else:
+            gate_FH, up_FH = src.pop(f"{mm}.mlp.linear_fc1.weight").chunk(2, dim=0)
+            out[f"{hf}.mlp.gate_proj.weight"] = gate_FH
+            out[f"{hf}.mlp.up_proj.weight"] = up_FH
+            out[f"{hf}.mlp.down_proj.weight"] = src.pop(f"{mm}.mlp.linear_fc2.weight")
+    if src:
+        raise KeyError(f"GPTModel keys with no Hugging Face name: {sorted(src)[:8]}"
+                       f"{' ...' if len(src) > 8 else ''}")
+    return out

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megamoe.moe.grouped_gemm import grouped_mm
+from megamoe.moe.grouped_gemm import gather_grouped_mm, grouped_mm
 
 
 def _rows_bias(bias_EM: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
@@ -51,14 +51,88 @@ class GroupedExperts(nn.Module):
             return F.silu(gate_NF) * up_NF
         return F.gelu(h_NF)
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """x_NH grouped by expert (rows of expert e contiguous) -> y_NH in the same order."""
-        num_rows = x_NH.shape[0]
-        h_NF = grouped_mm(x_NH, self.fc1_weight, tokens_per_expert_E, self.backend)
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                probs_N: Optional[torch.Tensor] = None,
+                token_indices_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x_NH grouped by expert (rows of expert e contiguous) -> y_NH in the same order.
+
+        With `token_indices_N`, x is the [T, H] token tensor and row n is token
+        token_indices_N[n]: the gather is fused into fc1 (not kept for backward).
+        With `probs_N` the rows come out weighted: p * (a @ W2 + b2) = (p * a) @ W2 + p * b2,
+        applied to the [N, F] activation instead of the [N, H] output, which for
+        fine-grained experts (F < H) saves both the multiply and the memory autograd keeps.
+        """
+        if token_indices_N is None:
+            num_rows = x_NH.shape[0]
+            h_NF = grouped_mm(x_NH, self.fc1_weight, tokens_per_expert_E, self.backend)
+        else:
+            num_rows = token_indices_N.shape[0]
+            h_NF = gather_grouped_mm(x_NH, token_indices_N, self.fc1_weight,
+                                     tokens_per_expert_E, self.backend)
         b1_NF = _rows_bias(self.fc1_bias, tokens_per_expert_E, num_rows)
         if b1_NF is not None:
             h_NF = h_NF + b1_NF
         a_NF = self.activation(h_NF)
+        p_N1 = None if probs_N is None else probs_N.to(a_NF.dtype).unsqueeze(-1)
+        if p_N1 is not None:
+            a_NF = a_NF * p_N1
         y_NH = grouped_mm(a_NF, self.fc2_weight, tokens_per_expert_E, self.backend)
         b2_NH = _rows_bias(self.fc2_bias, tokens_per_expert_E, num_rows)
-        return y_NH if b2_NH is None else y_NH + b2_NH
+        if b2_NH is None:
+            return y_NH
+        return y_NH + (b2_NH if p_N1 is None else b2_NH * p_N1)
+
+
+class SequentialExperts(nn.Module):
+    """User-supplied expert modules (Tutel / FastMoE style), run one after another.
+
+    Each module maps [n, H] -> [n, H]; any architecture works. Slower than the grouped
+    path (one call per expert) but free-form.
+    """
+
+    def __init__(self, experts: list[nn.Module]) -> None:
+        super().__init__()
+        if not experts:
+            raise ValueError("SequentialExperts needs at least one expert module")
+        self.local_experts = nn.ModuleList(experts)
+        self.num_local_experts = len(experts)
+
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        chunks = torch.split(x_NH, tokens_per_expert_E.tolist(), dim=0)
+        return torch.cat([expert(x_e) for expert, x_e in zip(self.local_experts, chunks)])
+
+
+class SharedExpertMLP(nn.Module):
+    """Dense MLP every token passes through, added to the routed output (DeepSeek/Qwen).
+
+    With `gate`, the output is scaled by sigmoid(x @ gate_weight^T) per token, as
+    Megatron-Core's --moe-shared-expert-gate.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, swiglu: bool,
+                 add_bias: bool, gate: bool, init_method_std: float,
+                 output_init_std: float) -> None:
+        super().__init__()
+        from megamoe.model.linear import Linear
+
+        self.swiglu = swiglu
+        self.linear_fc1 = Linear(hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size,
+                                 bias=add_bias, init_std=init_method_std)
+        self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, bias=add_bias,
+                                 init_std=output_init_std)
+        self.gate_weight = None
+        if gate:
+            self.gate_weight = nn.Parameter(torch.empty(1, hidden_size))
+            nn.init.normal_(self.gate_weight, mean=0.0, std=init_method_std)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        h_TF = self.linear_fc1(x_TH)
+        if self.swiglu:
+            gate_TF, up_TF = h_TF.chunk(2, dim=-1)
+            h_TF = F.silu(gate_TF) * up_TF
+        else:
+            h_TF = F.gelu(h_TF)
+        y_TH = self.linear_fc2(h_TF)
+        if self.gate_weight is not None:
+            y_TH = y_TH * torch.sigmoid(F.linear(x_TH, self.gate_weight))  # [T, 1] bcast
+        return y_TH

@@ -134,3 +134,48 @@ def grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: tor
                          f"x has {len(x_NK)} rows")
     impl = _IMPLS[resolve_backend(x_NK, w_EKM, backend)]
     return impl(x_NK, w_EKM, tokens_per_expert_E)
+
+
+class _GatherGroupedMM(torch.autograd.Function):
+    """y = grouped_mm(x_TH[token_indices_N], w) that saves x_TH, not the gathered copies.
+
+    The [N, H] gathered input (k copies of every token) would otherwise be kept for the
+    weight gradient; re-gathering it in backward costs one index_select and saves
+    k x H values per token of activation memory.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH: torch.Tensor, token_indices_N: torch.Tensor, w_EKM: torch.Tensor,
+                offs_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TH, token_indices_N, w_EKM, offs_E)
+        return F.grouped_mm(x_TH.index_select(0, token_indices_N), w_EKM, offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, grad_NM: torch.Tensor):
+        x_TH, token_indices_N, w_EKM, offs_E = ctx.saved_tensors
+        grad_NM = grad_NM.contiguous()
+        if not _aligned(grad_NM):
+            grad_NM = grad_NM.clone()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_NK = F.grouped_mm(grad_NM, w_EKM.transpose(1, 2), offs=offs_E)
+            grad_x = torch.zeros_like(x_TH).index_add_(0, token_indices_N, grad_NK)
+        if ctx.needs_input_grad[2]:
+            x_NK = x_TH.index_select(0, token_indices_N)
+            grad_w = F.grouped_mm(x_NK.t(), grad_NM, offs=offs_E)
+        return grad_x, None, grad_w, None
+
+
+def gather_grouped_mm(x_TK: torch.Tensor, token_indices_N: torch.Tensor, w_EKM: torch.Tensor,
+                      tokens_per_expert_E: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """grouped_mm(x_TK[token_indices_N], w_EKM) without keeping the gathered rows for
+    backward when the torch backend runs; other backends gather, then multiply."""
+    if backend in ("auto", "torch") and len(token_indices_N) > 0 and \
+            resolve_backend(x_TK, w_EKM, backend) == "torch":
+        x_TK = x_TK.contiguous()
+        if not _aligned(x_TK):
+            x_TK = x_TK.clone()
+        offs_E = tokens_per_expert_E.cumsum(0).to(device=x_TK.device, dtype=torch.int32)
+        return _GatherGroupedMM.apply(x_TK, token_indices_N, w_EKM, offs_E)
+    return grouped_mm(x_TK.index_select(0, token_indices_N), w_EKM, tokens_per_expert_E,
+                      backend)

@@ -56,6 +56,44 @@ def switch_load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torc
     return (p_E * counts_E).sum() * scale
 
 
+def sequence_load_balancing_loss(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor,
+                                 seq_ids_T: torch.Tensor, num_seqs: int, topk: int,
+                                 coeff: float) -> torch.Tensor:
+    """Mean over sequences of the Switch loss computed inside each sequence.
+
+    `seq_ids_T` maps each token to its sequence, so any [S, B] / [B, S] flattening works.
+    Averaging over sequences (not summing over the micro-batch) keeps the gradient
+    independent of the micro-batch size (Megatron #5798).
+    """
+    num_tokens, num_experts = probs_TE.shape
+    seq_len = num_tokens // num_seqs
+    if seq_len * num_seqs != num_tokens:
+        raise ValueError(f"seq_aux_loss: {num_tokens} tokens are not {num_seqs} equal sequences")
+    p_BE = probs_TE.new_zeros(num_seqs, num_experts).index_add(0, seq_ids_T, probs_TE)
+    counts_BE = probs_TE.new_zeros(num_seqs, num_experts).index_add(
+        0, seq_ids_T, routing_map_TE.to(probs_TE.dtype))
+    scale = num_experts * coeff / (topk * seq_len * seq_len)
+    return (p_BE * counts_BE).sum(dim=-1).mean() * scale
+
+
+def global_load_balancing_loss(probs_TE: torch.Tensor, global_fraction_E: torch.Tensor,
+                               global_num_tokens: int, topk: int, coeff: float,
+                               grad_average_size: int = 1) -> torch.Tensor:
+    """Switch loss with token fractions counted over the global batch so far.
+
+    `global_fraction_E` = routed tokens per expert / tokens (all-reduced over tp-dp-cp and
+    accumulated over the micro-batches seen in this global batch); the router
+    probabilities are this rank's, divided by the micro-batch's token count over the whole
+    group. The sum over ranks of these local losses is the global loss; multiplying by the
+    size of the group that averages gradients (`grad_average_size`, dp x cp) makes the
+    averaged gradient that of the global loss, not 1/DP of it (Megatron #3672).
+    """
+    num_experts = probs_TE.shape[1]
+    p_E = probs_TE.sum(dim=0) / global_num_tokens
+    scale = grad_average_size * num_experts * coeff / topk
+    return (p_E * global_fraction_E.to(p_E.dtype)).sum() * scale
+
+
 def z_loss(logits_TE: torch.Tensor, coeff: float) -> torch.Tensor:
     """ST-MoE router z-loss coeff * mean_t(logsumexp(logits_t)^2): keeps logits small."""
     return coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()

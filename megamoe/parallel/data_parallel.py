@@ -45,3 +45,35 @@ def allreduce_gradients(grads: list[torch.Tensor], group: Optional[dist.ProcessG
         flat.div_(world)
         for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(reduced)
+
+
+def _sum_marked(grads: list[torch.Tensor], params: list[torch.nn.Parameter], attr: str,
+                group: Optional[dist.ProcessGroup], bucket_numel: int) -> None:
+    if group is None:
+        return
+    marked = [g for g, p in zip(grads, params) if getattr(p, attr, False)]
+    for bucket in _buckets(marked, bucket_numel):
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(reduced)
+
+
+def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
+                     tp_group: Optional[dist.ProcessGroup],
+                     dp_group: Optional[dist.ProcessGroup],
+                     bucket_numel: int = 40_000_000, *,
+                     embd_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make `grads` (aligned with `params`) the full-batch gradients, in place.
+
+    1. Sum over TP the gradients of TP-replicated parameters that saw only this rank's
+       sequence shard (`param.sequence_parallel`: norms, row-parallel biases, position
+       embeddings under sequence parallelism). Sharded parameters own their gradient;
+       other replicated parameters already hold the full, identical gradient.
+    2. Sum over the embedding group (first and last pipeline stage) the two copies of a
+       tied word embedding (`param.shared_embedding`), so both get the full gradient.
+    3. Average everything over DP.
+    """
+    _sum_marked(grads, params, "sequence_parallel", tp_group, bucket_numel)
+    _sum_marked(grads, params, "shared_embedding", embd_group, bucket_numel)
+    allreduce_gradients(grads, dp_group, bucket_numel)

@@ -14,13 +14,46 @@ optimizer and copies the result back to the model parameters.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
+from megamoe.parallel.data_parallel import reduce_gradients
+
+if TYPE_CHECKING:
+    from megamoe.parallel.mesh import Mesh
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
+GradNormFn = Callable[[list[torch.Tensor]], float]
+
+
+def local_grad_norm(grads: list[torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+
+
+def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
+                             tp_group: Optional[dist.ProcessGroup],
+                             pp_group: Optional[dist.ProcessGroup]) -> float:
+    """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
+    parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
+    from this rank (identical on every TP rank after reduction), stages summed over PP.
+    DP ranks hold identical reduced gradients, so DP is not summed; the last stage's copy
+    of a tied embedding (`param.shared_copy`) is not counted."""
+    sq = torch.zeros(2, dtype=torch.float32)  # [sharded, replicated] sums of squares
+    for g, p in zip(grads, params):
+        if getattr(p, "shared_copy", False):
+            continue
+        i = 0 if getattr(p, "tensor_model_parallel", False) else 1
+        sq[i] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    if tp_group is not None:
+        dist.all_reduce(sq[:1], group=tp_group)
+    total = sq.sum().reshape(1)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return float(total.sqrt())
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -40,9 +73,11 @@ class MixedPrecisionOptimizer:
     """Adam/SGD over fp32 main parameters with fp32 gradient accumulation."""
 
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig,
-                 reduce_grads_fn: Optional[ReduceGradsFn] = None) -> None:
+                 reduce_grads_fn: Optional[ReduceGradsFn] = None,
+                 grad_norm_fn: Optional[GradNormFn] = None) -> None:
         self.config = config
         self.reduce_grads_fn = reduce_grads_fn
+        self.grad_norm_fn = grad_norm_fn or local_grad_norm
         groups = _param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
@@ -106,8 +141,7 @@ class MixedPrecisionOptimizer:
         grads = self.main_grads()
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
-        grad_norm = float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+        grad_norm = self.grad_norm_fn(grads)
         if not torch.isfinite(torch.tensor(grad_norm)):
             return False, grad_norm, None
         if self.config.clip_grad > 0:
@@ -145,5 +179,17 @@ class MixedPrecisionOptimizer:
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
-                    reduce_grads_fn: Optional[ReduceGradsFn] = None) -> MixedPrecisionOptimizer:
-    return MixedPrecisionOptimizer(model, config, reduce_grads_fn)
+                    reduce_grads_fn: Optional[ReduceGradsFn] = None,
+                    mesh: Optional[Mesh] = None) -> MixedPrecisionOptimizer:
+    """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP
+    and DP groups and the grad norm counts every parameter once across TP and PP."""
+    opt = MixedPrecisionOptimizer(model, config, reduce_grads_fn)
+    if mesh is not None and reduce_grads_fn is None:
+        params = opt.model_params  # aligned with the grads the hooks receive
+        tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
+        embd = mesh.group("embd")
+        opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
+                                                             embd_group=embd)
+        if tp is not None or pp is not None:
+            opt.grad_norm_fn = lambda grads: model_parallel_grad_norm(grads, params, tp, pp)
+    return opt

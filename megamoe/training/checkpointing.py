@@ -1,29 +1,47 @@
-"""Single-process checkpoints in Megatron's directory layout, written atomically.
+"""Single-process checkpoints in Megatron's directory layout, written crash-safely.
 
     SAVE/iter_0000100/model_optim_rng.pt
     SAVE/latest_checkpointed_iteration.txt      ("100")
 
 One file holds the model, optimizer (fp32 main params + states), LR scheduler, RNG states,
-the data position (consumed samples) and the arguments. The model is replicated across
-data-parallel ranks, so rank 0 writes and every rank reads. A save is written into a
-temporary directory and published with a rename; the pointer file is replaced last, also by
-rename, so a process killed at any moment leaves the previous checkpoint loadable.
+the data position (consumed samples), the arguments and the model config (enough to rebuild
+the model without the command line: `megamoe.from_checkpoint`). The model is replicated
+across data-parallel ranks, so rank 0 writes and every rank reads.
+
+Publish protocol (a process killed at any instant leaves the last complete checkpoint
+loadable and the pointer valid):
+  1. write + fsync `iter_N.tmp.PID/model_optim_rng.pt`
+  2. rename it to `iter_N` (re-saving N: `iter_N` -> `iter_N.old.PID` first; readers fall
+     back to that copy while `iter_N` is missing)
+  3. replace the pointer file by rename
+  4. retention (--ckpt-keep-last): rename old `iter_M` to `iter_M.del.PID`, then delete;
+     never the one the pointer names
+Leftovers of a killed save (`*.tmp.*`, `*.old.*`, `*.del.*`) are cleaned by the next save.
 (Sharded torch.distributed.checkpoint saves that reshard across layouts are a later
 feature: --ckpt-format torch_dist is rejected as not supported yet.)
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import random
+import re
 import shutil
-from typing import Optional
+import threading
+import time
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+# Test hook for the crash tests: "PHASE:ITERATION:MARKER" makes the writer create MARKER and
+# sleep when the save of ITERATION reaches PHASE, so a test can SIGKILL it at a known point
+# of the publish protocol.
+PAUSE_ENV = "MEGAMOE_CKPT_TEST_PAUSE"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 class CheckpointError(Exception):
@@ -45,6 +63,21 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _pause_point(phase: str, iteration: int) -> None:
+    spec = os.environ.get(PAUSE_ENV, "").split(":", 2)
+    if len(spec) == 3 and spec[0] == phase and spec[1] == str(iteration):
+        open(spec[2], "w").close()
+        time.sleep(3600)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -52,40 +85,160 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
-def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler,
-                    consumed_samples: int, args: dict, *, save_optim: bool = True,
-                    save_rng: bool = True) -> str:
-    """Write iteration `iteration` under `root`; returns the published directory."""
-    os.makedirs(root, exist_ok=True)
-    state = {
+def build_state(iteration: int, model: torch.nn.Module, optimizer, scheduler,
+                consumed_samples: int, args: dict, *, save_optim: bool = True,
+                save_rng: bool = True, model_config: Optional[dict] = None) -> dict:
+    """Everything one checkpoint holds (tensors still alias the live model)."""
+    return {
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
         "args": args,
+        "model_config": model_config,
         "model": model.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "optimizer": optimizer.state_dict() if save_optim and optimizer is not None else None,
         "rng": _rng_state() if save_rng else None,
     }
+
+
+def _clean_leftovers(root: str) -> None:
+    """Remove what killed saves left; restore an `iter_N.old.*` whose `iter_N` is missing."""
+    for old in glob.glob(os.path.join(root, "iter_*.old.*")):
+        final = old.split(".old.")[0]
+        if not os.path.exists(final):
+            os.replace(old, final)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for pattern in ("iter_*.tmp.*", "iter_*.del.*", f"{TRACKER}.tmp.*"):
+        for path in glob.glob(os.path.join(root, pattern)):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+
+def list_checkpoints(root: str) -> list[int]:
+    """Published iterations under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    found = [int(m.group(1)) for m in map(_ITER_RE.match, os.listdir(root)) if m]
+    return sorted(i for i in found if os.path.isfile(os.path.join(iteration_dir(root, i),
+                                                                  FILENAME)))
+
+
+def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[int]:
+    """Delete all but the newest `keep_last` checkpoints, never the one the pointer names.
+
+    Each victim is first renamed out of the `iter_N` namespace, so a crash mid-delete never
+    leaves a half-deleted directory that looks like a checkpoint. Returns deleted iterations.
+    """
+    keep = set(list_checkpoints(root)[-keep_last:])
+    latest = read_tracker(root)
+    if latest is not None:
+        keep.add(latest)
+    deleted = []
+    for it in list_checkpoints(root):
+        if it in keep:
+            continue
+        doomed = f"{iteration_dir(root, it)}.del.{os.getpid()}"
+        os.replace(iteration_dir(root, it), doomed)
+        _pause_point("prune", _saving)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(it)
+    return deleted
+
+
+def write_checkpoint(root: str, iteration: int, state: dict,
+                     keep_last: Optional[int] = None) -> str:
+    """Publish `state` as iteration `iteration` under `root`; returns the directory."""
+    os.makedirs(root, exist_ok=True)
+    _clean_leftovers(root)
     final = iteration_dir(root, iteration)
     tmp = f"{final}.tmp.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    path = os.path.join(tmp, FILENAME)
-    with open(path, "wb") as f:
+    _pause_point("before_write", iteration)
+    with open(os.path.join(tmp, FILENAME), "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    if os.path.exists(final):  # re-saving an iteration: swap, never leave it missing
+    _fsync_dir(tmp)
+    _pause_point("after_write", iteration)
+    if os.path.exists(final):  # re-saving an iteration: swap, never leave it unreadable
         old = f"{final}.old.{os.getpid()}"
         os.replace(final, old)
+        _pause_point("mid_swap", iteration)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    _fsync_dir(root)
+    _pause_point("after_publish", iteration)
     _atomic_write_text(os.path.join(root, TRACKER), f"{iteration}\n")
+    _pause_point("after_tracker", iteration)
+    if keep_last:
+        prune_checkpoints(root, keep_last, _saving=iteration)
     return final
+
+
+def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler,
+                    consumed_samples: int, args: dict, *, save_optim: bool = True,
+                    save_rng: bool = True, model_config: Optional[dict] = None,
+                    keep_last: Optional[int] = None) -> str:
+    """Write iteration `iteration` under `root` (blocking); returns the published directory."""
+    state = build_state(iteration, model, optimizer, scheduler, consumed_samples, args,
+                        save_optim=save_optim, save_rng=save_rng, model_config=model_config)
+    return write_checkpoint(root, iteration, state, keep_last)
+
+
+def _snapshot(obj: Any) -> Any:
+    """Deep copy of every tensor, so training can go on mutating the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return obj
+
+
+class AsyncCheckpointWriter:
+    """--async-save: snapshot the state on the caller's thread (a memory copy), then
+    serialise, fsync and publish it on a background thread while training continues.
+
+    At most one save is in flight: the next `save` and `finalize` join the previous one and
+    re-raise its error, so a failed write is never silently lost.
+    """
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def save(self, root: str, iteration: int, state: dict,
+             keep_last: Optional[int] = None) -> None:
+        self.finalize()
+        snapshot = _snapshot(state)
+
+        def run() -> None:
+            try:
+                write_checkpoint(root, iteration, snapshot, keep_last)
+            except BaseException as e:  # surfaced by finalize() on the training thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"async-save-{iteration}",
+                                        daemon=False)
+        self._thread.start()
+
+    def finalize(self) -> None:
+        """Wait for the in-flight save (if any); raise CheckpointError if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise CheckpointError(f"async save failed: {e}") from e
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -100,6 +253,84 @@ def read_tracker(root: str) -> Optional[int]:
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
+def checkpoint_file(path: str) -> Optional[str]:
+    """`path` (a --save root, an iter_N directory or the file) -> the file to read.
+
+    None when `path` is a root without a checkpoint yet. While a re-save is mid-swap the
+    pointer's `iter_N` may be briefly missing; its `iter_N.old.*` copy is read instead.
+    """
+    if os.path.isfile(path):
+        return path
+    if os.path.isfile(os.path.join(path, FILENAME)):
+        return os.path.join(path, FILENAME)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    iteration = read_tracker(path)
+    if iteration is None:
+        return None
+    file = os.path.join(iteration_dir(path, iteration), FILENAME)
+    if not os.path.isfile(file):
+        olds = sorted(glob.glob(iteration_dir(path, iteration) + ".old.*"))
+        if olds and os.path.isfile(os.path.join(olds[0], FILENAME)):
+            return os.path.join(olds[0], FILENAME)
+        raise CheckpointError(f"{file}: missing (named by {os.path.join(path, TRACKER)})")
+    return file
+
+
+def read_checkpoint(path: str) -> dict:
+    """Load a checkpoint's state on CPU; CheckpointError (naming the file) if unreadable."""
+    file = checkpoint_file(path)
+    if file is None:
+        raise CheckpointError(f"{os.path.join(path, TRACKER)}: missing (no checkpoint in {path})")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as e:  # any unpickling failure means a damaged file
+        raise CheckpointError(f"{file}: cannot be read ({e.__class__.__name__})") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{file}: not a megamoe checkpoint (no model weights)")
+    state["_file"] = file
+    return state
+
+
+# ModelConfig fields that decide parameter shapes, with the flag that sets each.
+_SHAPE_FIELDS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+    "padded_vocab_size": "the tokenizer's vocabulary / --make-vocab-size-divisible-by",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "position_embedding_type": "--position-embedding-type",
+}
+_MOE_SHAPE_FIELDS = {"num_experts": "--num-experts", "ffn_hidden_size": "--moe-ffn-hidden-size"}
+
+
+def _check_model_config(file: str, saved: Optional[dict], config: Any) -> None:
+    """Name the first flag whose value differs from the checkpoint's (shape-relevant only)."""
+    if not saved or config is None or not hasattr(config, "num_layers"):
+        return
+    mine = dict(vars(config), padded_vocab_size=config.padded_vocab_size)
+    if "padded_vocab_size" not in saved:
+        m = saved.get("make_vocab_size_divisible_by", 1)
+        saved = dict(saved, padded_vocab_size=-(-saved["vocab_size"] // m) * m)
+    all_moe = bool(config.moe) and all(config.moe_layer_pattern or [])
+    for name, flag in _SHAPE_FIELDS.items():
+        if name == "ffn_hidden_size" and all_moe:
+            continue  # no dense MLP to size
+        if name in saved and saved[name] != mine.get(name):
+            raise CheckpointError(f"{file}: checkpoint has {name}={saved[name]} but this run "
+                                  f"has {mine.get(name)} ({flag})")
+    saved_moe, my_moe = saved.get("moe") or {}, vars(config.moe) if config.moe else {}
+    for name, flag in _MOE_SHAPE_FIELDS.items():
+        a, b = saved_moe.get(name), my_moe.get(name)
+        if a != b:
+            raise CheckpointError(f"{file}: checkpoint has {name}={a} but this run has {b} "
+                                  f"({flag})")
+    if saved.get("moe_layer_pattern") != mine.get("moe_layer_pattern"):
+        raise CheckpointError(f"{file}: checkpoint's MoE layers {saved.get('moe_layer_pattern')}"
+                              f" differ from this run's (--moe-layer-freq)")
+
+
 def load_checkpoint(root: str, model: torch.nn.Module, optimizer, scheduler, *,
                     load_optim: bool = True, load_rng: bool = True,
                     finetune: bool = False) -> tuple[int, int]:
@@ -108,16 +339,11 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer, scheduler, *,
     Returns (iteration, consumed samples); (0, 0) when there is no checkpoint (training
     starts from scratch, as Megatron does) or with --finetune (weights only).
     """
-    iteration = read_tracker(root)
-    if iteration is None:
+    if not os.path.exists(root) or checkpoint_file(root) is None:
         return 0, 0
-    path = os.path.join(iteration_dir(root, iteration), FILENAME)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (named by {os.path.join(root, TRACKER)})")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # any unpickling failure means a damaged file
-        raise CheckpointError(f"{path}: cannot be read ({e.__class__.__name__})") from None
+    state = read_checkpoint(root)
+    path = state["_file"]
+    _check_model_config(path, state.get("model_config"), getattr(model, "config", None))
     try:
         model.load_state_dict(state["model"])
     except (RuntimeError, KeyError) as e:

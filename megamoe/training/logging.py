@@ -1,8 +1,12 @@
-"""Console line, TensorBoard and Weights & Biases.
+"""Console line, TensorBoard and Weights & Biases, and what the dashboards show for MoE.
 
 The console line follows Megatron-LM's format so existing log parsers keep working.
 TensorBoard and W&B are optional: each is used only when asked for, and W&B runs offline
-when no API key is configured (no network needed).
+when no API key is configured (no network needed). `TrainingObserver` turns one training
+step into scalars: per-layer expert load (max/mean, coefficient of variation, dropped
+fraction, summed over data-parallel ranks), MFU against --peak-tflops (or a measured
+matmul peak), memory, and an expert-load heatmap (layers x experts) per --log-interval,
+because a heatmap shows a collapsing router faster than a table.
 """
 
 from __future__ import annotations
@@ -11,15 +15,25 @@ import os
 import time
 from typing import Optional
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megamoe.config import RunConfig
+from megamoe.model.flops import flops_per_token
+
 
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
                     elapsed_ms_per_iter: float, tokens_per_sec: float, learning_rate: float,
                     global_batch_size: int, losses: dict[str, float], loss_scale: float,
-                    grad_norm: float, skipped_iters: int, nan_iters: int) -> str:
+                    grad_norm: float, skipped_iters: int, nan_iters: int,
+                    tflops_per_gpu: Optional[float] = None) -> str:
     parts = [
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms_per_iter:.1f}",
+        *([f"throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f}"]
+          if tflops_per_gpu is not None else []),
         f"throughput (tokens/s): {tokens_per_sec:.1f}",
         f"learning rate: {learning_rate:.6E}",
         f"global batch size: {global_batch_size:5d}",
@@ -33,7 +47,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
 
 
 class MetricsLogger:
-    """Scalars to TensorBoard (--tensorboard-dir) and/or W&B (--wandb-project)."""
+    """Scalars and images to TensorBoard (--tensorboard-dir) and/or W&B (--wandb-project)."""
 
     def __init__(self, tensorboard_dir: Optional[str], wandb_project: Optional[str],
                  wandb_exp_name: Optional[str], wandb_save_dir: Optional[str],
@@ -61,8 +75,182 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def log_image(self, name: str, image_HW3: np.ndarray, step: int) -> None:
+        """An RGB uint8 image [H, W, 3]."""
+        if self.tb is not None:
+            self.tb.add_image(name, image_HW3, step, dataformats="HWC")
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({name: wandb.Image(image_HW3)}, step=step)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# ---------------------------------------------------------------------------- expert load
+def reduced_routing_stats(model: torch.nn.Module,
+                          group: Optional[dist.ProcessGroup]) -> dict[int, dict[str, np.ndarray]]:
+    """{layer: kept [E], routed [E] assignment counts} of this step, summed over `group`
+    (the data-parallel ranks see different tokens). Resets the layers' counters. Every
+    rank of `group` must call it (it is a collective)."""
+    from megamoe.moe.stats import routing_stats
+
+    stats = routing_stats(model, reset=True)
+    layers = sorted(stats)
+    if not layers:
+        return {}
+    kept_LE = torch.tensor([stats[i]["tokens_per_expert"] for i in layers], dtype=torch.float64)
+    routed_LE = torch.tensor([stats[i]["routed_per_expert"] for i in layers],
+                             dtype=torch.float64)
+    both = torch.stack([kept_LE, routed_LE])
+    if group is not None:
+        dist.all_reduce(both, group=group)
+    return {layer: {"kept": both[0, j].numpy(), "routed": both[1, j].numpy()}
+            for j, layer in enumerate(layers)}
+
+
+def expert_load_scalars(stats: dict[int, dict[str, np.ndarray]],
+                        per_layer: bool) -> dict[str, float]:
+    """max/mean load (1 = balanced), coefficient of variation of the per-expert token counts
+    and dropped fraction of routed assignments: the mean over layers, and per layer when
+    --moe-per-layer-logging."""
+    out: dict[str, float] = {}
+    rows = []
+    for layer, s in sorted(stats.items()):
+        kept, routed = s["kept"], s["routed"]
+        mean = float(kept.mean())
+        row = {
+            "max_over_mean_load": float(kept.max()) / mean if mean else 0.0,
+            "load_cv": float(kept.std()) / mean if mean else 0.0,
+            "dropped_fraction": 1.0 - float(kept.sum()) / float(routed.sum())
+            if routed.sum() else 0.0,
+        }
+        rows.append(row)
+        if per_layer:
+            out.update({f"moe/layer_{layer:02d}/{k}": v for k, v in row.items()})
+    for key in ("max_over_mean_load", "load_cv", "dropped_fraction"):
+        if rows:
+            out[f"moe/{key}"] = float(np.mean([r[key] for r in rows]))
+    return out
+
+
+# Viridis at 9 points (matplotlib's data), interpolated when matplotlib is not installed.
+_VIRIDIS = np.array([
+    [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
+    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]], dtype=np.float64)
+
+
+def colormap(values: np.ndarray) -> np.ndarray:
+    """values in [0, 1], any shape -> uint8 RGB with a trailing channel axis (viridis)."""
+    v = np.clip(np.nan_to_num(values), 0.0, 1.0)
+    try:
+        from matplotlib import colormaps
+
+        return (colormaps["viridis"](v)[..., :3] * 255).round().astype(np.uint8)
+    except ImportError:
+        pos = v * (len(_VIRIDIS) - 1)
+        lo = np.floor(pos).astype(int).clip(0, len(_VIRIDIS) - 2)
+        frac = (pos - lo)[..., None]
+        rgb = _VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac
+        return rgb.round().astype(np.uint8)
+
+
+def expert_load_heatmap(load_LE: np.ndarray, cell: int = 12, vmax: float = 2.0) -> np.ndarray:
+    """[layers, experts] load relative to the layer mean (1 = balanced) -> RGB image
+    [layers*cell, experts*cell, 3]; colour 0..vmax, so balanced layers are mid-scale."""
+    img = colormap(load_LE / vmax)
+    return np.repeat(np.repeat(img, cell, axis=0), cell, axis=1)
+
+
+# ------------------------------------------------------------------------- MFU and memory
+def measure_peak_tflops(device: torch.device, n: int = 1024, reps: int = 5) -> float:
+    """TFLOP/s of an fp32 n x n matmul on `device`: the peak MFU is measured against when
+    --peak-tflops is not given (an optimistic, attainable peak, not the datasheet's)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    torch.matmul(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best / 1e12
+
+
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """Peak CUDA allocation on GPU; resident set size of this process on CPU (GiB)."""
+    if device.type == "cuda":
+        return {"memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "memory/allocated_gib": torch.cuda.memory_allocated(device) / 2**30}
+    try:
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        return {"memory/rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
+    except OSError:
+        import resource
+
+        return {"memory/rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class TrainingObserver:
+    """Per-step and per-interval observability scalars for the training loop.
+
+    `after_step` is a collective over the data-parallel group (every rank calls it);
+    `interval_scalars` and `write_heatmap` only compute on the rank that logs.
+    """
+
+    def __init__(self, run: RunConfig, model: torch.nn.Module,
+                 dp_group: Optional[dist.ProcessGroup], world_size: int) -> None:
+        self.run = run
+        self.model = model
+        self.dp_group = dp_group
+        self.world_size = world_size
+        self.per_layer = bool(run.model.moe and run.model.moe.per_layer_logging)
+        self.flops_per_token = flops_per_token(run.model)
+        self.peak_tflops = run.train.peak_tflops
+        self.device = next(model.parameters()).device
+        self._load_LE: dict[int, np.ndarray] = {}
+
+    def after_step(self) -> dict[str, float]:
+        stats = reduced_routing_stats(self.model, self.dp_group)
+        for layer, s in stats.items():
+            self._load_LE[layer] = self._load_LE.get(layer, 0.0) + s["kept"]
+        return expert_load_scalars(stats, self.per_layer)
+
+    def interval_scalars(self, ms_per_iter: float, tokens_per_iter: int) -> dict[str, float]:
+        if self.peak_tflops is None:
+            self.peak_tflops = measure_peak_tflops(self.device)
+        tokens_per_sec = tokens_per_iter / (ms_per_iter / 1000.0)
+        tflops = self.flops_per_token * tokens_per_sec / self.world_size / 1e12
+        return {"iteration_time_ms": ms_per_iter, "throughput_tokens_per_sec": tokens_per_sec,
+                "throughput_tflops_per_gpu": tflops, "mfu": tflops / self.peak_tflops,
+                "peak_tflops": self.peak_tflops, **memory_scalars(self.device)}
+
+    def write_heatmap(self, logger: Optional[MetricsLogger], step: int) -> Optional[np.ndarray]:
+        """Expert load of the interval (layers x experts, relative to each layer's mean)."""
+        if not self._load_LE:
+            return None
+        counts_LE = np.stack([self._load_LE[i] for i in sorted(self._load_LE)])
+        self._load_LE = {}
+        mean_L1 = counts_LE.mean(axis=1, keepdims=True)
+        load_LE = np.divide(counts_LE, mean_L1, out=np.zeros_like(counts_LE),
+                            where=mean_L1 > 0)
+        img = expert_load_heatmap(load_LE)
+        if logger is not None:
+            logger.log_image("moe/expert_load_heatmap", img, step)
+        return load_LE
+
+
+def moe_layer_numbers(model: torch.nn.Module) -> list[int]:
+    """Layer numbers of the model's MoE layers (those keeping a `tokens_per_expert` buffer),
+    in order: the names of per-layer scalars."""
+    return sorted(m.layer_number for m in model.modules()
+                  if hasattr(m, "tokens_per_expert") and hasattr(m, "layer_number"))

@@ -15,10 +15,16 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import RunConfig
+from megamoe.moe.global_batch import update_expert_biases
 from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
-from megamoe.training.logging import MetricsLogger, format_log_line
-from megamoe.training.schedule import Batch, forward_backward_no_pipelining
+from megamoe.training.logging import (
+    MetricsLogger,
+    TrainingObserver,
+    format_log_line,
+    moe_layer_numbers,
+)
+from megamoe.training.schedule import Batch, forward_backward
 
 
 @dataclass
@@ -43,9 +49,16 @@ def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
     return (t / mesh.dp_size).tolist()
 
 
-def _moe_scalars(report: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per-layer MoE loss values -> the mean over layers for the console line."""
-    return {name: float(v.float().mean()) for name, v in report.items() if v.numel()}
+def _moe_scalars(report: dict[str, torch.Tensor],
+                 layer_numbers: Optional[list[int]] = None) -> dict[str, float]:
+    """Per-layer MoE loss values -> the mean over layers (console line), and with
+    `layer_numbers` (--moe-per-layer-logging) also "name/layer_NN" per MoE layer."""
+    out = {name: float(v.float().mean()) for name, v in report.items() if v.numel()}
+    for name, v in report.items():
+        if layer_numbers is not None and len(layer_numbers) == v.numel():
+            out.update({f"{name}/layer_{i:02d}": float(x)
+                        for i, x in zip(layer_numbers, v.tolist())})
+    return out
 
 
 def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
@@ -53,11 +66,14 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh)
-    lm_loss = forward_backward_no_pipelining(model, data_iter, n_micro)
+    lm_loss = forward_backward(model, data_iter, n_micro)
     success, grad_norm, _ = optimizer.step()
+    update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:
         scheduler.step(increment=1)
-    moe = _moe_scalars(MoELossTracker.report(n_micro))
+    per_layer = run.model.moe is not None and run.model.moe.per_layer_logging
+    moe = _moe_scalars(MoELossTracker.report(n_micro),
+                       moe_layer_numbers(model) if per_layer else None)
     names = ["lm loss", *moe.keys()]
     values = _dp_mean([float(lm_loss), *moe.values()], mesh)
     out = dict(zip(names, values))
@@ -73,7 +89,7 @@ def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
     n_micro = num_microbatches(run, mesh)
     total = 0.0
     for _ in range(run.train.eval_iters):
-        total += float(forward_backward_no_pipelining(model, data_iter, n_micro,
+        total += float(forward_backward(model, data_iter, n_micro,
                                                       forward_only=True))
     MoELossTracker.report(n_micro)  # evaluation does not feed the training statistics
     model.train()
@@ -92,8 +108,10 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     interval_iters = 0
     start_wall = time.time()
     tick = time.time()
+    observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     while state.iteration < t.train_iters:
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter)
+        metrics.update(observer.after_step())  # expert load, summed over data parallel
         state.iteration += 1
         state.consumed_train_samples += t.global_batch_size
         skipped = metrics.pop("skipped")
@@ -108,13 +126,16 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
 
         if logger is not None and state.iteration % t.tensorboard_log_interval == 0:
             logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
-                                "learning_rate": lr,
+                                "learning_rate": lr, "loss_scale": optimizer.get_loss_scale(),
                                 "consumed_samples": state.consumed_train_samples},
                                state.iteration)
         if state.iteration % t.log_interval == 0:
             elapsed = time.time() - tick
             ms_per_iter = 1000.0 * elapsed / interval_iters
             means = {k: v / interval_iters for k, v in interval.items()}
+            extra = (observer.interval_scalars(ms_per_iter, tokens_per_iter)
+                     if mesh.is_logging_rank and (logger is not None or t.log_throughput)
+                     else {})
             if mesh.is_logging_rank:
                 print_fn(format_log_line(
                     iteration=state.iteration, train_iters=t.train_iters,
@@ -122,14 +143,14 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
                     elapsed_ms_per_iter=ms_per_iter,
                     tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
                     learning_rate=lr, global_batch_size=t.global_batch_size,
-                    losses={k: v for k, v in means.items() if k != "grad norm"},
+                    losses={k: v for k, v in means.items() if k != "grad norm" and "/" not in k},
                     loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
-                    skipped_iters=state.skipped_iters, nan_iters=state.nan_iters))
+                    skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
+                    tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
+                    if t.log_throughput else None))
             if logger is not None:
-                logger.log_scalars({"iteration_time_ms": ms_per_iter,
-                                    "throughput_tokens_per_sec":
-                                        tokens_per_iter / (ms_per_iter / 1000.0)},
-                                   state.iteration)
+                logger.log_scalars(extra, state.iteration)
+                observer.write_heatmap(logger, state.iteration)
             interval, interval_iters, tick = {}, 0, time.time()
 
         if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:

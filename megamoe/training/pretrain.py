@@ -19,14 +19,23 @@ import torch
 
 from megamoe.argument_rules import args_to_configs
 from megamoe.arguments import parse_args
-from megamoe.config import RunConfig
+from megamoe.config import RunConfig, to_dict
 from megamoe.data import DataError, PretrainingSampler, build_gpt_datasets, build_tokenizer
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
-from megamoe.parallel.data_parallel import allreduce_gradients
+from megamoe.model.pipeline_stage import build_pipeline_model
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.parallel.optimizer import build_optimizer
-from megamoe.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megamoe.parallel.random import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
+from megamoe.parallel.tensor_parallel import TensorParallel
+from megamoe.training.checkpointing import (
+    AsyncCheckpointWriter,
+    CheckpointError,
+    build_state,
+    checkpoint_file,
+    load_checkpoint,
+    write_checkpoint,
+)
 from megamoe.training.logging import MetricsLogger
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
 from megamoe.training.lr_schedule import LRScheduler
@@ -67,9 +76,34 @@ def build_tokenizer_from_args(args: argparse.Namespace):
                            vocab_size=args.vocab_size)
 
 
-def build_model(run: RunConfig, bf16: bool) -> torch.nn.Module:
-    set_seed(run.train.seed)  # weights depend on the seed and the config only
-    model = GPTModel(run.model)
+def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torch.nn.Module:
+    """Weights depend on the seed and the config only: TP shards are slices of them."""
+    set_seed(run.train.seed)
+    tp = None
+    parallel = mesh is not None and (mesh.tp_size > 1 or mesh.pp_size > 1)
+    if mesh is not None and mesh.tp_size > 1:
+        tp = TensorParallel(mesh.tp_group, run.parallel.sequence_parallel,
+                            RNGTracker(run.train.seed + MODEL_PARALLEL_SEED_OFFSET
+                                       + mesh.tp_rank))
+    if mesh is not None and mesh.pp_size > 1:
+        p = run.parallel
+        model = build_pipeline_model(
+            run.model, tp, mesh.pp_rank, mesh.pp_size, mesh.pp_group, mesh.group_ranks["pp"],
+            p.num_layers_per_virtual_pipeline_stage, p.decoder_first_pipeline_num_layers,
+            p.decoder_last_pipeline_num_layers)
+    else:
+        model = GPTModel(run.model, tp)
+    if parallel:  # dropout stream of this pipeline stage (same on every TP rank)
+        torch.manual_seed(run.train.seed + PIPELINE_SEED_STRIDE * mesh.pp_rank)
+    if run.model.moe is not None and run.model.moe.use_upcycling:
+        # --moe-use-upcycling: every expert starts as this seed's dense MLP (moefy.py).
+        import dataclasses
+
+        from megamoe.moe.moefy import upcycle_model
+
+        set_seed(run.train.seed)
+        dense_cfg = dataclasses.replace(run.model, moe=None, moe_layer_pattern=None)
+        upcycle_model(GPTModel(dense_cfg, tp), model)
     if bf16:
         model = model.to(torch.bfloat16)
     return model
@@ -89,8 +123,22 @@ def dry_run(run: RunConfig, print_fn=print) -> None:
                          "weights_grads_optimizer_gib": round(state / 2**30, 3)}))
 
 
+def _dry_run_vocab_size(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary. Under --dry-run, --vocab-size stands in for a tokenizer
+    file that exists only on the cluster, so a launch script can be checked anywhere."""
+    if args.vocab_size and args.tokenizer_model and not os.path.exists(args.tokenizer_model):
+        return args.vocab_size
+    return build_tokenizer_from_args(args).vocab_size
+
+
 def pretrain(args: argparse.Namespace, print_fn=print) -> TrainState:
-    mesh = init_mesh(args.distributed_backend, args.distributed_timeout_minutes)
+    if args.dry_run:  # shapes and sizes only: no process group, no data
+        dry_run(args_to_configs(args, _dry_run_vocab_size(args)), print_fn)
+        return TrainState()
+    mesh = init_mesh(args.distributed_backend, args.distributed_timeout_minutes,
+                     tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
+                     pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
+                     etp=args.expert_tensor_parallel_size)
     try:
         return _pretrain(args, mesh, print_fn)
     finally:
@@ -105,21 +153,19 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = build_tokenizer_from_args(args)
     run = args_to_configs(args, tokenizer.vocab_size)
-    if args.dry_run:
-        if mesh.rank == 0:
-            dry_run(run, print_fn)
-        return TrainState()
 
-    model = build_model(run, args.bf16)
+    model = build_model(run, args.bf16, mesh)
     total, active = num_parameters(run.model)
     log(f"> number of parameters: {total:,} (active per token: {active:,}); "
-        f"world size {mesh.world_size}, data-parallel size {mesh.dp_size}")
-    optimizer = build_optimizer(
-        model, run.optim,
-        reduce_grads_fn=lambda grads: allreduce_gradients(grads, mesh.dp_group))
+        f"world size {mesh.world_size}, tensor-parallel size {mesh.tp_size}, "
+        f"pipeline-parallel size {mesh.pp_size}, data-parallel size {mesh.dp_size}")
+    optimizer = build_optimizer(model, run.optim, mesh=mesh)
     scheduler = LRScheduler(optimizer, run.optim, run.train.train_iters)
     state = TrainState()
     if run.train.load is not None:
+        if run.train.load != run.train.save and (not os.path.exists(run.train.load)
+                                                 or checkpoint_file(run.train.load) is None):
+            raise CheckpointError(f"--load {run.train.load}: no checkpoint found")
         iteration, consumed = load_checkpoint(
             run.train.load, model, optimizer, scheduler,
             load_optim=not run.train.no_load_optim, load_rng=not run.train.no_load_rng,
@@ -132,21 +178,32 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
     gbs = t.global_batch_size
     eval_runs = t.train_iters // t.eval_interval + 1
     num_samples = (t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
-    train_ds, valid_ds, test_ds = build_gpt_datasets(run.data, tokenizer, num_samples)
-    workers = run.data.num_workers
-    train_iter = make_iterator(train_ds, state.consumed_train_samples, run, mesh, workers)
-    valid_iter = make_iterator(valid_ds, 0, run, mesh, workers)
+    # DataLoader iterators draw their base seed from the global torch RNG: keep that draw
+    # out of the training RNG stream, so a resumed run (RNG restored from the checkpoint)
+    # continues with exactly the dropout masks of a run that never stopped.
+    with torch.random.fork_rng(devices=[]):
+        train_ds, valid_ds, test_ds = build_gpt_datasets(run.data, tokenizer, num_samples)
+        workers = run.data.num_workers
+        train_iter = make_iterator(train_ds, state.consumed_train_samples, run, mesh, workers)
+        valid_iter = make_iterator(valid_ds, 0, run, mesh, workers)
 
     logger = None
     if mesh.is_logging_rank and (t.tensorboard_dir or t.wandb_project):
         logger = MetricsLogger(t.tensorboard_dir, t.wandb_project, t.wandb_exp_name,
                                t.wandb_save_dir, config_dict=vars(args))
 
+    writer = AsyncCheckpointWriter() if t.async_save and mesh.rank == 0 else None
+
     def save(st: TrainState) -> None:
         if mesh.rank == 0:
-            save_checkpoint(t.save, st.iteration, model, optimizer, scheduler,
-                            st.consumed_train_samples, _jsonable(vars(args)),
-                            save_optim=not t.no_save_optim, save_rng=not t.no_save_rng)
+            ckpt = build_state(st.iteration, model, optimizer, scheduler,
+                               st.consumed_train_samples, _jsonable(vars(args)),
+                               save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
+                               model_config=to_dict(run.model))
+            if writer is not None:  # snapshot now, write in the background
+                writer.save(t.save, st.iteration, ckpt, t.ckpt_keep_last)
+            else:
+                write_checkpoint(t.save, st.iteration, ckpt, t.ckpt_keep_last)
             log(f"> saved checkpoint at iteration {st.iteration} to {t.save}")
         mesh.barrier()
 
@@ -168,6 +225,8 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
             loss = evaluate(run, mesh, model, it)
             report_validation(state.iteration, loss, logger, mesh, print_fn, split=split)
     finally:
+        if writer is not None:
+            writer.finalize()  # the last save is complete before pretrain() returns
         if logger is not None:
             logger.close()
     return state

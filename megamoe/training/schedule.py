@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import set_aux_loss_backward_scale
 
 Batch = dict[str, torch.Tensor]
@@ -36,6 +37,8 @@ def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[B
     """Run `num_microbatches` micro-batches; returns the mean LM loss (detached, fp32)."""
     total = torch.zeros((), dtype=torch.float32)
     set_aux_loss_backward_scale(1.0 / num_microbatches)
+    if not forward_only:
+        start_global_batch(model)  # global_aux_loss counts restart with each global batch
     for _ in range(num_microbatches):
         batch = next(data_iter)
         if forward_only:
@@ -46,3 +49,16 @@ def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[B
             (loss / num_microbatches).backward()
         total += loss.detach()
     return total / num_microbatches
+
+
+def forward_backward(model: torch.nn.Module, data_iter: Iterator[Batch],
+                     num_microbatches: int, *, forward_only: bool = False) -> torch.Tensor:
+    """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel."""
+    from megamoe.model.pipeline_stage import PipelineModel
+    from megamoe.parallel.pipeline import forward_backward_pipelining
+
+    if isinstance(model, PipelineModel):
+        return forward_backward_pipelining(model, data_iter, num_microbatches,
+                                           forward_only=forward_only)
+    return forward_backward_no_pipelining(model, data_iter, num_microbatches,
+                                          forward_only=forward_only)

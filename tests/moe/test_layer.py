@@ -186,6 +186,159 @@ def test_init_and_unsupported_features():
     assert abs(float(ex.fc1_weight.detach().std()) - 0.02) < 2e-3
     assert abs(float(ex.fc2_weight.detach().std()) - 0.02 / math.sqrt(16)) < 5e-4
     assert abs(float(layer.router.weight.detach().std()) - 0.02) < 4e-3
-    with pytest.raises(ValueError, match="capacity"):
-        MoELayer(MoEConfig(num_experts=4, capacity_factor=1.0), 16, layer_number=0,
+    with pytest.raises(ValueError, match="--moe-shared-expert-intermediate-size"):
+        MoELayer(MoEConfig(num_experts=4, shared_expert_gate=True), 16, layer_number=0,
                  num_layers=1, init_method_std=0.02, add_bias_linear=False, swiglu=False)
+
+
+# --- capacity, padding, shared experts, custom experts, expert choice, statistics --------
+
+def _expert_out(layer, e, x_H):
+    ex = layer.experts
+    h = x_H @ ex.fc1_weight[e]
+    return ex.activation(h) @ ex.fc2_weight[e]
+
+
+def _naive_from_map(layer, x_TH, probs_TE, map_TE):
+    """sum over (t, e) in the map of probs[t, e] * expert_e(x_t), token by token."""
+    out = []
+    for t in range(x_TH.shape[0]):
+        acc = torch.zeros_like(x_TH[t])
+        for e in torch.nonzero(map_TE[t]).flatten().tolist():
+            acc = acc + probs_TE[t, e] * _expert_out(layer, e, x_TH[t])
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_layer_capacity_drops_and_padding(policy, pad):
+    from megamoe.moe.capacity import apply_capacity, expert_capacity
+    from megamoe.moe.stats import routing_stats
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8, grouped_gemm=True,
+                    capacity_factor=0.75, token_drop_policy=policy, pad_to_capacity=pad)
+    layer = MoELayer(cfg, 16, init_method_std=0.3, swiglu=True)
+    with torch.no_grad():
+        layer.router.weight[1] += 0.5  # unbalanced: drops happen
+    x = torch.randn(6, 4, 16, requires_grad=True)
+    out = layer(x)
+    x_TH = x.reshape(-1, 16)
+    probs, rmap, _ = layer.router.route(x_TH)
+    cap = expert_capacity(rmap, 2, 0.75)
+    kept_probs, keep = apply_capacity(probs, rmap, cap, policy)
+    assert int(keep.sum()) < int(rmap.sum())
+    ref = _naive_from_map(layer, x_TH, kept_probs, keep).reshape(x.shape)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), [x, layer.experts.fc1_weight])
+    want = torch.autograd.grad((ref * g).sum(), [x, layer.experts.fc1_weight])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # tokens that lost every assignment get no gradient through the experts
+    lost = ~keep.any(1)
+    assert got[0].reshape(-1, 16)[lost].abs().max() == 0 if lost.any() else True
+    # padding: every group has `cap` rows, padding rows are zero inputs with weight 0
+    d = layer.dispatch(x_TH, kept_probs, keep, cap if pad else None)
+    if pad:
+        assert d.tokens_per_expert_E.tolist() == [cap] * 4
+        is_pad = d.token_indices_N == x_TH.shape[0]
+        assert int(is_pad.sum()) == 4 * cap - int(keep.sum())
+        rows = d.x_NH if d.gathered else d.x_NH.index_select(0, d.token_indices_N)
+        assert rows[is_pad].abs().max() == 0 and d.probs_N[is_pad].abs().max() == 0
+    else:
+        assert int(d.tokens_per_expert_E.sum()) == int(keep.sum())
+    stats = routing_stats(layer)[0]
+    dropped = (int(rmap.sum()) - int(keep.sum())) / int(rmap.sum())
+    assert stats["dropped_fraction"] == pytest.approx(dropped)
+    assert stats["tokens_per_expert"] == keep.sum(0).tolist()
+    assert stats["routed_per_expert"] == rmap.sum(0).tolist()
+    assert stats["max_load"] == max(keep.sum(0).tolist())
+    assert stats["mean_load"] == pytest.approx(float(keep.sum()) / 4)
+    assert routing_stats(layer) == {}  # read resets
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_layer_shared_expert(gate):
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8,
+                    shared_expert_intermediate_size=12, shared_expert_gate=gate)
+    layer = MoELayer(cfg, 16, init_method_std=0.3, swiglu=True, add_bias_linear=True)
+    x = torch.randn(5, 2, 16)
+    out = layer(x)
+    x_TH = x.reshape(-1, 16)
+    probs, rmap, _ = layer.router.route(x_TH)
+    sh = layer.shared_experts
+    a, b = (x_TH @ sh.linear_fc1.weight.t() + sh.linear_fc1.bias).chunk(2, -1)
+    shared = (F.silu(a) * b) @ sh.linear_fc2.weight.t() + sh.linear_fc2.bias
+    if gate:
+        shared = shared * torch.sigmoid(x_TH @ sh.gate_weight.t())
+    ex = layer.experts
+    routed = []
+    for t in range(x_TH.shape[0]):
+        acc = torch.zeros(16)
+        for e in torch.nonzero(rmap[t]).flatten().tolist():
+            h = x_TH[t] @ ex.fc1_weight[e] + ex.fc1_bias[e]
+            acc = acc + probs[t, e] * (ex.activation(h) @ ex.fc2_weight[e] + ex.fc2_bias[e])
+        routed.append(acc)
+    ref = (torch.stack(routed) + shared).reshape(x.shape)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (sh.gate_weight is not None) == gate
+
+
+def test_layer_custom_expert_modules():
+    """Tutel/FastMoE style: any nn.Module experts; [B, S, H] input; keyword construction."""
+    import megamoe
+
+    torch.manual_seed(0)
+    experts = [torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh(),
+                                   torch.nn.Linear(24, 16)) for _ in range(3)]
+    layer = megamoe.MoELayer(hidden_size=16, experts=experts, topk=2, sequence_dim=1,
+                             load_balancing_types=["seq_aux_loss"], aux_loss_coeffs=[0.1])
+    assert layer.config.num_experts == 3
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    out = layer(x)
+    x_TH = x.reshape(-1, 16)
+    probs, rmap, _ = layer.router.route(x_TH)
+    ref = torch.stack([sum(probs[t, e] * experts[e](x_TH[t])
+                           for e in torch.nonzero(rmap[t]).flatten().tolist())
+                       for t in range(14)]).reshape(x.shape)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert all(p.grad is not None for p in experts[0].parameters())
+
+
+def test_seq_aux_loss_follows_sequence_dim():
+    """[S, B, H] with sequence_dim=0 and its [B, S, H] transpose with sequence_dim=1 give the
+    same per-sequence loss; a [T, H] input is one sequence."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8,
+                    load_balancing_types=["seq_aux_loss"], aux_loss_coeffs=[1.0])
+    layer = MoELayer(cfg, 16, init_method_std=0.5)
+    x_SBH = torch.randn(6, 3, 16)
+    layer(x_SBH)
+    a = MoELossTracker.report(1)["seq_load_balancing_loss"]
+    layer.sequence_dim = 1
+    layer(x_SBH.transpose(0, 1).contiguous())
+    b = MoELossTracker.report(1)["seq_load_balancing_loss"]
+    torch.testing.assert_close(a, b)
+    layer.sequence_dim = 0
+    layer(x_SBH[:, 0])  # one sequence of 6 tokens: equals the batch's first sequence alone
+    c = MoELossTracker.report(1)["seq_load_balancing_loss"]
+    layer(x_SBH[:, :1].contiguous())
+    d = MoELossTracker.report(1)["seq_load_balancing_loss"]
+    torch.testing.assert_close(c, d)
+
+
+def test_layer_expert_choice():
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8, router_type="expert_choice",
+                    aux_loss_coeffs=[0.0], capacity_factor=1.0, grouped_gemm=True)
+    layer = MoELayer(cfg, 16, init_method_std=0.3)
+    x = torch.randn(10, 16)
+    out = layer(x)
+    probs, rmap, _ = layer.router.route(x)
+    assert rmap.sum(0).tolist() == [5, 5, 5, 5]
+    torch.testing.assert_close(out, _naive_from_map(layer, x, probs, rmap), atol=1e-5,
+                               rtol=1e-5)

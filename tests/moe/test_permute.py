@@ -97,3 +97,19 @@ def test_unpermute_accumulates_in_fp32_returns_input_dtype():
     assert out.dtype == torch.bfloat16
     # bf16 left-to-right would round 1 + 1/256 back to 1 twice; fp32 keeps 1 + 2/256.
     assert float(out[0, 0]) == pytest.approx(1.0 + 2.0 / 256)
+
+
+def test_pad_groups_layout():
+    from megamoe.moe.permute import pad_groups
+
+    rmap = torch.tensor([[1, 0, 1], [1, 0, 0], [0, 0, 1], [1, 0, 0]], dtype=torch.bool)
+    x = torch.arange(4.0).unsqueeze(1)
+    probs = torch.rand(4, 3) * rmap
+    _, idx, sizes = permute(x, rmap)
+    p = permute_probs(probs, rmap)
+    idx_P, p_P = pad_groups(idx, p, sizes, capacity=3, pad_index=4)
+    assert idx_P.tolist() == [0, 1, 3, 4, 4, 4, 0, 2, 4]
+    assert p_P.tolist() == [probs[0, 0], probs[1, 0], probs[3, 0], 0, 0, 0, probs[0, 2],
+                            probs[2, 2], 0]
+    with pytest.raises(ValueError, match="capacity"):
+        pad_groups(idx, p, sizes, capacity=2, pad_index=4)

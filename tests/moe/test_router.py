@@ -129,6 +129,163 @@ def test_router_losses_only_when_training_with_grad():
     assert all(v.shape == (1,) for v in report.values())
 
 
-def test_router_rejects_unsupported_balancing():
+def test_router_rejects_unknown_balancing():
+    with pytest.raises(ValueError, match="switch"):
+        TopKRouter(16, _cfg(load_balancing_types=["switch"]), 0, 1, 0.02)
     with pytest.raises(ValueError, match="sinkhorn"):
-        TopKRouter(16, _cfg(load_balancing_types=["sinkhorn"]), 0, 1, 0.02)
+        TopKRouter(16, _cfg(load_balancing_types=["sinkhorn"], enable_expert_bias=True),
+                   0, 1, 0.02)
+
+
+# --- sinkhorn (S-BASE) -------------------------------------------------------------------
+
+def _naive_sinkhorn(cost: list[list[float]], iters: int = 2000) -> list[list[float]]:
+    """Plain-Python Sinkhorn-Knopp: alternately rescale rows to 1/T and columns to 1/E."""
+    T, E = len(cost), len(cost[0])
+    m = [[math.exp(v) for v in row] for row in cost]
+    for _ in range(iters):
+        for t in range(T):
+            s = sum(m[t])
+            m[t] = [v / (s * T) for v in m[t]]
+        for e in range(E):
+            s = sum(m[t][e] for t in range(T))
+            for t in range(T):
+                m[t][e] = m[t][e] / (s * E)
+    return m
+
+
+def test_sinkhorn_converges_to_doubly_normalised_matrix():
+    from megamoe.moe.router import sinkhorn
+
+    g = torch.Generator().manual_seed(0)
+    cost = torch.randn(12, 4, generator=g, dtype=torch.float64) * 2 + 30  # exp would be big
+    out = sinkhorn(cost, tol=1e-10)
+    assert torch.allclose(out.sum(1), torch.full((12,), 1 / 12, dtype=torch.float64),
+                          rtol=1e-6)
+    assert torch.allclose(out.sum(0), torch.full((4,), 1 / 4, dtype=torch.float64), rtol=1e-6)
+    ref = torch.tensor(_naive_sinkhorn((cost - 30).tolist()), dtype=torch.float64)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sinkhorn_routing_train_and_eval(k):
+    from megamoe.moe.router import sinkhorn, sinkhorn_routing
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(32, 4, generator=g)
+    logits[:, 0] += 3.0  # everyone prefers expert 0: sinkhorn must spread the load
+    probs, rmap = sinkhorn_routing(logits, k, training=True)
+    raw = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, -1)
+    sel = sinkhorn(logits.double()).topk(k, dim=1).indices
+    assert torch.equal(rmap, torch.zeros_like(rmap).scatter(1, sel, True))
+    assert torch.allclose(probs, raw * rmap)  # combine weights: raw scores, not sinkhorn's
+    plain = torch.zeros_like(rmap).scatter(1, logits.topk(k, 1).indices, True)
+    assert rmap.sum(0).max() < plain.sum(0).max() - 8  # far more balanced than top-k
+    probs_e, rmap_e = sinkhorn_routing(logits, k, training=False)
+    assert torch.equal(rmap_e, torch.zeros_like(rmap).scatter(1, raw.topk(k, 1).indices, True))
+    assert torch.allclose(probs_e, raw * rmap_e)
+
+
+def test_router_sinkhorn_uses_no_aux_loss():
+    torch.manual_seed(0)
+    router = TopKRouter(16, _cfg(load_balancing_types=["sinkhorn"], aux_loss_coeffs=[1.0]),
+                        0, 1, 0.5)
+    out = router.route(torch.randn(20, 16))
+    assert out.aux_loss is None and out.routing_map_TE.sum(1).eq(2).all()
+
+
+# --- aux-loss-free expert bias ------------------------------------------------------------
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_expert_bias_update_rule_and_selection_only(score):
+    torch.manual_seed(0)
+    cfg = _cfg(num_experts=4, score_function=score, enable_expert_bias=True,
+               bias_update_rate=0.1, aux_loss_coeffs=[0.0])
+    router = TopKRouter(16, cfg, 0, 1, 0.5)
+    assert "expert_bias" in router.state_dict()  # learned state: saved in checkpoints
+    x1, x2 = torch.randn(10, 16), torch.randn(6, 16)
+    counts = torch.zeros(4)
+    for x in (x1, x2):  # two micro-batches of one global batch
+        _, rmap, _ = router.route(x)
+        counts += rmap.sum(0)
+    router.update_expert_bias(None)
+    expected = 0.1 * torch.sign(counts.mean() - counts)
+    assert torch.allclose(router.expert_bias, expected)
+    assert float(router.local_tokens_per_expert.abs().sum()) == 0  # counts restart
+    router.update_expert_bias(None)  # no tokens since: sign(0) = 0, bias unchanged
+    assert torch.allclose(router.expert_bias, expected)
+    # The bias steers selection only: combine weights are the unbiased scores.
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 5.0]))
+        router.eval()
+        probs, rmap, _ = router.route(x1)
+        logits = router.gating(x1)
+    assert rmap[:, [0, 3]].all()
+    if score == "sigmoid":
+        s = torch.sigmoid(logits[:, [0, 3]])
+        want = s / s.sum(-1, keepdim=True)
+    else:
+        want = torch.softmax(logits[:, [0, 3]], -1)
+    assert torch.allclose(probs[:, [0, 3]], want, atol=1e-6)
+    # eval forwards do not count towards the next update
+    assert float(router.local_tokens_per_expert.abs().sum()) == 0
+
+
+# --- input jitter ---------------------------------------------------------------------------
+
+def test_input_jitter_training_only_and_bounded():
+    cfg = _cfg(input_jitter_eps=0.1)
+    router = TopKRouter(16, cfg, 0, 1, 0.5)
+    x = torch.randn(50, 16)
+    torch.manual_seed(3)
+    jittered = router.apply_input_jitter(x)
+    ratio = jittered / x
+    assert (ratio >= 0.9 - 1e-6).all() and (ratio <= 1.1 + 1e-6).all()
+    assert not torch.allclose(jittered, x)
+    torch.manual_seed(3)
+    noise = torch.empty_like(x).uniform_(0.9, 1.1)
+    assert torch.equal(jittered, x * noise)  # exactly Megatron's multiplicative noise
+    torch.manual_seed(3)
+    logits = router.gating(jittered)
+    torch.manual_seed(3)
+    assert torch.equal(router.route(x).probs_TE,
+                       topk_routing(logits, 2)[0])  # the router sees the jittered input
+    router.eval()
+    assert torch.equal(router.apply_input_jitter(x), x)
+
+
+# --- expert choice ---------------------------------------------------------------------------
+
+def test_expert_choice_routing_matches_per_expert_sort():
+    from megamoe.moe.router import expert_choice_capacity
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(10, 4, generator=g, requires_grad=True)
+    cfg = _cfg(num_experts=4, topk=2, router_type="expert_choice", aux_loss_coeffs=[0.0],
+               capacity_factor=1.0)
+    router = TopKRouter(16, cfg, 0, 1, 0.5)
+    cap = expert_choice_capacity(10, 4, 2, 1.0)
+    assert cap == 5
+    probs, rmap = router.routing(logits)
+    scores = torch.softmax(logits, -1)
+    for e in range(4):  # each expert takes its 5 highest-scoring tokens
+        order = sorted(range(10), key=lambda t: -float(scores[t, e].detach()))[:cap]
+        assert sorted(torch.nonzero(rmap[:, e]).flatten().tolist()) == sorted(order)
+    assert torch.allclose(probs, scores * rmap)
+    probs.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="expert choice"):
+        TopKRouter(16, _cfg(router_type="expert_choice", aux_loss_coeffs=[0.1]), 0, 1, 0.5)
+
+
+def test_expert_bias_stays_fp32_and_counts_exact_under_bf16():
+    cfg = _cfg(num_experts=4, enable_expert_bias=True, bias_update_rate=1e-3,
+               aux_loss_coeffs=[0.0])
+    router = TopKRouter(16, cfg, 0, 1, 0.5)
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([1.001, 0.0, 0.0, 0.0]))
+    router = router.to(torch.bfloat16)
+    assert router.expert_bias.dtype == torch.float32
+    assert float(router.expert_bias[0]) == pytest.approx(1.001, abs=1e-7)  # not rounded
+    assert router.local_tokens_per_expert.dtype == torch.long
+    assert router.global_tokens_per_expert.dtype == torch.long

@@ -97,3 +97,95 @@ def test_finetune_loads_weights_only(tmp_path):
     assert load_checkpoint(str(tmp_path), model2, opt2, sched2, finetune=True) == (0, 0)
     assert torch.equal(model.weight, model2.weight)
     assert torch.equal(opt2.main_params[0], model.weight.float())
+
+
+def test_keep_last_n_retention(tmp_path):
+    from megamoe.training.checkpointing import list_checkpoints
+
+    model, opt, sched = _setup()
+    for it in range(1, 6):
+        save_checkpoint(str(tmp_path), it, model, opt, sched, 8 * it, {}, keep_last=2)
+        assert list_checkpoints(str(tmp_path)) == list(range(max(1, it - 1), it + 1))
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000005", TRACKER]
+
+
+def test_retention_never_deletes_the_checkpoint_the_pointer_names(tmp_path):
+    """A crash after publishing iter 5 but before the pointer moved: iter 3 is still the
+    newest complete checkpoint, and keep-last 1 must keep it (as well as the newest dir)."""
+    from megamoe.training.checkpointing import list_checkpoints, prune_checkpoints
+
+    model, opt, sched = _setup()
+    for it in (1, 2, 3):
+        save_checkpoint(str(tmp_path), it, model, opt, sched, 8, {})
+    for it in (4, 5):
+        save_checkpoint(str(tmp_path / "other"), it, model, opt, sched, 8, {})
+        os.replace(iteration_dir(str(tmp_path / "other"), it), iteration_dir(str(tmp_path), it))
+    assert prune_checkpoints(str(tmp_path), keep_last=1) == [1, 2, 4]
+    assert list_checkpoints(str(tmp_path)) == [3, 5]
+    assert load_checkpoint(str(tmp_path), *_setup(seed=2)) == (3, 8)
+
+
+def test_interrupted_resave_falls_back_to_the_old_copy(tmp_path):
+    """Killed between `iter_N -> iter_N.old.PID` and `tmp -> iter_N`: the pointer's N is
+    missing; readers use the .old copy and the next save restores it."""
+    model, opt, sched = _setup()
+    save_checkpoint(str(tmp_path), 2, model, opt, sched, 16, {})
+    os.replace(iteration_dir(str(tmp_path), 2), iteration_dir(str(tmp_path), 2) + ".old.77")
+    os.makedirs(iteration_dir(str(tmp_path), 3) + ".tmp.77")  # the half-written new save
+    model2, opt2, sched2 = _setup(seed=6)
+    assert load_checkpoint(str(tmp_path), model2, opt2, sched2) == (2, 16)
+    assert torch.equal(model2.weight, model.weight)
+    save_checkpoint(str(tmp_path), 3, model, opt, sched, 24, {})
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", TRACKER]
+
+
+def test_async_save_writes_a_snapshot_and_reports_errors(tmp_path):
+    from megamoe.training.checkpointing import AsyncCheckpointWriter, build_state
+
+    model, opt, sched = _setup()
+    _train(model, opt, sched, 1)
+    before = model.weight.detach().clone()
+    writer = AsyncCheckpointWriter()
+    writer.save(str(tmp_path), 1, build_state(1, model, opt, sched, 8, {}), keep_last=1)
+    _train(model, opt, sched, 2)  # training goes on while the thread writes
+    writer.save(str(tmp_path), 3, build_state(3, model, opt, sched, 24, {}), keep_last=1)
+    after = model.weight.detach().clone()
+    _train(model, opt, sched, 1)
+    writer.finalize()
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", TRACKER]
+    model2, opt2, sched2 = _setup(seed=8)
+    assert load_checkpoint(str(tmp_path), model2, opt2, sched2) == (3, 24)
+    assert torch.equal(model2.weight, after) and not torch.equal(after, before)
+
+    (tmp_path / "file").write_text("x")
+    writer.save(str(tmp_path / "file"), 1, build_state(1, model, opt, sched, 8, {}))
+    with pytest.raises(CheckpointError, match="async save failed"):
+        writer.finalize()
+    writer.finalize()  # reported once
+
+
+def test_async_save_does_not_block_the_caller(tmp_path, monkeypatch):
+    """The caller only pays for the snapshot: a write that cannot finish (held on an event)
+    does not delay `save`; `finalize` waits for it."""
+    import threading
+
+    from megamoe.training import checkpointing
+    from megamoe.training.checkpointing import AsyncCheckpointWriter, build_state
+
+    release, entered = threading.Event(), threading.Event()
+    real_write = checkpointing.write_checkpoint
+
+    def held_write(*a, **k):
+        entered.set()
+        assert release.wait(30)
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(checkpointing, "write_checkpoint", held_write)
+    model, opt, sched = _setup()
+    writer = AsyncCheckpointWriter()
+    writer.save(str(tmp_path), 1, build_state(1, model, opt, sched, 8, {}))
+    assert entered.wait(30) and not (tmp_path / TRACKER).exists()  # still writing
+    _train(model, opt, sched, 1)  # the training thread is free
+    release.set()
+    writer.finalize()
+    assert (tmp_path / TRACKER).read_text().strip() == "1"

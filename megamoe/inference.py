@@ -1,0 +1,74 @@
+"""`megamoe.from_checkpoint(path)`: a single-process model from any megamoe checkpoint.
+
+The checkpoint carries its model config (written by pretrain_gpt.py and by
+tools/checkpoint/convert.py), so no command line is needed:
+
+    model = megamoe.from_checkpoint("runs/mixtral/")       # --save root, iter_N dir or file
+    logits_BSV = model(input_ids_BS)                         # [B, S, vocab_size]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megamoe.config import ModelConfig, MoEConfig
+from megamoe.model.gpt_model import GPTModel
+from megamoe.training.checkpointing import CheckpointError, read_checkpoint
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    """The inverse of config.to_dict for ModelConfig (derived fields are recomputed)."""
+    fields = _known(ModelConfig, d)
+    moe = fields.pop("moe", None)
+    return ModelConfig(**fields, moe=MoEConfig(**_known(MoEConfig, moe)) if moe else None)
+
+
+def _known(cls, d: dict) -> dict:
+    """Only the fields `cls` has (a checkpoint may come from an older or newer megamoe)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
+    """Older checkpoints without a model config: rebuild it from the saved flags."""
+    from megamoe.argument_rules import args_to_configs
+    from megamoe.arguments import build_parser
+    from megamoe.training.pretrain import build_tokenizer_from_args
+
+    ns = build_parser().parse_args([])
+    for k, v in saved_args.items():
+        setattr(ns, k, v)
+    try:
+        vocab_size = build_tokenizer_from_args(argparse.Namespace(**vars(ns))).vocab_size
+    except Exception as e:
+        raise CheckpointError(f"{file}: holds no model config and its tokenizer cannot be "
+                              f"loaded to find the vocabulary size ({e})") from None
+    return args_to_configs(ns, vocab_size).model
+
+
+def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
+    """Rebuild the GPTModel a checkpoint was saved from, weights loaded, in eval mode.
+
+    `path`: a --save directory (its latest checkpoint), an `iter_N` directory or the
+    `model_optim_rng.pt` file. `dtype`: cast the weights (default: as saved).
+    """
+    state = read_checkpoint(path)
+    file = state["_file"]
+    saved = state.get("model_config")
+    config = model_config_from_dict(saved) if saved else _config_from_args(state["args"], file)
+    saved_dtype = next(iter(state["model"].values())).dtype
+    model = GPTModel(config).to(saved_dtype)
+    try:
+        model.load_state_dict(state["model"], strict=True)
+    except (RuntimeError, KeyError) as e:
+        lines = str(e).strip().splitlines()
+        detail = lines[1].strip() if len(lines) > 1 else lines[0]
+        raise CheckpointError(f"{file}: does not match its own model config ({detail})") from None
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+

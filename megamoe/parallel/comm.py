@@ -1,0 +1,160 @@
+"""Autograd-aware collectives for tensor and sequence parallelism (Megatron's mappings).
+
+Each op is a pair (forward, backward) of conjugate collectives, so the gradients of a
+tensor-parallel region are exact:
+
+    copy_to_tp               identity      / all-reduce
+    reduce_from_tp           all-reduce    / identity
+    scatter_to_sequence      split dim 0   / all-gather dim 0
+    gather_from_sequence     all-gather 0  / reduce-scatter 0 (or split, see below)
+    reduce_scatter_to_sequence  reduce-scatter 0 / all-gather 0
+
+Every op is the identity when `group` is None (one rank), so layers call them unguarded.
+Tensors are split along dim 0, the sequence dimension of Megatron's [S, B, H] layout.
+gloo has no reduce_scatter, so it is an all-reduce followed by taking the local chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel "
+                         f"size {n} (sequence parallelism)")
+    return x.chunk(n, dim=0)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by the group size {n}")
+    if dist.get_backend(group) == "gloo":
+        return _split(_all_reduce(x, group), group)
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, reduce_grad):
+        ctx.group, ctx.reduce_grad = group, reduce_grad
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce_grad:
+            return _reduce_scatter(g, ctx.group), None, None
+        return _split(g, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a TP region with a replicated input: gradients are summed over ranks."""
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a TP region: sum the partial outputs of every rank."""
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Full sequence (replicated) -> this rank's [S/TP, ...] shard."""
+    return x if group is None else _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group, *,
+                         reduce_grad: bool = True) -> torch.Tensor:
+    """[S/TP, ...] shards -> full sequence. `reduce_grad=True` when each rank's consumer
+    yields a partial gradient (a column-parallel GEMM), so the backward reduce-scatters;
+    False when every rank computes the same full gradient (a replicated consumer), so the
+    backward just keeps the local chunk."""
+    return x if group is None else _GatherFromSequence.apply(x, group, reduce_grad)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Partial full-sequence outputs -> summed [S/TP, ...] shard (row-parallel exit)."""
+    return x if group is None else _ReduceScatterToSequence.apply(x, group)
+
+
+def all_reduce_tensor(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Non-differentiable in-place all-reduce (statistics, norms); no-op without a group."""
+    if _size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x

@@ -1,0 +1,251 @@
+"""Tensor-parallel layers (Megatron's Column/RowParallelLinear, VocabParallelEmbedding) and
+vocab-parallel cross entropy.
+
+Layout-independent initialisation: every layer draws the *full* weight with exactly the
+RNG calls the single-process layer (`megamoe.model.linear`) makes, then keeps its slice.
+So for one seed, the shards of any TP layout are slices of the single-process weights and
+the RNG stream stays aligned for the layers built afterwards.
+
+Parameter attributes read by the gradient reducer and the grad-norm:
+- `tensor_model_parallel = True`: sharded over TP (each rank owns a disjoint slice).
+- `sequence_parallel = True`: replicated over TP but fed by this rank's sequence shard
+  only, so its gradient is partial and must be summed over TP (norms, row-parallel biases,
+  position embeddings under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe.parallel.comm import (
+    all_reduce_tensor,
+    copy_to_tp,
+    gather_from_sequence,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
+from megamoe.parallel.random import RNGTracker
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a layer needs to know about tensor parallelism (no group = one rank)."""
+
+    group: Optional[dist.ProcessGroup] = None
+    sequence_parallel: bool = False
+    rng: Optional[RNGTracker] = None  # per-TP-rank dropout stream (parallel/random.py)
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism actually active (meaningless with one rank)."""
+        return self.sequence_parallel and self.group is not None
+
+    def dropout_rng(self, split: bool) -> ContextManager:
+        """RNG context for dropout on activations that are `split` over TP (local heads,
+        sequence shards): this rank's own stream; replicated activations keep the default
+        stream, identical on every TP rank."""
+        if split and self.rng is not None and self.group is not None:
+            return self.rng.fork()
+        return contextlib.nullcontext()
+
+
+SINGLE = TensorParallel()
+
+
+def mark_sequence_parallel(module: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Tag `module`'s parameters as TP-replicated with partial (sequence-shard) gradients."""
+    if tp.sp:
+        for p in module.parameters():
+            p.sequence_parallel = True
+    return module
+
+
+def shard_rows(full: torch.Tensor, blocks: Sequence[int], size: int, rank: int) -> torch.Tensor:
+    """Rows of `full` split into consecutive `blocks`; keep chunk `rank` of each block."""
+    if size == 1:
+        return full
+    parts = []
+    for block in full.split(list(blocks), dim=0):
+        if block.shape[0] % size:
+            raise ValueError(f"block of {block.shape[0]} rows is not divisible by the "
+                             f"tensor-parallel size {size}")
+        parts.append(block.chunk(size, dim=0)[rank])
+    return torch.cat(parts).contiguous()
+
+
+def _full_normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+    full = torch.empty(shape)
+    nn.init.normal_(full, mean=0.0, std=std)  # the same draw as megamoe.model.linear
+    return full
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T (+ b_local): output features split over TP.
+
+    `blocks` partitions the output rows (e.g. q/k/v or gate/up); each block is split
+    separately, so rank r holds head-group / gate-up slices r of every block. The input
+    enters the TP region: all-gathered from sequence shards with SP, else replicated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float,
+                 tp: TensorParallel = SINGLE, blocks: Optional[Sequence[int]] = None):
+        super().__init__()
+        self.tp = tp
+        self.blocks = list(blocks) if blocks is not None else [out_features]
+        if sum(self.blocks) != out_features:
+            raise ValueError(f"blocks {self.blocks} do not add up to {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        full = _full_normal((out_features, in_features), init_std)
+        self.weight = nn.Parameter(shard_rows(full, self.blocks, tp.size, tp.rank))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
+        for p in self.parameters():
+            p.tensor_model_parallel = tp.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sp:
+            x = gather_from_sequence(x, self.tp.group)  # [S/TP, B, H] -> [S, B, H]
+        else:
+            x = copy_to_tp(x, self.tp.group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local "
+                f"{self.weight.shape[0]}), bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r @ W_r^T (+ b): input features split over TP, the input already split
+    (the output of a ColumnParallelLinear). Partial outputs are all-reduced, or
+    reduce-scattered to sequence shards with SP; the replicated bias is added after."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        full = _full_normal((out_features, in_features), init_std)
+        if in_features % tp.size:
+            raise ValueError(f"input features {in_features} are not divisible by the "
+                             f"tensor-parallel size {tp.size}")
+        self.weight = nn.Parameter(full.chunk(tp.size, dim=1)[tp.rank].contiguous())
+        self.weight.tensor_model_parallel = tp.size > 1
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None and tp.sp:
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence(y, self.tp.group) if self.tp.sp
+             else reduce_from_tp(y, self.tp.group))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), "
+                f"out={self.out_features}, bias={self.bias is not None}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over TP. Returns this rank's *partial* lookup (zeros for ids
+    outside its rows): the caller sums over TP (all-reduce, or reduce-scatter with SP)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        if num_embeddings % tp.size:
+            raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by the "
+                             f"tensor-parallel size {tp.size}")
+        self.num_embeddings = num_embeddings
+        self.per_rank = num_embeddings // tp.size
+        self.vocab_start = tp.rank * self.per_rank
+        full = _full_normal((num_embeddings, embedding_dim), init_std)
+        self.weight = nn.Parameter(full[self.vocab_start:self.vocab_start + self.per_rank]
+                                   .contiguous())
+        self.weight.tensor_model_parallel = tp.size > 1
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} (local {self.per_rank}), {self.weight.shape[1]}"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits whose vocabulary is split over TP (Megatron's algorithm):
+    only [tokens] statistics (max, target logit, sum of exp) cross ranks."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        logits = logits.float()
+        width = logits.shape[-1]
+        local_max = (logits.max(dim=-1).values if width else
+                     logits.new_full(logits.shape[:-1], float("-inf")))
+        all_reduce_tensor(local_max, group, dist.ReduceOp.MAX)
+        shifted = logits - local_max.unsqueeze(-1)
+        local_t = target - vocab_start
+        outside = (local_t < 0) | (local_t >= width)
+        local_t = local_t.masked_fill(outside, 0)
+        if width:
+            picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        else:
+            picked = torch.zeros_like(local_max)
+        picked = picked.masked_fill(outside, 0.0)
+        all_reduce_tensor(picked, group)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce_tensor(sum_exp, group)
+        loss = sum_exp.log() - picked
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, local_t.unsqueeze(-1),
+                              -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor,
+                                 vocab_start: int, group: Optional[dist.ProcessGroup]
+                                 ) -> torch.Tensor:
+    """Per-token loss [...] (fp32) from this rank's logits [..., V_local] covering vocabulary
+    ids [vocab_start, vocab_start + V_local). Local widths may differ (padded rows are
+    excluded by the caller); full-vocabulary logits are never gathered."""
+    return _VocabParallelCrossEntropy.apply(logits_local, target, vocab_start, group)
+
+
+def gather_vocab_logits(logits_local: torch.Tensor, vocab_size: int, per_rank: int,
+                        group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Forward-only (inference): full logits [..., vocab_size] from uneven local slices."""
+    if group is None:
+        return logits_local
+    pad = per_rank - logits_local.shape[-1]
+    padded = F.pad(logits_local.detach(), (0, pad)).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts, dim=-1)[..., :vocab_size]

@@ -1,0 +1,347 @@
+"""Convert between Hugging Face Mixtral and megamoe checkpoints.
+
+    python tools/checkpoint/convert.py hf-to-megamoe --input HF_DIR --output CKPT_DIR
+    python tools/checkpoint/convert.py megamoe-to-hf --input CKPT_DIR --output HF_DIR
+
+HF side: MixtralForCausalLM, config.json + safetensors (one file or sharded with
+model.safetensors.index.json), experts per expert as transformers writes them to disk
+(`block_sparse_moe.experts.{e}.w1/w2/w3`); the fused `mlp.experts.gate_up_proj/down_proj`
+layout is read too. megamoe side: a --save style directory (`iter_0000000/`, pointer file)
+whose arguments and model config rebuild the model, so it feeds `pretrain_gpt.py --load`
+(training resumes from iteration 0 with fresh optimizer state), `--finetune`, and
+`megamoe.from_checkpoint`. Bad input prints one line naming the file or flag and exits 1;
+nothing is written until every weight is read, mapped and shape-checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Optional, Sequence
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2)))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megamoe.argument_rules import ArgumentError, args_to_configs, finalize_args  # noqa: E402
+from megamoe.arguments import build_parser  # noqa: E402
+from megamoe.config import ModelConfig, to_dict  # noqa: E402
+from megamoe.inference import model_config_from_dict  # noqa: E402
+from megamoe.model.gpt_model import GPTModel  # noqa: E402
+from megamoe.model.hf_mapping import hf_to_megamoe, megamoe_to_hf  # noqa: E402
+from megamoe.training.checkpointing import (  # noqa: E402
+    TRACKER,
+    CheckpointError,
+    read_checkpoint,
+    write_checkpoint,
+)
+
+SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConvertError(Exception):
+    """Unusable input or output; the message names the file or flag."""
+
+
+# ---------------------------------------------------------------- Hugging Face -> megamoe
+
+def _read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConvertError(f"{path}: not found (--input must be a Hugging Face model folder)")
+    try:
+        cfg = json.load(open(path, encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path}: not valid JSON ({e.__class__.__name__})") from None
+    if cfg.get("model_type") != "mixtral":
+        raise ConvertError(f"{path}: model_type {cfg.get('model_type')!r} is not 'mixtral'")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConvertError(f"{path}: hidden_act {cfg['hidden_act']!r} (megamoe has silu)")
+    if cfg.get("sliding_window") is not None:
+        raise ConvertError(f"{path}: sliding_window attention is not supported by megamoe")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConvertError(f"{path}: rope_type {rope['rope_type']!r} is not supported")
+    return cfg
+
+
+def hf_model_flags(cfg: dict) -> list[str]:
+    """pretrain_gpt.py model flags that build the same network as a Mixtral config.json."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 1e6))
+    ffn = cfg["intermediate_size"]
+    seq = min(cfg.get("max_position_embeddings", 4096), 4096)
+    flags = [
+        "--num-layers", cfg["num_hidden_layers"], "--hidden-size", hidden,
+        "--ffn-hidden-size", ffn, "--num-attention-heads", heads,
+        "--group-query-attention", "--num-query-groups", cfg.get("num_key_value_heads", heads),
+        "--kv-channels", cfg.get("head_dim") or hidden // heads,
+        "--seq-length", seq, "--max-position-embeddings", cfg.get("max_position_embeddings", seq),
+        "--position-embedding-type", "rope", "--rotary-base", theta,
+        "--normalization", "RMSNorm", "--norm-epsilon", cfg.get("rms_norm_eps", 1e-5),
+        "--swiglu", "--disable-bias-linear", "--hidden-dropout", 0.0,
+        "--attention-dropout", cfg.get("attention_dropout", 0.0),
+        "--init-method-std", cfg.get("initializer_range", 0.02),
+        "--num-experts", cfg["num_local_experts"], "--moe-router-topk",
+        cfg["num_experts_per_tok"], "--moe-ffn-hidden-size", ffn, "--moe-grouped-gemm",
+        "--moe-aux-loss-coeff", cfg.get("router_aux_loss_coef", 0.0),
+    ]
+    if not cfg.get("tie_word_embeddings", False):
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(f) for f in flags]
+
+
+def _build_args(flags: list[str], where: str) -> argparse.Namespace:
+    """Flags -> a validated namespace, exactly as pretrain_gpt.py would see them."""
+    parser = build_parser()
+    args = parser.parse_args(flags + ["--dry-run"])
+    try:
+        finalize_args(args, parser, world_size=1)
+    except ArgumentError as e:
+        raise ConvertError(f"{where}: {e}") from None
+    args.dry_run = False
+    return args
+
+
+def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, with a progress bar."""
+    from safetensors import SafetensorError, safe_open
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            files = sorted(set(json.load(open(index, encoding="utf-8"))["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            raise ConvertError(f"{index}: not a safetensors index (no weight_map)") from None
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConvertError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+    out: dict[str, torch.Tensor] = {}
+    for name in tqdm(files, desc="reading safetensors", unit="file", disable=None):
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            raise ConvertError(f"{path}: missing (named by {index})")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    out[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ConvertError(f"{path}: cannot be read ({str(e).splitlines()[0][:120]})") from None
+    return out
+
+
+def _check_shapes(sd: dict[str, torch.Tensor], config: ModelConfig, where: str) -> None:
+    with torch.device("meta"):
+        want = GPTModel(config).state_dict()
+    for key, ref in want.items():
+        if key not in sd:
+            raise ConvertError(f"{where}: no weight for {key}")
+        if tuple(sd[key].shape) != tuple(ref.shape):
+            raise ConvertError(f"{where}: {key} has shape {tuple(sd[key].shape)}, the config "
+                               f"implies {tuple(ref.shape)}")
+    extra = sorted(set(sd) - set(want))
+    if extra:
+        raise ConvertError(f"{where}: unexpected weights {extra[:4]}")
+
+
+def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str) -> str:
+    """Convert; returns the published iteration directory."""
+    cfg = _read_hf_config(hf_dir)
+    config_path = os.path.join(hf_dir, "config.json")
+    try:
+        args = _build_args(hf_model_flags(cfg), config_path)
+    except KeyError as e:
+        raise ConvertError(f"{config_path}: missing field {e}") from None
+    config = args_to_configs(args, cfg["vocab_size"]).model
+    hf_sd = read_safetensors(hf_dir)
+    try:
+        sd = hf_to_megamoe(hf_sd, config)
+    except (KeyError, ValueError, RuntimeError) as e:
+        msg = e.args[0] if e.args else str(e)
+        raise ConvertError(f"{hf_dir}: weights do not fit config.json ({msg})") from None
+    _check_shapes(sd, config, hf_dir)
+    state = {
+        "iteration": 0, "consumed_train_samples": 0,
+        "args": {k: v for k, v in vars(args).items()
+                 if isinstance(v, (int, float, str, bool, list, type(None)))},
+        "model_config": to_dict(config), "model": sd,
+        "optimizer": None, "scheduler": None, "rng": None,
+    }
+    with tqdm(total=1, desc="writing megamoe checkpoint", disable=None) as bar:
+        final = write_checkpoint(out_dir, 0, state)
+        bar.update(1)
+    return final
+
+
+# ---------------------------------------------------------------- megamoe -> Hugging Face
+
+def _exportable(config: ModelConfig) -> Optional[str]:
+    """Why this model cannot be a MixtralForCausalLM (None when it can)."""
+    moe = config.moe
+    checks = [
+        (moe is None, "a dense model (no --num-experts)"),
+        (moe is not None and not all(config.moe_layer_pattern),
+         "dense layers between MoE layers (--moe-layer-freq)"),
+        (config.normalization != "RMSNorm", "--normalization LayerNorm"),
+        (config.position_embedding_type != "rope", "no rotary embedding "
+         "(--position-embedding-type)"),
+        (config.rotary_percent != 1.0, "--rotary-percent < 1"),
+        (not config.swiglu, "no --swiglu"),
+        (config.add_bias_linear, "linear biases (no --disable-bias-linear)"),
+    ]
+    if moe is not None:
+        checks += [
+            (moe.score_function != "softmax", "--moe-router-score-function sigmoid"),
+            (moe.pre_softmax, "--moe-router-pre-softmax"),
+            (moe.topk_scaling_factor not in (None, 1.0), "--moe-router-topk-scaling-factor"),
+            (moe.num_groups is not None, "--moe-router-num-groups"),
+            (moe.enable_expert_bias, "--moe-router-enable-expert-bias"),
+            (moe.shared_expert_intermediate_size is not None,
+             "--moe-shared-expert-intermediate-size"),
+        ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def hf_config(config: ModelConfig, dtype: torch.dtype):
+    import transformers
+
+    moe = config.moe
+    return transformers.MixtralConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=moe.ffn_hidden_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base},
+        num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
+        router_aux_loss_coef=moe.aux_loss_coeff("aux_loss"),
+        attention_dropout=config.attention_dropout, sliding_window=None,
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        initializer_range=config.init_method_std, architectures=["MixtralForCausalLM"],
+        dtype=str(dtype).replace("torch.", ""))
+
+
+def write_safetensors(sd: dict[str, torch.Tensor], out_dir: str,
+                      shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """transformers' file layout: model.safetensors, or shards plus an index."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t.contiguous().clone() if t.untyped_storage().nbytes() != nbytes \
+            else t.contiguous()
+        size += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else \
+        [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, shard in tqdm(list(zip(names, shards)), desc="writing safetensors",
+                            unit="file", disable=None):
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+    if n > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in sd.values())},
+                 "weight_map": {k: name for name, s in zip(names, shards) for k in s}}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    return names
+
+
+def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_BYTES) -> None:
+    try:
+        state = read_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    file = state["_file"]
+    if not state.get("model_config"):
+        raise ConvertError(f"{file}: holds no model config (saved by an older megamoe); "
+                           f"load it with pretrain_gpt.py and save it again")
+    config = model_config_from_dict(state["model_config"])
+    why = _exportable(config)
+    if why is not None:
+        raise ConvertError(f"{file}: cannot export to MixtralForCausalLM: {why}")
+    try:
+        hf_sd = megamoe_to_hf(state["model"], config)
+    except (KeyError, RuntimeError) as e:
+        msg = e.args[0] if e.args else str(e)
+        raise ConvertError(f"{file}: weights do not fit the saved model config ({msg})") from None
+    dtype = state["model"]["embedding.word_embeddings.weight"].dtype
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        hf_config(config, dtype).save_pretrained(tmp)
+        write_safetensors(hf_sd, tmp, shard_bytes)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(tmp):  # publish file by file; config.json last
+            if name != "config.json":
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.replace(os.path.join(tmp, "config.json"), os.path.join(out_dir, "config.json"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="direction", required=True)
+    to_mm = sub.add_parser("hf-to-megamoe", help="Hugging Face Mixtral -> megamoe checkpoint")
+    to_hf = sub.add_parser("megamoe-to-hf", help="megamoe checkpoint -> Hugging Face Mixtral")
+    for s in (to_mm, to_hf):
+        s.add_argument("--input", required=True)
+        s.add_argument("--output", required=True)
+    for kind in ("tensor", "pipeline", "expert"):
+        to_mm.add_argument(f"--target-{kind}-parallel-size", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    out = args.output
+    if args.direction == "hf-to-megamoe":
+        for kind in ("tensor", "pipeline", "expert"):
+            value = getattr(args, f"target_{kind}_parallel_size")
+            if value < 1:
+                raise ConvertError(f"--target-{kind}-parallel-size must be >= 1, got {value}")
+            if value != 1:
+                raise ConvertError(f"not supported yet: --target-{kind}-parallel-size {value}")
+        if os.path.exists(os.path.join(out, TRACKER)):
+            raise ConvertError(f"--output {out}: already holds a checkpoint (choose a new folder)")
+    elif os.path.exists(os.path.join(out, "config.json")):
+        raise ConvertError(f"--output {out}: already holds a model (choose a new folder)")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConvertError(f"--output {out}: is a file")
+    if not os.path.exists(args.input):
+        raise ConvertError(f"--input {args.input}: not found")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        _check_output(args)
+        if args.direction == "hf-to-megamoe":
+            final = hf_to_megamoe_checkpoint(args.input, args.output)
+            print(f"wrote {final}")
+        else:
+            megamoe_to_hf_checkpoint(args.input, args.output)
+            print(f"wrote {args.output}")
+    except (ConvertError, CheckpointError) as e:
+        sys.stderr.write(f"convert.py: error: {e}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
