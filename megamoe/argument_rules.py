@@ -32,7 +32,6 @@ class ArgumentError(ValueError):
 # other than the parser default fails with "not supported yet: --flag".
 NOT_SUPPORTED_YET = (
     "--context-parallel-size",
-    "--expert-model-parallel-size",
     "--expert-tensor-parallel-size",
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
@@ -43,7 +42,6 @@ NOT_SUPPORTED_YET = (
     "--moe-permute-fusion",
     "--moe-shared-expert-overlap",
     "--moe-layer-recompute",
-    "--moe-a2a-overlap-degree",
     "--moe-adaptive-parallelism",
     "--rampup-batch-size",
     "--train-samples",
@@ -175,6 +173,13 @@ def _check_moe(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--num-experts ({args.num_experts}) must be divisible by "
             f"--expert-model-parallel-size ({args.expert_model_parallel_size})")
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    pp = args.pipeline_model_parallel_size
+    if args.world_size % (etp * ep * pp) != 0:
+        raise ArgumentError(
+            f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size "
+            f"({etp}) x --expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size "
+            f"({pp})")
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ArgumentError(
             f"--moe-router-topk ({args.moe_router_topk}) must be between 1 and "
@@ -298,6 +303,8 @@ def _check_parallel_and_batch(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"world size {args.world_size} is not divisible by --tensor-model-parallel-size "
             f"({tp}) x --pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+    if args.expert_model_parallel_size > 1 and args.num_experts is None:
+        raise ArgumentError("--expert-model-parallel-size > 1 needs --num-experts")
     if tp > 1:
         _check_tensor_parallel_shapes(args, tp)
     dp = args.data_parallel_size
@@ -389,14 +396,17 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
             default = args.tensor_model_parallel_size  # derived from TP
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    for size_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+    for size_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                      "--expert-model-parallel-size"):
         if getattr(args, _dest(size_flag)) > 1:
             for flag in ("--save", "--load"):
                 if getattr(args, _dest(flag)) is not None:
                     raise ArgumentError(f"not supported yet: {flag} with {size_flag} > 1")
     if args.use_distributed_optimizer and args.data_parallel_size > 1:
-        # With one data-parallel rank the sharded optimizer is exactly the plain one.
-        raise ArgumentError("not supported yet: --use-distributed-optimizer with DP > 1")
+        for flag in ("--save", "--load"):  # a checkpoint would hold one shard's states
+            if getattr(args, _dest(flag)) is not None:
+                raise ArgumentError(f"not supported yet: {flag} with "
+                                    f"--use-distributed-optimizer and data-parallel size > 1")
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("not supported yet: --transformer-impl transformer_engine")
     if args.ckpt_format == "torch_dist":
@@ -404,6 +414,17 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
     if args.num_experts is not None:
         if args.moe_token_dispatcher_type == "flex":
             raise ArgumentError("not supported yet: --moe-token-dispatcher-type flex")
+        overlap = args.moe_a2a_overlap_degree
+        if overlap < 1:
+            raise ArgumentError(f"--moe-a2a-overlap-degree must be >= 1, got {overlap}")
+        if overlap > 1 and (args.moe_token_dispatcher_type != "alltoall"
+                            or args.expert_model_parallel_size == 1):
+            raise ArgumentError("--moe-a2a-overlap-degree > 1 needs --moe-token-dispatcher-type "
+                                "alltoall and --expert-model-parallel-size > 1")
+        if args.expert_model_parallel_size > 1 and (
+                args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor == 0):
+            raise ArgumentError("not supported yet: --moe-pad-expert-input-to-capacity with "
+                                "--expert-model-parallel-size > 1")
 
 
 def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -444,6 +465,7 @@ def args_to_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
             token_drop_policy=args.moe_token_drop_policy,
             grouped_gemm=args.moe_grouped_gemm,
             token_dispatcher_type=args.moe_token_dispatcher_type,
+            a2a_overlap_degree=args.moe_a2a_overlap_degree,
             shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             shared_expert_gate=args.moe_shared_expert_gate,
             per_layer_logging=args.moe_per_layer_logging,

@@ -42,6 +42,7 @@ class MoEConfig:
     # Experts and dispatch.
     grouped_gemm: bool = False
     token_dispatcher_type: str = "allgather"
+    a2a_overlap_degree: int = 1  # alltoall chunks pipelined with the expert GEMMs
     shared_expert_intermediate_size: Optional[int] = None
     shared_expert_gate: bool = False
     per_layer_logging: bool = False

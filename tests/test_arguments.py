@@ -110,7 +110,7 @@ def test_files_must_exist(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag", [
-    "--expert-model-parallel-size 2",
+    "--expert-tensor-parallel-size 2",
     "--recompute-activations", "--fp16", "--ckpt-format torch_dist",
 ])
 def test_not_supported_yet(capsys, flag):

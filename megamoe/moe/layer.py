@@ -96,6 +96,8 @@ class MoELayer(nn.Module):
         elif config.shared_expert_gate:
             raise ValueError("--moe-shared-expert-gate needs "
                              "--moe-shared-expert-intermediate-size")
+        # Set by apply_expert_parallel (moe/dispatcher.py) when experts span ranks.
+        self.token_dispatcher = None
         num_experts = config.num_experts
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
@@ -176,14 +178,18 @@ class MoELayer(nn.Module):
         probs_TE, routing_map_TE, aux_loss = self.router.route(x_TH, seq_ids_T, num_seqs)
         routed_E = routing_map_TE.sum(dim=0)
         probs_TE, routing_map_TE, pad = self.apply_capacity(probs_TE, routing_map_TE)
-        d = self.dispatch(x_TH, probs_TE, routing_map_TE, pad)
         kept_E = routing_map_TE.sum(dim=0)
         self.tokens_per_expert = kept_E.detach()
         if self.training:
             self.stat_routed_per_expert += routed_E
             self.stat_kept_per_expert += kept_E
             self.stat_num_tokens += x_TH.shape[0]
-        out_TH = self.combine(self.compute(d), d)
+        if self.token_dispatcher is not None:  # expert parallel (moe/dispatcher.py)
+            out_TH = self.token_dispatcher.forward(x_TH, probs_TE, routing_map_TE,
+                                                   self.experts)
+        else:
+            d = self.dispatch(x_TH, probs_TE, routing_map_TE, pad)
+            out_TH = self.combine(self.compute(d), d)
         if self.shared_experts is not None:
             out_TH = out_TH + self.shared_experts(x_TH).to(out_TH.dtype)
         if aux_loss is not None:

@@ -8,7 +8,11 @@ tensor-parallel region are exact:
     scatter_to_sequence      split dim 0   / all-gather dim 0
     gather_from_sequence     all-gather 0  / reduce-scatter 0 (or split, see below)
     reduce_scatter_to_sequence  reduce-scatter 0 / all-gather 0
+    all_to_all_uneven        all-to-all    / all-to-all with the splits swapped
+    all_to_all_start/_wait   the same, asynchronous in both directions (overlap)
 
+The gather/reduce-scatter pair also serves the allgather token dispatcher over the ep
+group, and the uneven all-to-all the alltoall dispatcher (moe/dispatcher.py).
 Every op is the identity when `group` is None (one rank), so layers call them unguarded.
 Tensors are split along dim 0, the sequence dimension of Megatron's [S, B, H] layout.
 gloo has no reduce_scatter, so it is an all-reduce followed by taking the local chunk.
@@ -158,3 +162,114 @@ def all_reduce_tensor(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> to
     if _size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """Uneven all-to-all along dim 0; the backward is the same exchange with the splits
+    swapped (what this rank sent to rank r comes back as the gradient from rank r)."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: Group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def all_to_all_uneven(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group: Group) -> torch.Tensor:
+    """Rows [sum(input_splits), ...] -> [sum(output_splits), ...]: input_splits[r] rows go to
+    rank r, output_splits[r] rows arrive from rank r (zeros allowed). Differentiable."""
+    if group is None:
+        return x
+    return _AllToAllUneven.apply(x, list(output_splits), list(input_splits), group)
+
+
+def all_to_all_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """Exchange equal-size integer blocks (split sizes): chunk r of `counts` (dim 0 split
+    into group-size chunks) goes to rank r; returns the chunks received, source-major."""
+    if group is None:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def all_gather_no_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` along dim 0 (equal shapes); no autograd (masks, ids)."""
+    return _all_gather(x.detach(), group)
+
+
+class AsyncHandle:
+    """Pending work of one asynchronous all-to-all, forward and backward."""
+
+    def __init__(self) -> None:
+        self.work: Optional[dist.Work] = None
+        self.backward_work: Optional[dist.Work] = None
+        self.keep: list[torch.Tensor] = []  # buffers that must outlive the pending work
+        self.grad_input: Optional[torch.Tensor] = None  # filled by backward_work
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Launch the exchange and return its (not yet filled) output; _AllToAllWait completes
+    it. Backward: wait for the gradient exchange that _AllToAllWait's backward launched."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, handle):
+        ctx.handle = handle
+        x = x.contiguous()
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        handle.keep = [x]
+        handle.work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group,
+                                             async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        handle = ctx.handle
+        handle.backward_work.wait()
+        grad_input, handle.grad_input, handle.keep = handle.grad_input, None, []
+        return grad_input, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, output_splits, input_splits, group, handle):
+        handle.work.wait()
+        handle.keep = []
+        ctx.splits, ctx.group, ctx.handle = (output_splits, input_splits), group, handle
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        output_splits, input_splits = ctx.splits
+        g = g.contiguous()
+        grad_in = g.new_empty((sum(input_splits), *g.shape[1:]))
+        ctx.handle.keep = [g]
+        ctx.handle.grad_input = grad_in
+        ctx.handle.backward_work = dist.all_to_all_single(
+            grad_in, g, input_splits, output_splits, group=ctx.group, async_op=True)
+        return g, None, None, None, None  # unused by the start's backward (it takes grad_in)
+
+
+def all_to_all_start(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                     group: Group, handle: AsyncHandle) -> torch.Tensor:
+    """Asynchronous all_to_all_uneven: the result may be read only after
+    all_to_all_wait(result, ...). Its gradient exchange is asynchronous too (launched by
+    the wait's backward, awaited by the start's backward), so compute scheduled between the
+    two overlaps with it in both directions. Ranks must issue starts in the same order."""
+    return _AllToAllStart.apply(x, list(output_splits), list(input_splits), group, handle)
+
+
+def all_to_all_wait(out: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group: Group, handle: AsyncHandle) -> torch.Tensor:
+    return _AllToAllWait.apply(out, list(output_splits), list(input_splits), group, handle)

@@ -1,4 +1,5 @@
-"""Data-parallel gradient reduction: average gradients over the data-parallel group.
+"""Data-parallel gradient reduction: dense gradients averaged over the data-parallel group,
+routed-expert gradients over the expert-data-parallel group (see `reduce_gradients`).
 
 Gradients are flattened into buckets of at most `bucket_numel` elements per dtype so a
 model with many small tensors costs a few collectives, not one per parameter. Averaging
@@ -34,15 +35,20 @@ def _buckets(grads: list[torch.Tensor], bucket_numel: int) -> Iterable[list[torc
 
 
 def allreduce_gradients(grads: list[torch.Tensor], group: Optional[dist.ProcessGroup],
-                        bucket_numel: int = 40_000_000) -> None:
-    """Average `grads` in place over `group` (no-op when group is None)."""
-    if group is None:
+                        bucket_numel: int = 40_000_000, divisor: Optional[int] = None) -> None:
+    """Sum `grads` in place over `group`, then divide by `divisor` (default: the group's
+    size, i.e. average; no-op when there is nothing to sum and nothing to divide)."""
+    world = 1 if group is None else dist.get_world_size(group)
+    divisor = world if divisor is None else divisor
+    if world == 1 and divisor == 1:
         return
-    world = dist.get_world_size(group)
     for bucket in _buckets(grads, bucket_numel):
+        if world == 1:
+            torch._foreach_div_(bucket, float(divisor))
+            continue
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
-        flat.div_(world)
+        flat.div_(divisor)
         for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(reduced)
 
@@ -63,7 +69,8 @@ def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter]
                      tp_group: Optional[dist.ProcessGroup],
                      dp_group: Optional[dist.ProcessGroup],
                      bucket_numel: int = 40_000_000, *,
-                     embd_group: Optional[dist.ProcessGroup] = None) -> None:
+                     embd_group: Optional[dist.ProcessGroup] = None,
+                     edp_group: Optional[dist.ProcessGroup] = None) -> None:
     """Make `grads` (aligned with `params`) the full-batch gradients, in place.
 
     1. Sum over TP the gradients of TP-replicated parameters that saw only this rank's
@@ -72,8 +79,19 @@ def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter]
        other replicated parameters already hold the full, identical gradient.
     2. Sum over the embedding group (first and last pipeline stage) the two copies of a
        tied word embedding (`param.shared_embedding`), so both get the full gradient.
-    3. Average everything over DP.
+    3. Average dense parameters over DP. Routed-expert parameters (`param.expert_parallel`,
+       see moe/dispatcher.py) are summed over their expert-data-parallel group only and
+       divided by DP: an ep rank's expert gradient already sums the contributions of every
+       rank of its ep group (the all-to-all's backward brings them), the edp sum adds the
+       remaining replicas, so sum / DP is the global-batch mean, as for dense parameters
+       (Megatron's edp / dp scaling of an edp average).
     """
     _sum_marked(grads, params, "sequence_parallel", tp_group, bucket_numel)
     _sum_marked(grads, params, "shared_embedding", embd_group, bucket_numel)
-    allreduce_gradients(grads, dp_group, bucket_numel)
+    is_expert = [getattr(p, "expert_parallel", False) for p in params]
+    dense = [g for g, e in zip(grads, is_expert) if not e]
+    expert = [g for g, e in zip(grads, is_expert) if e]
+    allreduce_gradients(dense, dp_group, bucket_numel)
+    if expert:
+        dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        allreduce_gradients(expert, edp_group, bucket_numel, divisor=dp_size)

@@ -36,20 +36,27 @@ def local_grad_norm(grads: list[torch.Tensor]) -> float:
 
 def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
                              tp_group: Optional[dist.ProcessGroup],
-                             pp_group: Optional[dist.ProcessGroup]) -> float:
+                             pp_group: Optional[dist.ProcessGroup],
+                             ep_group: Optional[dist.ProcessGroup] = None) -> float:
     """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
     parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
-    from this rank (identical on every TP rank after reduction), stages summed over PP.
-    DP ranks hold identical reduced gradients, so DP is not summed; the last stage's copy
-    of a tied embedding (`param.shared_copy`) is not counted."""
-    sq = torch.zeros(2, dtype=torch.float32)  # [sharded, replicated] sums of squares
+    from this rank (identical on every TP rank after reduction), routed experts
+    (`param.expert_parallel`: each ep rank holds different experts) summed over EP, stages
+    summed over PP. DP / EDP replicas hold identical reduced gradients, so they are not
+    summed; the last stage's copy of a tied embedding (`param.shared_copy`) is not counted."""
+    sq = torch.zeros(3, dtype=torch.float32)  # [tp-sharded, replicated, expert] squares
     for g, p in zip(grads, params):
         if getattr(p, "shared_copy", False):
             continue
-        i = 0 if getattr(p, "tensor_model_parallel", False) else 1
+        if getattr(p, "expert_parallel", False):
+            i = 2
+        else:
+            i = 0 if getattr(p, "tensor_model_parallel", False) else 1
         sq[i] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
     if tp_group is not None:
         dist.all_reduce(sq[:1], group=tp_group)
+    if ep_group is not None:
+        dist.all_reduce(sq[2:], group=ep_group)
     total = sq.sum().reshape(1)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
@@ -180,16 +187,27 @@ class MixedPrecisionOptimizer:
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
                     reduce_grads_fn: Optional[ReduceGradsFn] = None,
-                    mesh: Optional[Mesh] = None) -> MixedPrecisionOptimizer:
-    """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP
-    and DP groups and the grad norm counts every parameter once across TP and PP."""
+                    mesh: Optional[Mesh] = None, distributed: bool = False):
+    """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP,
+    DP and EDP groups and the grad norm counts every parameter once across TP, EP and PP.
+    `distributed` (--use-distributed-optimizer) shards main params and states over DP /
+    EDP (distributed_optimizer.py); with one rank in both it is this same optimizer."""
+    if distributed and mesh is not None and reduce_grads_fn is None and (
+            mesh.dp_size > 1 or mesh.edp_size > 1):
+        from megamoe.parallel.distributed_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(
+            model, config, tp_group=mesh.group("tp"), dp_group=mesh.group("dp"),
+            pp_group=mesh.group("pp"), embd_group=mesh.group("embd"),
+            ep_group=mesh.group("ep"), edp_group=mesh.group("edp"))
     opt = MixedPrecisionOptimizer(model, config, reduce_grads_fn)
     if mesh is not None and reduce_grads_fn is None:
         params = opt.model_params  # aligned with the grads the hooks receive
         tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
-        embd = mesh.group("embd")
+        embd, edp, ep = mesh.group("embd"), mesh.group("edp"), mesh.group("ep")
         opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
-                                                             embd_group=embd)
-        if tp is not None or pp is not None:
-            opt.grad_norm_fn = lambda grads: model_parallel_grad_norm(grads, params, tp, pp)
+                                                             embd_group=embd, edp_group=edp)
+        if tp is not None or pp is not None or ep is not None:
+            opt.grad_norm_fn = lambda grads: model_parallel_grad_norm(grads, params, tp, pp,
+                                                                      ep)
     return opt

@@ -102,6 +102,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
           save_fn: Optional[Callable[[TrainState], None]] = None,
           print_fn: Callable[[str], None] = print) -> TrainState:
     """Train from state.iteration to --train-iters; returns the final state."""
+    MoELossTracker.clear()  # values left by an earlier run in this process are not ours
     t = run.train
     tokens_per_iter = t.global_batch_size * run.model.seq_length
     interval: dict[str, float] = {}

@@ -104,6 +104,11 @@ def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torc
         set_seed(run.train.seed)
         dense_cfg = dataclasses.replace(run.model, moe=None, moe_layer_pattern=None)
         upcycle_model(GPTModel(dense_cfg, tp), model)
+    if run.model.moe is not None:  # routed experts: mark them; with EP keep this rank's
+        from megamoe.moe.dispatcher import apply_expert_parallel  # slice, add a dispatcher
+
+        apply_expert_parallel(model, None if mesh is None else mesh.group("ep"),
+                              run.model.moe.token_dispatcher_type)
     if bf16:
         model = model.to(torch.bfloat16)
     return model
@@ -158,8 +163,10 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
     total, active = num_parameters(run.model)
     log(f"> number of parameters: {total:,} (active per token: {active:,}); "
         f"world size {mesh.world_size}, tensor-parallel size {mesh.tp_size}, "
-        f"pipeline-parallel size {mesh.pp_size}, data-parallel size {mesh.dp_size}")
-    optimizer = build_optimizer(model, run.optim, mesh=mesh)
+        f"pipeline-parallel size {mesh.pp_size}, data-parallel size {mesh.dp_size}, "
+        f"expert-parallel size {mesh.ep_size}")
+    optimizer = build_optimizer(model, run.optim, mesh=mesh,
+                                distributed=run.parallel.use_distributed_optimizer)
     scheduler = LRScheduler(optimizer, run.optim, run.train.train_iters)
     state = TrainState()
     if run.train.load is not None:

@@ -172,8 +172,6 @@ def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path):
         for name, t in oa[i].items():
             assert torch.equal(t, ob[i][name]), (i, name)
     assert torch.equal(sa["rng"]["torch"], sb["rng"]["torch"])
-    # a resume with a different seed on the command line still continues exactly
-    # (the RNG comes from the checkpoint, not from --seed)
 
 
 def test_async_save_matches_blocking_save(tmp_path):

@@ -43,6 +43,14 @@ def test_trains_and_logs_moe_losses():
         assert "z_loss" in h
 
 
+def test_stale_moe_losses_from_an_earlier_run_are_not_logged():
+    from megamoe.moe.losses import MoELossTracker
+
+    clean = _run("--train-iters 1")[0]["load_balancing_loss"]
+    MoELossTracker.record("load_balancing_loss", 0, 2, torch.tensor(5.0))  # left behind
+    assert _run("--train-iters 1")[0]["load_balancing_loss"] == clean
+
+
 def test_mixtral_script_flags_run_in_one_process():
     from tests.test_arguments import MIXTRAL_SCRIPT
 

@@ -1,0 +1,259 @@
+"""Distributed optimizer (--use-distributed-optimizer): fp32 main parameters and Adam states
+sharded across data-parallel ranks (ZeRO-1, Megatron-Core's DistributedOptimizer).
+
+Dense parameters are sharded across the dp group, routed-expert parameters
+(`param.expert_parallel`) across their expert-data-parallel group. Per shard group the
+parameters are laid out back to back in one flat fp32 range, padded to a multiple of the
+group size; rank r owns the r-th contiguous slice. Each parameter's piece of that slice is
+an fp32 main tensor of its own, in the parameter's weight-decay group, so AdamW, which is
+elementwise, computes exactly what the unsharded optimizer computes for those elements.
+
+step(): TP / embedding partial gradients are summed first (as data_parallel.reduce_gradients
+does), then each flat gradient is reduce-scattered over its group (gloo implements
+reduce-scatter in this torch; checked by the tests) and divided by DP, so a rank receives only its
+slice of the global-batch-mean gradient. The gradient norm sums the slices' squares over the
+shard groups (then TP for TP-sharded parameters, EP for experts, PP for stages: every
+parameter counted once), clipping scales the slices, AdamW updates the main slices, and
+an all-gather writes the updated parameters back into every rank's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import OptimizerConfig
+from megamoe.parallel.data_parallel import _sum_marked
+from megamoe.parallel.optimizer import _param_groups
+
+Group = Optional[dist.ProcessGroup]
+# torch >= 2.10 names (the *_tensor spellings are deprecated aliases).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class _Piece:
+    """The part of `param` (flat elements [start, end)) inside this rank's shard."""
+
+    param: torch.nn.Parameter
+    index: int  # position in the optimizer's model_params
+    start: int
+    end: int
+    shard_offset: int  # where the piece starts inside the rank's shard
+    main: torch.Tensor  # fp32 main copy of the piece (1-D), what AdamW updates
+
+
+class _ShardedBuffer:
+    """Flat layout of a set of parameters sharded over one group."""
+
+    def __init__(self, params: list[tuple[int, torch.nn.Parameter]], group: Group) -> None:
+        self.group = group
+        self.size, self.rank = _size(group), _rank(group)
+        self.params = params
+        self.offsets = []
+        total = 0
+        for _, p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = -(-total // self.size) * self.size  # padded to a multiple of the size
+        self.shard_numel = self.numel // self.size
+        lo = self.rank * self.shard_numel
+        hi = lo + self.shard_numel
+        self.pieces: list[_Piece] = []
+        for (index, p), off in zip(params, self.offsets):
+            start, end = max(lo, off) - off, min(hi, off + p.numel()) - off
+            if start < end:
+                main = p.detach().reshape(-1)[start:end].float().clone()
+                self.pieces.append(_Piece(p, index, start, end, off + start - lo, main))
+
+    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Concatenate (fp32) tensors aligned with self.params, zero-padded to numel."""
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        for t, off in zip(tensors, self.offsets):
+            out[off:off + t.numel()] = t.reshape(-1)
+        return out
+
+    def reduce_scatter(self, grads: list[torch.Tensor], divisor: int) -> torch.Tensor:
+        """This rank's slice of sum-over-group(grads) / divisor."""
+        full = self.flat(grads)
+        if self.size == 1:
+            shard = full
+        else:
+            shard = torch.empty(self.shard_numel, dtype=torch.float32)
+            _reduce_scatter(shard, full, group=self.group)
+        return shard.div_(divisor)
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Write every rank's updated main slices into the model parameters."""
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32)
+        for piece in self.pieces:
+            shard[piece.shard_offset:piece.shard_offset + piece.main.numel()] = piece.main
+        if self.size == 1:
+            full = shard
+        else:
+            full = torch.empty(self.numel, dtype=torch.float32)
+            _all_gather(full, shard, group=self.group)
+        for (_, p), off in zip(self.params, self.offsets):
+            p.copy_(full[off:off + p.numel()].view_as(p))
+
+
+class DistributedOptimizer:
+    """Same interface as MixedPrecisionOptimizer; states live on 1 / DP of the ranks each."""
+
+    def __init__(self, model: torch.nn.Module, config: OptimizerConfig, *, tp_group: Group,
+                 dp_group: Group, pp_group: Group = None, embd_group: Group = None,
+                 ep_group: Group = None, edp_group: Group = None) -> None:
+        self.config = config
+        self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
+        self.embd_group, self.ep_group, self.edp_group = embd_group, ep_group, edp_group
+        groups = _param_groups(model, config.weight_decay)
+        self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
+        self.separate_grads = any(p.dtype != torch.float32 for p in self.model_params)
+        if self.separate_grads:  # bf16 model: accumulate gradients in fp32 (see optimizer.py)
+            self.grad_buffers = [torch.zeros(p.shape, dtype=torch.float32)
+                                 for p in self.model_params]
+            for p, buf in zip(self.model_params, self.grad_buffers):
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(buf))
+        indexed = list(enumerate(self.model_params))
+        self.buffers = [
+            _ShardedBuffer([(i, p) for i, p in indexed
+                            if not getattr(p, "expert_parallel", False)], dp_group),
+            _ShardedBuffer([(i, p) for i, p in indexed
+                            if getattr(p, "expert_parallel", False)], edp_group),
+        ]
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        main_groups = [{**g, "params": []} for g in groups]
+        for buf in self.buffers:
+            for piece in buf.pieces:
+                piece.main.requires_grad_(True)
+                main_groups[group_of[id(piece.param)]]["params"].append(piece.main)
+        main_groups = [g for g in main_groups if g["params"]]
+        if not main_groups:  # a rank whose shards are empty still steps (no-op)
+            main_groups = [{"params": [torch.zeros(0, requires_grad=True)]}]
+        if config.optimizer == "adam":
+            self.optimizer = torch.optim.AdamW(
+                main_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps, weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(main_groups, lr=config.lr,
+                                             momentum=config.sgd_momentum,
+                                             weight_decay=config.weight_decay)
+
+    @staticmethod
+    def _make_grad_hook(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            buf.add_(param.grad.float())
+            param.grad = None
+        return hook
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        return 1.0
+
+    def zero_grad(self) -> None:
+        for p in self.model_params:
+            p.grad = None
+        if self.separate_grads:
+            for buf in self.grad_buffers:
+                buf.zero_()
+
+    def _full_grads(self) -> list[torch.Tensor]:
+        if self.separate_grads:
+            return self.grad_buffers
+        return [p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+                for p in self.model_params]
+
+    def _grad_norm(self, shards: list[torch.Tensor]) -> float:
+        """Every parameter once: [tp-sharded, tp-replicated] dense squares summed over dp
+        (then the first over tp), expert squares over edp then ep, everything over pp."""
+        dense = torch.zeros(2, dtype=torch.float32)
+        expert = torch.zeros(1, dtype=torch.float32)
+        for buf, shard, sq in ((self.buffers[0], shards[0], dense),
+                               (self.buffers[1], shards[1], expert)):
+            for piece in buf.pieces:
+                if getattr(piece.param, "shared_copy", False):
+                    continue
+                g = shard[piece.shard_offset:piece.shard_offset + piece.main.numel()]
+                i = 0 if (sq is dense and getattr(piece.param, "tensor_model_parallel",
+                                                  False)) else sq.numel() - 1
+                sq[i] += g.square().sum()
+        for t, group in ((dense, self.dp_group), (expert, self.edp_group)):
+            if group is not None:
+                dist.all_reduce(t, group=group)
+        if self.tp_group is not None:
+            dist.all_reduce(dense[:1], group=self.tp_group)
+        if self.ep_group is not None:
+            dist.all_reduce(expert, group=self.ep_group)
+        total = (dense.sum() + expert.sum()).reshape(1)
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        return float(total.sqrt())
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        grads = self._full_grads()
+        _sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
+        _sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
+        dp_size = _size(self.dp_group)
+        shards = []
+        for buf in self.buffers:
+            shards.append(buf.reduce_scatter([grads[i] for i, _ in buf.params], dp_size))
+        grad_norm = self._grad_norm(shards)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            return False, grad_norm, None
+        coeff = 1.0
+        if self.config.clip_grad > 0:
+            coeff = min(1.0, self.config.clip_grad / (grad_norm + 1e-6))
+        for buf, shard in zip(self.buffers, shards):
+            for piece in buf.pieces:
+                g = shard[piece.shard_offset:piece.shard_offset + piece.main.numel()]
+                piece.main.grad = g.clone() if coeff == 1.0 else g * coeff
+        self.optimizer.step()
+        for buf in self.buffers:
+            buf.all_gather_params()
+        return True, grad_norm, None
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: fp32 main slices + optimizer states."""
+        n = sum(piece.main.numel() * 4 for buf in self.buffers for piece in buf.pieces)
+        for state in self.optimizer.state.values():
+            n += sum(t.numel() * t.element_size() for t in state.values()
+                     if isinstance(t, torch.Tensor) and t.numel() > 1)
+        return n
+
+    def state_dict(self) -> dict:
+        """This rank's shard only (checkpoints with DP > 1 are rejected by the flags)."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "main_params": [piece.main.detach().clone() for buf in self.buffers
+                                for piece in buf.pieces]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        pieces = [piece for buf in self.buffers for piece in buf.pieces]
+        for piece, saved in zip(pieces, state["main_params"]):
+            piece.main.copy_(saved)
+        for buf in self.buffers:
+            buf.all_gather_params()
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        for buf in self.buffers:
+            for piece in buf.pieces:
+                piece.main.copy_(piece.param.detach().reshape(-1)[piece.start:piece.end])
