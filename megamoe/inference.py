@@ -35,8 +35,8 @@ def _known(cls, d: dict) -> dict:
 
 def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
     """Older checkpoints without a model config: rebuild it from the saved flags."""
-    from megamoe.argument_rules import args_to_configs
     from megamoe.arguments import build_parser
+    from megamoe.configs_from_args import args_to_configs
     from megamoe.training.pretrain import build_tokenizer_from_args
 
     ns = build_parser().parse_args([])

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from megamoe.argument_rules import NOT_SUPPORTED_YET, args_to_configs, parse_layer_freq
+from megamoe.argument_rules import NOT_SUPPORTED_YET, parse_layer_freq
 from megamoe.arguments import parse_args
+from megamoe.configs_from_args import args_to_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

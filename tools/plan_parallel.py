@@ -241,8 +241,8 @@ def explain(r: dict, hw: Hardware) -> str:
 
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:
-    from megamoe.argument_rules import args_to_configs
     from megamoe.arguments import config_file_to_argv, parse_args
+    from megamoe.configs_from_args import args_to_configs
 
     argv = config_file_to_argv(config_path) + ["--dry-run"]
     if seq_length:

@@ -17,9 +17,9 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from megamoe.argument_rules import args_to_configs
 from megamoe.arguments import parse_args
 from megamoe.config import RunConfig, to_dict
+from megamoe.configs_from_args import args_to_configs
 from megamoe.data import DataError, PretrainingSampler, build_gpt_datasets, build_tokenizer
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel

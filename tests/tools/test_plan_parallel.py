@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import plan_parallel as pl  # noqa: E402
 
-from megamoe.argument_rules import args_to_configs  # noqa: E402
 from megamoe.arguments import parse_args  # noqa: E402
+from megamoe.configs_from_args import args_to_configs  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -27,9 +27,10 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megamoe.argument_rules import ArgumentError, args_to_configs, finalize_args  # noqa: E402
+from megamoe.argument_rules import ArgumentError, finalize_args  # noqa: E402
 from megamoe.arguments import build_parser  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
+from megamoe.configs_from_args import args_to_configs  # noqa: E402
 from megamoe.inference import model_config_from_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
 from megamoe.model.hf_mapping import hf_to_megamoe, megamoe_to_hf  # noqa: E402
