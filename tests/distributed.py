@@ -51,7 +51,21 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
 
 def run_distributed(fn: Callable, world_size: int, timeout: float = 120.0,
                     *args: Any) -> list[Any]:
-    """Returns [fn's result on rank 0, ..., rank world_size - 1]."""
+    """Returns [fn's result on rank 0, ..., rank world_size - 1].
+
+    The rendezvous port is picked free but can be taken by another process before rank 0
+    binds it (tests running side by side): that one failure is retried on a new port.
+    """
+    for _ in range(2):
+        try:
+            return _run_once(fn, world_size, timeout, args)
+        except RuntimeError as e:
+            if "address already in use" not in str(e).lower():
+                raise
+    return _run_once(fn, world_size, timeout, args)
+
+
+def _run_once(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

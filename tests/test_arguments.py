@@ -12,6 +12,7 @@ import pytest
 from megamoe.argument_rules import NOT_SUPPORTED_YET, parse_layer_freq
 from megamoe.arguments import parse_args
 from megamoe.configs_from_args import args_to_configs
+from tests.flags import parse_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,13 +26,7 @@ def parse(extra: str = "", world_size: int = 1, base: str = BASE):
 
 
 def fails(capsys, extra: str, world_size: int = 1, base: str = BASE) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse(extra, world_size, base)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, f"expected exactly one line, got {err!r}"
-    assert "Traceback" not in err
-    return err
+    return parse_error(capsys, f"{base} {extra}", world_size)
 
 
 def test_megatron_defaults():

@@ -17,20 +17,10 @@ import torch
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
-from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
 from megamoe.moe.router import TopKRouter
 from megamoe.training.schedule import forward_backward_no_pipelining, forward_step
 
 E, K, S, B = 4, 2, 8, 2
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    MoELossTracker.clear()
-    set_aux_loss_backward_scale(1.0)
-    yield
-    MoELossTracker.clear()
-    set_aux_loss_backward_scale(1.0)
 
 
 def _model(types, coeffs, z=None, **moe_kw) -> GPTModel:

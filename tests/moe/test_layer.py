@@ -16,15 +16,6 @@ from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
 ZERO_EXPERTS = {4: [2], 8: [0, 5], 6: [3]}
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    MoELossTracker.clear()
-    set_aux_loss_backward_scale(1.0)
-    yield
-    MoELossTracker.clear()
-    set_aux_loss_backward_scale(1.0)
-
-
 def _build(E, k, H, F_, *, swiglu, bias, grouped, aux=0.0, z=None, seed=0):
     torch.manual_seed(seed)
     cfg = MoEConfig(num_experts=E, topk=k, ffn_hidden_size=F_, grouped_gemm=grouped,

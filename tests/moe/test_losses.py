@@ -18,15 +18,6 @@ from megamoe.moe.losses import (
 from megamoe.moe.router import TopKRouter
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    MoELossTracker.clear()
-    set_aux_loss_backward_scale(1.0)
-    yield
-    MoELossTracker.clear()
-    set_aux_loss_backward_scale(1.0)
-
-
 def test_switch_loss_hand_computed():
     # T=2 tokens, E=3 experts, k=1: P = [0.7+0.2, 0.2+0.5, 0.1+0.3], counts = [1, 1, 0].
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3]])

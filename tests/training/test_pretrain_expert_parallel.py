@@ -16,6 +16,7 @@ from megamoe.arguments import parse_args
 from megamoe.moe.losses import MoELossTracker
 from megamoe.training.pretrain import pretrain
 from tests.distributed import run_distributed
+from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
 
 EXTRA = "--train-iters 5 --clip-grad 0.05 --eval-interval 5 --eval-iters 1"
@@ -151,12 +152,7 @@ def test_ep2_x_pp2_matches_single_process():
 
 
 def _fails(capsys, extra: str, world_size: int) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}"), world_size=world_size)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    return parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world_size)
 
 
 @pytest.mark.parametrize("extra, world, message", [

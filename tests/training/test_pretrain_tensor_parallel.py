@@ -11,6 +11,7 @@ import pytest
 from megamoe.arguments import parse_args
 from megamoe.training.pretrain import pretrain
 from tests.distributed import run_distributed
+from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
 
 # A dense first layer and an MoE second layer, so both MLP kinds run under TP.
@@ -49,12 +50,7 @@ def test_tensor_parallel_training_matches_single_process(world_size):
 
 
 def _fails(capsys, extra: str, world_size: int) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}"), world_size=world_size)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    return parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world_size)
 
 
 @pytest.mark.parametrize("extra, world, message", [
