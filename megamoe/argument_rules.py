@@ -215,9 +215,6 @@ def _check_moe_balancing_and_capacity(args: argparse.Namespace) -> None:
     if "sinkhorn" in types and args.moe_router_enable_expert_bias:
         raise ArgumentError("--moe-router-load-balancing-type sinkhorn cannot be combined "
                             "with --moe-router-enable-expert-bias")
-    if "global_aux_loss" in types and args.data_parallel_size > 1:
-        raise ArgumentError("not supported yet: --moe-router-load-balancing-type "
-                            "global_aux_loss with data-parallel size > 1")
     if args.moe_router_bias_update_rate < 0:
         raise ArgumentError("--moe-router-bias-update-rate must be >= 0")
     eps = args.moe_input_jitter_eps

@@ -109,9 +109,23 @@ def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torc
 
         apply_expert_parallel(model, None if mesh is None else mesh.group("ep"),
                               run.model.moe.token_dispatcher_type)
+        if mesh is not None and mesh.dp_size * mesh.cp_size > 1:
+            _set_balancing_group(model, mesh)
     if bf16:
         model = model.to(torch.bfloat16)
     return model
+
+
+def _set_balancing_group(model: torch.nn.Module, mesh: Mesh) -> None:
+    """global_aux_loss sums token counts over the data-parallel ranks (dp x cp). TP ranks
+    are left out: with sequence parallelism every TP rank routes the same gathered tokens.
+    Gradients are averaged over dp x cp, which the loss compensates for."""
+    from megamoe.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.balancing_group = mesh.group("dp_cp")
+            module.grad_average_size = mesh.dp_size * mesh.cp_size
 
 
 def dry_run(run: RunConfig, print_fn=print) -> None:

@@ -82,6 +82,24 @@ def test_data_parallel_matches_single_process():
             assert abs(a - b) <= 1e-5 * abs(a), (single, losses)
 
 
+GLOBAL_AUX = ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-1 "
+              "--global-batch-size 4 --train-iters 3")
+
+
+def _global_aux_worker(rank: int, world_size: int) -> list[dict]:
+    return _run(f"{GLOBAL_AUX} --micro-batch-size 2", world_size=world_size)
+
+
+def test_global_aux_loss_data_parallel_matches_single_process():
+    """One micro-batch per rank: token counts summed over DP ranks give the single-process
+    global batch's loss, and DP-averaged gradients its gradient (Megatron #3672)."""
+    single = _run(f"{GLOBAL_AUX} --micro-batch-size 4")
+    for hist in run_distributed(_global_aux_worker, 2, 120):
+        for a, b in zip(single, hist):
+            for key in ("lm loss", "global_load_balancing_loss", "grad norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, single, hist)
+
+
 def _cli(args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
                            *shlex.split(args)], capture_output=True, text=True, timeout=300,
