@@ -6,10 +6,17 @@ recompute, micro batch) fits a model on N GPUs, and how fast it should run.
         --gpu-memory-gb 80 [--gpus-per-node 8 --intra-node-gbps 450 --inter-node-gbps 50
         --peak-tflops 989 --global-batch-size 256 --json]
 
-Memory per GPU = weights + gradients + optimizer states (mixed precision: bf16 weights,
-fp32 main gradients, fp32 main weights and two Adam moments; the last three sharded over
-DP / expert-DP with the distributed optimizer) + activations of the micro-batches in
-flight (1F1B keeps PP of them on the first stage) including the MoE dispatch buffers.
+Memory per GPU = weights + gradients + optimizer states + activations of the micro-batches
+in flight (1F1B keeps PP of them on the first stage) including the MoE dispatch buffers.
+The static part follows megamoe's actual layout (stage_parameters / stage_bytes), checked
+tensor by tensor against runs of configs/tiny.yaml under DP, ZeRO-1, TP+SP, PP, EP and
+combinations (tests/tools/test_plan_parallel.py: exact to the byte): norms, routers,
+row-parallel biases and shared experts are replicated over TP; routed experts are split
+over EP only (ETP = TP keeps whole experts on each TP rank); a tied embedding has a copy on
+the last stage; fp32 gradients are full size on every rank; the distributed optimizer
+keeps 16 bytes per owned element (fp32 main slice, fp32 reduced-gradient slice, two Adam
+moments) over DP for dense and expert-DP for expert parameters. Activations are checked
+against autograd's saved tensors of one tiny fp32 forward (within 25%; measured -16%).
 Step time = GEMM FLOPs at peak x efficiency + TP/SP collectives + EP all-to-all, stretched
 by the pipeline bubble, + the gradient all-reduce and pipeline p2p. Link speeds are GB/s
 per GPU; a group stays on NVLink when it fits in one node. Layouts the argument rules
@@ -29,7 +36,12 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megamoe.config import ModelConfig  # noqa: E402
-from megamoe.model.flops import _embedding_params, _layer_params, flops_per_token  # noqa: E402
+from megamoe.model.flops import (  # noqa: E402
+    _attention_params,
+    _ffn_params,
+    _norm_params,
+    flops_per_token,
+)
 
 GB = 1e9
 
@@ -63,32 +75,80 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2) -> dict[str, float]:
-    """Weights, gradients and optimizer states on the most loaded GPU (a pipeline end)."""
-    moe_layers = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
-    expert_per_layer = 0
-    if model.moe is not None:
-        h, f = model.hidden_size, model.moe.ffn_hidden_size
-        fc1 = 2 * f if model.swiglu else f
-        expert_per_layer = model.moe.num_experts * (h * fc1 + f * h)
-    layer_total = sum(_layer_params(model, i)[0] for i in range(model.num_layers))
-    dense_layers = layer_total - expert_per_layer * len(moe_layers)
-    emb = _embedding_params(model)
-    # The first stage holds the word embedding, the last the output layer; with PP = 1 both.
-    emb_stage = emb if lay.pp == 1 else max(emb - model.padded_vocab_size * model.hidden_size,
-                                            model.padded_vocab_size * model.hidden_size)
-    dense = (dense_layers / lay.pp + emb_stage) / lay.tp
-    expert = expert_per_layer * len(moe_layers) / lay.pp / (lay.ep * lay.etp)
+def _stage_of_layer(model: ModelConfig, lay: Layout, i: int) -> int:
+    """Pipeline stage holding layer i: PP x VPP equal chunks, chunk c on stage c % PP."""
+    per_chunk = model.num_layers // (lay.pp * lay.vpp)
+    return (i // per_chunk) % lay.pp
+
+
+def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float, float]:
+    """(dense, routed-expert) parameters one rank of pipeline stage `stage` holds.
+
+    megamoe's layout: attention and dense-MLP matrices and the (padded) vocabulary are
+    split over TP; norms, routers, row-parallel biases and shared experts are replicated
+    over TP; routed experts are split over EP only (experts are not sharded over the
+    expert-tensor-parallel ranks: --expert-tensor-parallel-size other than TP is not built,
+    and ETP = TP keeps whole experts on every TP rank)."""
+    h, norm = model.hidden_size, _norm_params(model)
+    dense = expert = 0.0
+    for i in range(model.num_layers):
+        if _stage_of_layer(model, lay, i) != stage:
+            continue
+        attn, _ = _attention_params(model)
+        proj_bias = h if model.add_bias_linear else 0
+        dense += 2 * norm + (attn - proj_bias) / lay.tp + proj_bias
+        if model.is_moe_layer(i):
+            m = model.moe
+            one_expert, _ = _ffn_params(model, m.ffn_hidden_size)
+            dense += m.num_experts * h  # router
+            if m.shared_expert_intermediate_size is not None:
+                dense += _ffn_params(model, m.shared_expert_intermediate_size)[0]
+                dense += h if m.shared_expert_gate else 0
+            expert += m.num_experts * one_expert / lay.ep
+        else:
+            mlp, _ = _ffn_params(model, model.ffn_hidden_size)
+            fc2_bias = h if model.add_bias_linear else 0
+            dense += (mlp - fc2_bias) / lay.tp + fc2_bias
+    vocab = math.ceil(model.padded_vocab_size / lay.tp) * h
+    if stage == 0:
+        dense += vocab
+        if model.position_embedding_type == "learned_absolute":
+            dense += model.max_position_embeddings * h
+    if stage == lay.pp - 1:
+        dense += norm  # final norm
+        # The output layer; with tied embeddings the last stage keeps a copy of the word
+        # embedding (only when it is not also the first stage).
+        if model.untie_embeddings_and_output_weights or lay.pp > 1:
+            dense += vocab
+    return dense, expert
+
+
+def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 2
+                ) -> dict[str, float]:
+    """Weights, gradients and optimizer states of one rank of pipeline stage `stage`.
+
+    Matches megamoe/parallel/optimizer.py and distributed_optimizer.py: gradients are
+    accumulated in full-size fp32 tensors (fp32: the parameters' .grad; bf16: fp32 main
+    grads, the bf16 .grad is freed by the accumulation hook). Without the distributed
+    optimizer the states are two fp32 Adam moments, plus fp32 main parameters with bf16.
+    With it, every rank keeps, for its 1/DP slice of the dense parameters (1/EDP of the
+    experts): an fp32 main copy, an fp32 copy of the reduced gradient slice and the two
+    moments, 16 bytes per element in fp32 and bf16 alike."""
+    dense, expert = stage_parameters(model, lay, stage)
     params = dense + expert
-    if param_bytes == 4:  # fp32: the model parameters are the main parameters
-        weights, grads, states = 4 * params, 4 * params, (8 * dense, 8 * expert)
-    else:  # bf16 weights, fp32 main grads, fp32 main params + 2 Adam moments
-        weights, grads, states = 2 * params, 4 * params, (12 * dense, 12 * expert)
-    edp = lay.dp * lay.cp * lay.tp // lay.etp // lay.ep
-    opt = states[0] + states[1]
+    weights, grads = param_bytes * params, 4 * params
     if lay.distributed_optimizer:
-        opt = states[0] / (lay.dp * lay.cp) + states[1] / max(edp, 1)
+        edp = max(lay.dp * lay.cp * lay.tp // (lay.etp * lay.ep), 1)
+        opt = 16 * dense / (lay.dp * lay.cp) + 16 * expert / edp
+    else:
+        opt = (8 if param_bytes == 4 else 12) * params
     return {"weights": weights, "gradients": grads, "optimizer": opt, "parameters": params}
+
+
+def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2) -> dict[str, float]:
+    """Weights, gradients and optimizer states on the most loaded GPU (the largest stage)."""
+    stages = [stage_bytes(model, lay, s, param_bytes) for s in range(lay.pp)]
+    return max(stages, key=lambda b: b["weights"] + b["gradients"] + b["optimizer"])
 
 
 def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes: int = 2
