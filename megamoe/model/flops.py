@@ -57,9 +57,14 @@ def _layer_params(config: ModelConfig, i: int) -> tuple[int, int, int]:
     moe = config.moe
     expert, expert_mm = _ffn_params(config, moe.ffn_hidden_size)
     router = moe.num_experts * config.hidden_size
-    total = base + router + moe.num_experts * expert
-    active = base + router + moe.topk * expert
-    return total, active, attn_mm + router + moe.topk * expert_mm
+    shared, shared_mm = 0, 0  # every token also passes the shared experts (and their gate)
+    if moe.shared_expert_intermediate_size is not None:
+        shared, shared_mm = _ffn_params(config, moe.shared_expert_intermediate_size)
+        gate = config.hidden_size if moe.shared_expert_gate else 0
+        shared, shared_mm = shared + gate, shared_mm + gate
+    total = base + router + shared + moe.num_experts * expert
+    active = base + router + shared + moe.topk * expert
+    return total, active, attn_mm + router + shared_mm + moe.topk * expert_mm
 
 
 def _embedding_params(config: ModelConfig) -> int:

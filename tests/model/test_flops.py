@@ -60,6 +60,18 @@ def test_moe_parameter_count(kw):
     assert total - active == n_moe * (c.moe.num_experts - c.moe.topk) * _expert_params(c)
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_experts_are_counted_as_active(gate):
+    c = _config(dict(moe_layer_pattern=[1, 0, 1], swiglu=True), moe=True)
+    c.moe.shared_expert_intermediate_size, c.moe.shared_expert_gate = 40, gate
+    total, active = num_parameters(c)
+    assert total == _count(c)
+    assert total - active == 2 * (c.moe.num_experts - c.moe.topk) * _expert_params(c)
+    plain = _config(dict(moe_layer_pattern=[1, 0, 1], swiglu=True), moe=True)
+    shared_mm = 48 * 80 + 40 * 48 + (48 if gate else 0)  # fc1 (2 x 40) + fc2 (+ gate)
+    assert flops_per_token(c) - flops_per_token(plain) == 6 * 2 * shared_mm
+
+
 def test_flops_per_token_by_hand():
     # L=2, H=64, 4 heads of 16, 2 kv groups, swiglu, layer 0 dense (F=128),
     # layer 1 MoE (E=8, k=2, F=32), S=256, vocab 1000 (padded 1024: padding not counted).
