@@ -20,14 +20,14 @@ an all-gather writes the updated parameters back into every rank's model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.data_parallel import _sum_marked
-from megamoe.parallel.optimizer import _param_groups
+from megamoe.parallel.optimizer import _param_groups, build_inner_optimizer, fp32_accumulate_hook
 
 Group = Optional[dist.ProcessGroup]
 # torch >= 2.10 names (the *_tensor spellings are deprecated aliases).
@@ -126,7 +126,7 @@ class DistributedOptimizer:
             self.grad_buffers = [torch.zeros(p.shape, dtype=torch.float32)
                                  for p in self.model_params]
             for p, buf in zip(self.model_params, self.grad_buffers):
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(buf))
+                p.register_post_accumulate_grad_hook(fp32_accumulate_hook(buf))
         indexed = list(enumerate(self.model_params))
         self.buffers = [
             _ShardedBuffer([(i, p) for i, p in indexed
@@ -143,21 +143,7 @@ class DistributedOptimizer:
         main_groups = [g for g in main_groups if g["params"]]
         if not main_groups:  # a rank whose shards are empty still steps (no-op)
             main_groups = [{"params": [torch.zeros(0, requires_grad=True)]}]
-        if config.optimizer == "adam":
-            self.optimizer = torch.optim.AdamW(
-                main_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_eps, weight_decay=config.weight_decay)
-        else:
-            self.optimizer = torch.optim.SGD(main_groups, lr=config.lr,
-                                             momentum=config.sgd_momentum,
-                                             weight_decay=config.weight_decay)
-
-    @staticmethod
-    def _make_grad_hook(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            buf.add_(param.grad.float())
-            param.grad = None
-        return hook
+        self.optimizer = build_inner_optimizer(main_groups, config)
 
     @property
     def param_groups(self) -> list[dict]:

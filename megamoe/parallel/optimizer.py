@@ -76,6 +76,26 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
+                          ) -> torch.optim.Optimizer:
+    """The torch optimizer that updates the fp32 main parameters (--optimizer)."""
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1,
+                                                              config.adam_beta2),
+                                 eps=config.adam_eps, weight_decay=config.weight_decay)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                           weight_decay=config.weight_decay)
+
+
+def fp32_accumulate_hook(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """Post-accumulate-grad hook: add the parameter's gradient to the fp32 `buf` and free
+    it, so accumulation across micro-batches never rounds in the model dtype."""
+    def hook(param: torch.Tensor) -> None:
+        buf.add_(param.grad.float())
+        param.grad = None
+    return hook
+
+
 class MixedPrecisionOptimizer:
     """Adam/SGD over fp32 main parameters with fp32 gradient accumulation."""
 
@@ -98,23 +118,10 @@ class MixedPrecisionOptimizer:
             groups = main_groups
             for p, main in zip(self.model_params, self.main_params):
                 main.grad = torch.zeros_like(main)
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(main))
+                p.register_post_accumulate_grad_hook(fp32_accumulate_hook(main.grad))
         else:
             self.main_params = self.model_params
-        if config.optimizer == "adam":
-            self.optimizer = torch.optim.AdamW(
-                groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_eps, weight_decay=config.weight_decay)
-        else:
-            self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
-                                             weight_decay=config.weight_decay)
-
-    @staticmethod
-    def _make_grad_hook(main: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            main.grad.add_(param.grad.float())  # fp32 accumulation across micro-batches
-            param.grad = None
-        return hook
+        self.optimizer = build_inner_optimizer(groups, config)
 
     @property
     def param_groups(self) -> list[dict]:
