@@ -36,28 +36,18 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megamoe.config import ModelConfig  # noqa: E402
-from megamoe.model.flops import (  # noqa: E402
-    _attention_params,
-    _ffn_params,
-    _norm_params,
-    flops_per_token,
+from megamoe.model.flops import flops_per_token  # noqa: E402
+from megamoe.parallel.memory_model import (  # noqa: E402
+    Layout,
+    activation_bytes,
+    model_bytes,
+    stage_bytes,
+    stage_parameters,
 )
 
+__all__ = ["Layout", "activation_bytes", "model_bytes", "stage_bytes", "stage_parameters"]
+
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    vpp: int
-    ep: int
-    etp: int
-    dp: int
-    cp: int
-    distributed_optimizer: bool
-    recompute: str  # none | full
-    micro_batch_size: int
 
 
 @dataclass
@@ -73,116 +63,6 @@ class Hardware:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _stage_of_layer(model: ModelConfig, lay: Layout, i: int) -> int:
-    """Pipeline stage holding layer i: PP x VPP equal chunks, chunk c on stage c % PP."""
-    per_chunk = model.num_layers // (lay.pp * lay.vpp)
-    return (i // per_chunk) % lay.pp
-
-
-def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float, float]:
-    """(dense, routed-expert) parameters one rank of pipeline stage `stage` holds.
-
-    megamoe's layout: attention and dense-MLP matrices and the (padded) vocabulary are
-    split over TP; norms, routers, row-parallel biases and shared experts are replicated
-    over TP; routed experts are split over EP only (experts are not sharded over the
-    expert-tensor-parallel ranks: --expert-tensor-parallel-size other than TP is not built,
-    and ETP = TP keeps whole experts on every TP rank)."""
-    h, norm = model.hidden_size, _norm_params(model)
-    dense = expert = 0.0
-    for i in range(model.num_layers):
-        if _stage_of_layer(model, lay, i) != stage:
-            continue
-        attn, _ = _attention_params(model)
-        proj_bias = h if model.add_bias_linear else 0
-        dense += 2 * norm + (attn - proj_bias) / lay.tp + proj_bias
-        if model.is_moe_layer(i):
-            m = model.moe
-            one_expert, _ = _ffn_params(model, m.ffn_hidden_size)
-            dense += m.num_experts * h  # router
-            if m.shared_expert_intermediate_size is not None:
-                dense += _ffn_params(model, m.shared_expert_intermediate_size)[0]
-                dense += h if m.shared_expert_gate else 0
-            expert += m.num_experts * one_expert / lay.ep
-        else:
-            mlp, _ = _ffn_params(model, model.ffn_hidden_size)
-            fc2_bias = h if model.add_bias_linear else 0
-            dense += (mlp - fc2_bias) / lay.tp + fc2_bias
-    vocab = math.ceil(model.padded_vocab_size / lay.tp) * h
-    if stage == 0:
-        dense += vocab
-        if model.position_embedding_type == "learned_absolute":
-            dense += model.max_position_embeddings * h
-    if stage == lay.pp - 1:
-        dense += norm  # final norm
-        # The output layer; with tied embeddings the last stage keeps a copy of the word
-        # embedding (only when it is not also the first stage).
-        if model.untie_embeddings_and_output_weights or lay.pp > 1:
-            dense += vocab
-    return dense, expert
-
-
-def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 2
-                ) -> dict[str, float]:
-    """Weights, gradients and optimizer states of one rank of pipeline stage `stage`.
-
-    Matches megamoe/parallel/optimizer.py and distributed_optimizer.py: gradients are
-    accumulated in full-size fp32 tensors (fp32: the parameters' .grad; bf16: fp32 main
-    grads, the bf16 .grad is freed by the accumulation hook). Without the distributed
-    optimizer the states are two fp32 Adam moments, plus fp32 main parameters with bf16.
-    With it, every rank keeps, for its 1/DP slice of the dense parameters (1/EDP of the
-    experts): an fp32 main copy, an fp32 copy of the reduced gradient slice and the two
-    moments, 16 bytes per element in fp32 and bf16 alike."""
-    dense, expert = stage_parameters(model, lay, stage)
-    params = dense + expert
-    weights, grads = param_bytes * params, 4 * params
-    if lay.distributed_optimizer:
-        edp = max(lay.dp * lay.cp * lay.tp // (lay.etp * lay.ep), 1)
-        opt = 16 * dense / (lay.dp * lay.cp) + 16 * expert / edp
-    else:
-        opt = (8 if param_bytes == 4 else 12) * params
-    return {"weights": weights, "gradients": grads, "optimizer": opt, "parameters": params}
-
-
-def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2) -> dict[str, float]:
-    """Weights, gradients and optimizer states on the most loaded GPU (the largest stage)."""
-    stages = [stage_bytes(model, lay, s, param_bytes) for s in range(lay.pp)]
-    return max(stages, key=lambda b: b["weights"] + b["gradients"] + b["optimizer"])
-
-
-def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes: int = 2
-                     ) -> float:
-    """Saved activations on the first pipeline stage (it holds PP micro-batches in 1F1B)."""
-    h, d = model.hidden_size, model.kv_channels
-    nq, nkv = model.num_attention_heads, model.num_query_groups
-    tokens = seq_length // lay.cp * lay.micro_batch_size
-    attn = 3 * h + (nq + 2 * nkv) * d + 2 * nq * d  # norm/qkv/proj inputs, q k v, out + lse
-    per_layer = []
-    for i in range(model.num_layers):
-        if model.is_moe_layer(i):
-            m, f = model.moe, model.moe.ffn_hidden_size
-            fc1 = 2 * f if model.swiglu else f
-            # norm + router input, permuted tokens, fc1 out, act out, expert out (k copies),
-            # plus the all-to-all send/receive buffers of the dispatch (k x h each way).
-            expert = m.topk * (h + fc1 + f + h) / lay.etp + (2 * m.topk * h if lay.ep > 1 else 0)
-            mlp = 2 * h + expert + m.num_experts * 4 / act_bytes  # fp32 router probs
-        else:
-            f = model.ffn_hidden_size
-            fc1 = 2 * f if model.swiglu else f
-            mlp = (2 * h + fc1 + f) / lay.tp
-        per_layer.append(attn / lay.tp + mlp)
-    layers_per_stage = model.num_layers / lay.pp
-    mean_layer = sum(per_layer) / len(per_layer)
-    if lay.recompute == "full":  # only each layer's input, plus one layer being recomputed
-        stage = layers_per_stage * h / lay.tp + max(per_layer)
-    else:
-        stage = layers_per_stage * mean_layer
-    in_flight = lay.pp if lay.pp > 1 else 1
-    if lay.vpp > 1:
-        in_flight = lay.pp + (lay.pp - 1) / lay.vpp
-    logits = 2 * 4 * model.vocab_size / lay.tp  # fp32 logits and their gradient (last stage)
-    return tokens * act_bytes * (stage * in_flight) + tokens * logits
 
 
 def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,

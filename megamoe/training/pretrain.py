@@ -24,6 +24,7 @@ from megamoe.data import DataError, PretrainingSampler, build_gpt_datasets, buil
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.pipeline_stage import build_pipeline_model
+from megamoe.parallel.memory_model import Layout, activation_bytes, model_bytes
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.parallel.optimizer import build_optimizer
 from megamoe.parallel.random import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
@@ -129,17 +130,34 @@ def _set_balancing_group(model: torch.nn.Module, mesh: Mesh) -> None:
 
 
 def dry_run(run: RunConfig, print_fn=print) -> None:
-    """Build the model's shapes on the meta device and report its size."""
+    """Build the model's shapes on the meta device; report its size and the memory one rank
+    of this launch's layout needs (megamoe.parallel.memory_model, largest pipeline stage,
+    layers split evenly over the stages)."""
     with torch.device("meta"):
         model = GPTModel(run.model)
     actual = sum(p.numel() for p in model.parameters())
     total, active = num_parameters(run.model)
+    par = run.parallel
+    vpp = 1
+    if par.num_layers_per_virtual_pipeline_stage:
+        vpp = run.model.num_layers // (par.pipeline_model_parallel_size
+                                       * par.num_layers_per_virtual_pipeline_stage)
+    layout = Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                    vpp=vpp, ep=par.expert_model_parallel_size,
+                    etp=par.expert_tensor_parallel_size or par.tensor_model_parallel_size,
+                    dp=par.data_parallel_size, cp=par.context_parallel_size,
+                    distributed_optimizer=par.use_distributed_optimizer, recompute="none",
+                    micro_batch_size=run.train.micro_batch_size)
     bytes_per = 2 if run.optim.bf16 else 4
-    # params + grads in model dtype, fp32 main params + 2 Adam states (+ fp32 main grads).
-    state = actual * (2 * bytes_per + (16 if run.optim.bf16 else 8))
+    static = model_bytes(run.model, layout, bytes_per)
+    activations = activation_bytes(run.model, layout, run.model.seq_length, bytes_per)
+    memory = {k: int(static[k]) for k in ("weights", "gradients", "optimizer")}
+    memory["activations"] = int(activations)
+    memory["total"] = sum(memory.values())
     print_fn(json.dumps({"parameters": actual, "parameters_formula": total,
                          "active_parameters_per_token": active,
-                         "weights_grads_optimizer_gib": round(state / 2**30, 3)}))
+                         "per_rank_memory_bytes": memory,
+                         "per_rank_memory_gib": round(memory["total"] / 2**30, 3)}))
 
 
 def _dry_run_vocab_size(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -49,6 +50,32 @@ def test_stale_moe_losses_from_an_earlier_run_are_not_logged():
     clean = _run("--train-iters 1")[0]["load_balancing_loss"]
     MoELossTracker.record("load_balancing_loss", 0, 2, torch.tensor(5.0))  # left behind
     assert _run("--train-iters 1")[0]["load_balancing_loss"] == clean
+
+
+def _dry_run_memory(extra: str, world_size: int) -> dict:
+    out: list[str] = []
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run {extra}"),
+                      world_size=world_size)
+    pretrain(args, print_fn=out.append)
+    return json.loads(out[-1])["per_rank_memory_bytes"]
+
+
+def test_dry_run_reports_per_rank_memory_of_the_layout():
+    from megamoe.configs_from_args import args_to_configs
+    from megamoe.parallel.memory_model import Layout, model_bytes
+
+    single = _dry_run_memory("", 1)
+    split = _dry_run_memory("--tensor-model-parallel-size 2 --sequence-parallel "
+                            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 "
+                            "--use-distributed-optimizer --global-batch-size 4", 8)
+    cfg = args_to_configs(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1"),
+                                     world_size=1), 98).model
+    lay = Layout(tp=2, pp=2, vpp=1, ep=2, etp=2, dp=2, cp=1, distributed_optimizer=True,
+                 recompute="none", micro_batch_size=2)
+    want = model_bytes(cfg, lay, 4)
+    assert split["weights"] == int(want["weights"])
+    assert split["optimizer"] == int(want["optimizer"])
+    assert split["total"] < single["total"] and split["activations"] > 0
 
 
 def test_mixtral_script_flags_run_in_one_process():
