@@ -33,7 +33,7 @@ def _hf_common() -> dict:
                 max_position_embeddings=64)
 
 
-def _randomize(model) -> None:
+def randomize_hf_weights(model) -> None:
     """HF ones-inits norms and uses small stds; make every weight distinctive and the logits
     O(1), so a mapping mistake (say gate/up swapped) moves them far beyond the tolerance."""
     with torch.no_grad():
@@ -65,7 +65,7 @@ def _mixtral():
     cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                      **_hf_common())
     model = transformers.MixtralForCausalLM(cfg)
-    _randomize(model)
+    randomize_hf_weights(model)
     return model
 
 
@@ -99,7 +99,7 @@ def test_mixtral_on_disk_expert_layout_matches():
 def test_llama_dense_logits_match():
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_hf_common()))
-    _randomize(hf)
+    randomize_hf_weights(hf)
     ours, tokens = _check_parity(hf, _ours(moe=False))
     # Same per-token loss as HF's own (mean) causal-LM loss on shifted labels.
     labels = tokens.roll(-1, dims=1)

@@ -129,6 +129,18 @@ def test_dispatchers_match_naive_loop_four_ranks():
     assert run_distributed(_cases_worker, 4, 180) == [[True] * (len(CASES) + 3)] * 4
 
 
+def _forward_backward_both(full, ep, rank: int, world: int) -> None:
+    """The whole batch through the single-process layer, this rank's rows through the
+    expert-parallel one (same output gradient); outputs must agree on this rank's rows."""
+    x, _, _, grad = _inputs(world, "random")
+    rows = slice(rank * T, (rank + 1) * T)
+    ref = full(x)
+    (ref * grad).sum().backward()
+    out = ep(x[rows])
+    (out * grad[rows]).sum().backward()
+    torch.testing.assert_close(out, ref[rows], rtol=1e-5, atol=1e-6)
+
+
 def _layer_worker(rank: int, world: int, dispatcher_type: str):
     """A whole MoELayer (router, aux losses off) sharded with apply_expert_parallel equals
     the single-process layer on the concatenated tokens."""
@@ -141,13 +153,7 @@ def _layer_worker(rank: int, world: int, dispatcher_type: str):
     ep = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, dispatcher_type)
     assert ep.experts.fc1_weight.shape[0] == E // world
     assert all(p.expert_parallel for p in ep.experts.parameters())
-    x, _, _, grad = _inputs(world, "random")
-    rows = slice(rank * T, (rank + 1) * T)
-    ref = full(x)
-    (ref * grad).sum().backward()
-    out = ep(x[rows])
-    (out * grad[rows]).sum().backward()
-    torch.testing.assert_close(out, ref[rows], rtol=1e-5, atol=1e-6)
+    _forward_backward_both(full, ep, rank, world)
     router_grad = ep.router.weight.grad.clone()
     dist.all_reduce(router_grad)  # each rank saw its own tokens
     torch.testing.assert_close(router_grad, full.router.weight.grad, rtol=1e-5, atol=1e-6)
@@ -167,13 +173,7 @@ def _module_experts_worker(rank: int, world: int) -> bool:
     full = MoELayer(hidden_size=H, experts=modules, topk=2, aux_loss_coeffs=[0.0])
     ep = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, "alltoall")
     assert len(ep.experts.local_experts) == E // world
-    x, _, _, grad = _inputs(world, "random")
-    rows = slice(rank * T, (rank + 1) * T)
-    ref = full(x)
-    (ref * grad).sum().backward()
-    out = ep(x[rows])
-    (out * grad[rows]).sum().backward()
-    torch.testing.assert_close(out, ref[rows], rtol=1e-5, atol=1e-6)
+    _forward_backward_both(full, ep, rank, world)
     lo = rank * (E // world)
     for j, expert in enumerate(ep.experts.local_experts):
         torch.testing.assert_close(expert[0].weight.grad,

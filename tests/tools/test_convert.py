@@ -24,17 +24,10 @@ from megamoe.training.pretrain import pretrain
 from tools.checkpoint.convert import main as convert
 
 transformers = pytest.importorskip("transformers")
+from tests.model.test_hf_parity import randomize_hf_weights  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 98  # NullTokenizer --vocab-size 97 (+ eod)
-
-
-def _randomize(model) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
 
 
 def hf_mixtral(path, *, hidden=32, heads=4, kv=2, experts=4, topk=2, ffn=48, layers=2,
@@ -47,7 +40,7 @@ def hf_mixtral(path, *, hidden=32, heads=4, kv=2, experts=4, topk=2, ffn=48, lay
         num_experts_per_tok=topk, max_position_embeddings=64, tie_word_embeddings=tied,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     model = transformers.MixtralForCausalLM(cfg)
-    _randomize(model)
+    randomize_hf_weights(model)
     model.save_pretrained(str(path))
     return model.eval()
 
