@@ -22,7 +22,6 @@ class ArgumentError(ValueError):
 # other than the parser default fails with "not supported yet: --flag".
 NOT_SUPPORTED_YET = (
     "--context-parallel-size",
-    "--expert-tensor-parallel-size",
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
     "--qk-layernorm",
@@ -170,6 +169,14 @@ def _check_moe(args: argparse.Namespace) -> None:
             f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size "
             f"({etp}) x --expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size "
             f"({pp})")
+    if etp not in (1, args.tensor_model_parallel_size):
+        raise ArgumentError(
+            f"not supported yet: --expert-tensor-parallel-size {etp} other than 1 or "
+            f"--tensor-model-parallel-size ({args.tensor_model_parallel_size})")
+    if etp > 1 and args.moe_ffn_hidden_size % etp:
+        raise ArgumentError(
+            f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "
+            f"--expert-tensor-parallel-size ({etp})")
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ArgumentError(
             f"--moe-router-topk ({args.moe_router_topk}) must be between 1 and "
@@ -379,8 +386,6 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
     for flag in NOT_SUPPORTED_YET:
         dest = _dest(flag)
         value, default = getattr(args, dest), parser.get_default(dest)
-        if dest == "expert_tensor_parallel_size":
-            default = args.tensor_model_parallel_size  # derived from TP
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
     for size_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",

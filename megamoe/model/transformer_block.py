@@ -4,11 +4,13 @@ layer(x) = x + drop(attn(norm1(x))), then x + drop(mlp(norm2(x))); the MLP is an
 where `config.is_moe_layer(i)`. The block ends with the final norm.
 
 With sequence parallelism the residual stream, norms and dropout live on [S/TP, B, H]
-shards. An MoE layer is replicated over TP (its experts are not split): it sees the whole
-sequence (all-gathered), so routing equals single-process, and its output is split back.
-The split's backward all-gathers the output gradient, so every TP rank computes the same
-full gradient for the router and experts: their gradients need no TP reduction, and the
-aux losses (computed on the full sequence) are counted exactly once.
+shards. An MoE layer sees the whole sequence (all-gathered), so routing equals
+single-process, and its output is split back. The split's backward all-gathers the output
+gradient, so every TP rank computes the same full gradient for the router: it needs no TP
+reduction, and the aux losses (computed on the full sequence) are counted exactly once.
+Once apply_expert_parallel gave the layer a `tensor_parallel` plan, the layer splits the
+expert work over TP itself (moe/expert_tensor_parallel.py) and returns its shard; without
+one its experts are replicated and every TP rank computes all of them.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class TransformerLayer(nn.Module):
         if not (self.is_moe and self.tp.sp):
             return self.mlp(x_SBH)
         full_SBH = gather_from_sequence(x_SBH, self.tp.group, reduce_grad=False)
+        if self.mlp.tensor_parallel is not None:  # returns its own [S/TP, B, H] shard
+            return self.mlp(full_SBH)
         return scatter_to_sequence(self.mlp(full_SBH), self.tp.group)  # [S/TP, B, H]
 
     def _dropout(self, x_SBH: torch.Tensor) -> torch.Tensor:

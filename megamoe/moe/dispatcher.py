@@ -309,17 +309,24 @@ def _shard_experts(experts: nn.Module, start: int, count: int) -> None:
     else:
         raise TypeError(f"cannot shard experts of type {type(experts).__name__}")
     experts.num_local_experts = count
+    experts.expert_offset = start
 
 
 def apply_expert_parallel(model: nn.Module, ep_group: Optional[dist.ProcessGroup],
-                          dispatcher_type: str = "allgather") -> nn.Module:
+                          dispatcher_type: str = "allgather", *,
+                          tp_group: Optional[dist.ProcessGroup] = None,
+                          etp_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """Mark every MoE layer's routed experts; with an ep group, keep this rank's slice of
-    them and give the layer a token dispatcher. In place; returns `model`.
+    them and give the layer a token dispatcher; with a tp group (sequence parallelism),
+    split the experts' hidden dimension over `etp_group` (ETP = TP) or the tokens over the
+    TP ranks (ETP = 1), see expert_tensor_parallel.py. In place; returns `model`.
 
     With one ep rank both dispatchers would only permute locally, which is exactly the
     layer's own dispatch path, so no dispatcher is attached."""
+    from megamoe.moe.expert_tensor_parallel import build_moe_tensor_parallel, shard_expert_hidden
     from megamoe.moe.layer import MoELayer
 
+    moe_tp = build_moe_tensor_parallel(tp_group, etp_group)
     for layer in [m for m in model.modules() if isinstance(m, MoELayer)]:
         if ep_group is not None and dist.get_world_size(ep_group) > 1:
             if layer.config.router_type != "topk":
@@ -331,5 +338,8 @@ def apply_expert_parallel(model: nn.Module, ep_group: Optional[dist.ProcessGroup
                                           layer.config.a2a_overlap_degree)
             _shard_experts(layer.experts, dispatcher.local_start, dispatcher.num_local_experts)
             layer.token_dispatcher = dispatcher
+        if moe_tp is not None:  # after the ep slice, which makes new parameters
+            shard_expert_hidden(layer.experts, moe_tp.etp_group)
+            layer.tensor_parallel = moe_tp
         mark_expert_parallel(layer.experts)
     return model

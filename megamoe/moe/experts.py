@@ -32,6 +32,11 @@ class GroupedExperts(nn.Module):
                  grouped_gemm: bool) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
+        # Set when the experts are sharded (dispatcher.py / expert_tensor_parallel.py): the
+        # global id of local expert 0, and this rank's slice of the hidden dimension F.
+        self.expert_offset = 0
+        self.etp_size, self.etp_rank = 1, 0
+        self.fc2_bias_scale = 1.0  # 1 / ETP: each etp rank adds its share of the fc2 bias
         self.swiglu = swiglu
         self.backend = "auto" if grouped_gemm else "loop"
         fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
@@ -80,6 +85,8 @@ class GroupedExperts(nn.Module):
         b2_NH = _rows_bias(self.fc2_bias, tokens_per_expert_E, num_rows)
         if b2_NH is None:
             return y_NH
+        if self.fc2_bias_scale != 1.0:
+            b2_NH = b2_NH * self.fc2_bias_scale
         return y_NH + (b2_NH if p_N1 is None else b2_NH * p_N1)
 
 
@@ -96,6 +103,7 @@ class SequentialExperts(nn.Module):
             raise ValueError("SequentialExperts needs at least one expert module")
         self.local_experts = nn.ModuleList(experts)
         self.num_local_experts = len(experts)
+        self.expert_offset = 0  # global id of local expert 0 (set by expert parallelism)
 
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         chunks = torch.split(x_NH, tokens_per_expert_E.tolist(), dim=0)

@@ -96,8 +96,11 @@ class MoELayer(nn.Module):
         elif config.shared_expert_gate:
             raise ValueError("--moe-shared-expert-gate needs "
                              "--moe-shared-expert-intermediate-size")
-        # Set by apply_expert_parallel (moe/dispatcher.py) when experts span ranks.
+        # Set by apply_expert_parallel (moe/dispatcher.py) when experts span ranks; with
+        # `tensor_parallel` the input is the TP-gathered sequence and the output this rank's
+        # sequence shard (moe/expert_tensor_parallel.py).
         self.token_dispatcher = None
+        self.tensor_parallel = None
         num_experts = config.num_experts
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
@@ -184,14 +187,20 @@ class MoELayer(nn.Module):
             self.stat_routed_per_expert += routed_E
             self.stat_kept_per_expert += kept_E
             self.stat_num_tokens += x_TH.shape[0]
+        tp = self.tensor_parallel
+        x_in, probs_in, map_in = ((x_TH, probs_TE, routing_map_TE) if tp is None
+                                  else tp.enter(x_TH, probs_TE, routing_map_TE))
         if self.token_dispatcher is not None:  # expert parallel (moe/dispatcher.py)
-            out_TH = self.token_dispatcher.forward(x_TH, probs_TE, routing_map_TE,
-                                                   self.experts)
+            out_TH = self.token_dispatcher.forward(x_in, probs_in, map_in, self.experts)
         else:
-            d = self.dispatch(x_TH, probs_TE, routing_map_TE, pad)
+            d = self.dispatch(x_in, probs_in, map_in, pad)
             out_TH = self.combine(self.compute(d), d)
+        if tp is not None:  # -> this rank's sequence shard
+            out_TH = tp.exit(out_TH)
+            shape = (shape[0] // tp.tp_size, *shape[1:])
         if self.shared_experts is not None:
-            out_TH = out_TH + self.shared_experts(x_TH).to(out_TH.dtype)
+            shared_TH = self.shared_experts(x_TH).to(out_TH.dtype)
+            out_TH = out_TH + (shared_TH if tp is None else tp.shard(shared_TH))
         if aux_loss is not None:
             out_TH = attach_aux_loss(out_TH, aux_loss)
         return out_TH.reshape(shape)

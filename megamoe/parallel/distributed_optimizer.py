@@ -115,10 +115,12 @@ class DistributedOptimizer:
 
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig, *, tp_group: Group,
                  dp_group: Group, pp_group: Group = None, embd_group: Group = None,
-                 ep_group: Group = None, edp_group: Group = None) -> None:
+                 ep_group: Group = None, edp_group: Group = None,
+                 etp_group: Group = None) -> None:
         self.config = config
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.embd_group, self.ep_group, self.edp_group = embd_group, ep_group, edp_group
+        self.etp_group = etp_group
         groups = _param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_grads = any(p.dtype != torch.float32 for p in self.model_params)
@@ -167,23 +169,26 @@ class DistributedOptimizer:
 
     def _grad_norm(self, shards: list[torch.Tensor]) -> float:
         """Every parameter once: [tp-sharded, tp-replicated] dense squares summed over dp
-        (then the first over tp), expert squares over edp then ep, everything over pp."""
+        (then the first over tp), expert squares [etp-replicated, etp-sharded] over edp,
+        the second over etp, both over ep, everything over pp."""
         dense = torch.zeros(2, dtype=torch.float32)
-        expert = torch.zeros(1, dtype=torch.float32)
+        expert = torch.zeros(2, dtype=torch.float32)
         for buf, shard, sq in ((self.buffers[0], shards[0], dense),
                                (self.buffers[1], shards[1], expert)):
             for piece in buf.pieces:
                 if getattr(piece.param, "shared_copy", False):
                     continue
                 g = shard[piece.shard_offset:piece.shard_offset + piece.main.numel()]
-                i = 0 if (sq is dense and getattr(piece.param, "tensor_model_parallel",
-                                                  False)) else sq.numel() - 1
+                attr = "tensor_model_parallel" if sq is dense else "etp_sharded"
+                i = 0 if getattr(piece.param, attr, False) else 1
                 sq[i] += g.square().sum()
         for t, group in ((dense, self.dp_group), (expert, self.edp_group)):
             if group is not None:
                 dist.all_reduce(t, group=group)
         if self.tp_group is not None:
             dist.all_reduce(dense[:1], group=self.tp_group)
+        if self.etp_group is not None:
+            dist.all_reduce(expert[:1], group=self.etp_group)
         if self.ep_group is not None:
             dist.all_reduce(expert, group=self.ep_group)
         total = (dense.sum() + expert.sum()).reshape(1)

@@ -39,9 +39,8 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
 
     megamoe's layout: attention and dense-MLP matrices and the (padded) vocabulary are
     split over TP; norms, routers, row-parallel biases and shared experts are replicated
-    over TP; routed experts are split over EP only (experts are not sharded over the
-    expert-tensor-parallel ranks: --expert-tensor-parallel-size other than TP is not built,
-    and ETP = TP keeps whole experts on every TP rank)."""
+    over TP; routed experts are split over EP and their hidden dimension over ETP
+    (moe/expert_tensor_parallel.py; an fc2 bias stays whole)."""
     h, norm = model.hidden_size, _norm_params(model)
     dense = expert = 0.0
     for i in range(model.num_layers):
@@ -57,7 +56,8 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
             if m.shared_expert_intermediate_size is not None:
                 dense += _ffn_params(model, m.shared_expert_intermediate_size)[0]
                 dense += h if m.shared_expert_gate else 0
-            expert += m.num_experts * one_expert / lay.ep
+            fc2_bias = h if model.add_bias_linear else 0
+            expert += m.num_experts * ((one_expert - fc2_bias) / lay.etp + fc2_bias) / lay.ep
         else:
             mlp, _ = _ffn_params(model, model.ffn_hidden_size)
             fc2_bias = h if model.add_bias_linear else 0

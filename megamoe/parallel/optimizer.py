@@ -37,24 +37,28 @@ def local_grad_norm(grads: list[torch.Tensor]) -> float:
 def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
                              tp_group: Optional[dist.ProcessGroup],
                              pp_group: Optional[dist.ProcessGroup],
-                             ep_group: Optional[dist.ProcessGroup] = None) -> float:
+                             ep_group: Optional[dist.ProcessGroup] = None,
+                             etp_group: Optional[dist.ProcessGroup] = None) -> float:
     """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
     parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
     from this rank (identical on every TP rank after reduction), routed experts
-    (`param.expert_parallel`: each ep rank holds different experts) summed over EP, stages
-    summed over PP. DP / EDP replicas hold identical reduced gradients, so they are not
-    summed; the last stage's copy of a tied embedding (`param.shared_copy`) is not counted."""
-    sq = torch.zeros(3, dtype=torch.float32)  # [tp-sharded, replicated, expert] squares
-    for g, p in zip(grads, params):
+    (`param.expert_parallel`: each ep rank holds different experts) summed over EP, and
+    the ones split over the expert-tensor-parallel group (`param.etp_sharded`) over ETP
+    first, stages summed over PP. DP / EDP replicas hold identical reduced gradients, so
+    they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is not counted."""
+    sq = torch.zeros(4, dtype=torch.float32)  # [tp-sharded, replicated, expert,
+    for g, p in zip(grads, params):           #  etp-sharded expert] squares
         if getattr(p, "shared_copy", False):
             continue
         if getattr(p, "expert_parallel", False):
-            i = 2
+            i = 3 if getattr(p, "etp_sharded", False) else 2
         else:
             i = 0 if getattr(p, "tensor_model_parallel", False) else 1
         sq[i] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
     if tp_group is not None:
         dist.all_reduce(sq[:1], group=tp_group)
+    if etp_group is not None:
+        dist.all_reduce(sq[3:], group=etp_group)
     if ep_group is not None:
         dist.all_reduce(sq[2:], group=ep_group)
     total = sq.sum().reshape(1)
@@ -206,15 +210,17 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
         return DistributedOptimizer(
             model, config, tp_group=mesh.group("tp"), dp_group=mesh.group("dp"),
             pp_group=mesh.group("pp"), embd_group=mesh.group("embd"),
-            ep_group=mesh.group("ep"), edp_group=mesh.group("edp"))
+            ep_group=mesh.group("ep"), edp_group=mesh.group("edp"),
+            etp_group=mesh.group("etp"))
     opt = MixedPrecisionOptimizer(model, config, reduce_grads_fn)
     if mesh is not None and reduce_grads_fn is None:
         params = opt.model_params  # aligned with the grads the hooks receive
         tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
         embd, edp, ep = mesh.group("embd"), mesh.group("edp"), mesh.group("ep")
+        etp = mesh.group("etp")
         opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
                                                              embd_group=embd, edp_group=edp)
         if tp is not None or pp is not None or ep is not None:
             opt.grad_norm_fn = lambda grads: model_parallel_grad_norm(grads, params, tp, pp,
-                                                                      ep)
+                                                                      ep, etp)
     return opt

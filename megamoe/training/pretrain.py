@@ -109,7 +109,9 @@ def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torc
         from megamoe.moe.dispatcher import apply_expert_parallel  # slice, add a dispatcher
 
         apply_expert_parallel(model, None if mesh is None else mesh.group("ep"),
-                              run.model.moe.token_dispatcher_type)
+                              run.model.moe.token_dispatcher_type,
+                              tp_group=None if mesh is None else mesh.group("tp"),
+                              etp_group=None if mesh is None else mesh.group("etp"))
         if mesh is not None and mesh.dp_size * mesh.cp_size > 1:
             _set_balancing_group(model, mesh)
     if bf16:

@@ -16,7 +16,7 @@ from megamoe.parallel.distributed_optimizer import DistributedOptimizer
 from megamoe.parallel.optimizer import MixedPrecisionOptimizer
 from tests.distributed import run_distributed
 from tests.training.test_pretrain import TINY_MOE
-from tests.training.test_pretrain_expert_parallel import _check, _run
+from tests.training.test_pretrain_expert_parallel import KEYS, _check, _run, _single
 
 
 def test_dp2_distributed_optimizer_matches_single_process():
@@ -28,6 +28,21 @@ def test_ep2_x_dp2_distributed_optimizer_matches_single_process():
     per_rank = _run("--use-distributed-optimizer --expert-model-parallel-size 2 "
                     "--moe-token-dispatcher-type alltoall", 4)
     _check(per_rank, 2, lambda r: r % 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("etp", [2, 1])
+def test_ep2_x_tp2_sp_distributed_optimizer_matches_single_process(etp):
+    # Dense shards over dp = 2; experts split over F (ETP 2, edp 1) or whole with the
+    # edp = 2 replicas sharding their states (ETP 1): the grad norm counts each once.
+    per_rank = _run("--use-distributed-optimizer --expert-model-parallel-size 2 "
+                    "--moe-token-dispatcher-type alltoall --tensor-model-parallel-size 2 "
+                    f"--sequence-parallel --expert-tensor-parallel-size {etp}", 4)
+    single_hist, _ = _single()
+    for hist, _weights in per_rank:
+        for a, b in zip(single_hist, hist):
+            for k in KEYS:
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, single_hist, hist)
 
 
 def _model() -> torch.nn.Module:

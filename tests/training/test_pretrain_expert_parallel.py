@@ -127,11 +127,14 @@ def test_ep4_matches_single_process():
 
 
 @pytest.mark.slow
-def test_ep2_x_tp2_sp_matches_single_process():
-    # ETP = TP = 2: experts are replicated over the TP ranks (which route the same, gathered
-    # tokens); world 4 -> ep rank = (rank // 2) % 2, edp size 1.
+@pytest.mark.parametrize("etp", [2, 1])
+def test_ep2_x_tp2_sp_matches_single_process(etp):
+    # ETP = 2: experts split over F between the TP ranks (which feed the same, gathered
+    # tokens), ep rank = (rank // 2) % 2, edp size 1. ETP = 1: whole experts, each TP rank
+    # sends its own sequence shard; ep rank = rank % 2, edp = the dp x tp replicas.
     per_rank = _run("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
-                    "--tensor-model-parallel-size 2 --sequence-parallel", 4)
+                    "--tensor-model-parallel-size 2 --sequence-parallel "
+                    f"--expert-tensor-parallel-size {etp}", 4)
     single_hist, _ = _single()
     for hist, _weights in per_rank:
         for a, b in zip(single_hist, hist):

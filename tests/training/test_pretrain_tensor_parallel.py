@@ -34,14 +34,18 @@ def _assert_same(single: list[dict], parallel: list[dict], keys: tuple[str, ...]
             assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, single, parallel)
 
 
-@pytest.mark.parametrize("world_size", [
-    2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp2_sp", "dp2_x_tp2_sp"])
-def test_tensor_parallel_training_matches_single_process(world_size):
+@pytest.mark.parametrize("world_size, etp", [
+    (2, 2), (2, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
+    ids=["tp2_sp", "tp2_sp_etp1", "dp2_x_tp2_sp"])
+def test_tensor_parallel_training_matches_single_process(world_size, etp):
+    # ETP = 2 (the default, = TP): experts split over their hidden dimension; ETP = 1:
+    # whole experts, the MoE tokens split over the TP ranks.
     single = _history("", 1)
     start = time.time()
     per_rank = run_distributed(_worker, world_size, 240,
-                               "--tensor-model-parallel-size 2 --sequence-parallel")
-    print(f"TP=2+SP world {world_size}: {time.time() - start:.1f} s")
+                               "--tensor-model-parallel-size 2 --sequence-parallel "
+                               f"--expert-tensor-parallel-size {etp}")
+    print(f"TP=2+SP ETP={etp} world {world_size}: {time.time() - start:.1f} s")
     keys = ("lm loss", "load_balancing_loss", "z_loss", "grad norm")
     # Clipping is active, so a wrong grad norm would change the losses too.
     assert all(h["grad norm"] > 0.05 for h in single)
@@ -68,8 +72,11 @@ def _fails(capsys, extra: str, world_size: int) -> str:
      "--sequence-parallel"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --save /tmp/x", 2,
      "not supported yet: --save with --tensor-model-parallel-size > 1"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1", 2,
-     "not supported yet: --expert-tensor-parallel-size"),
+    ("--expert-tensor-parallel-size 2", 2,
+     "not supported yet: --expert-tensor-parallel-size 2 other than 1 or "
+     "--tensor-model-parallel-size (1)"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --moe-ffn-hidden-size 33", 2,
+     "--moe-ffn-hidden-size (33) must be divisible by --expert-tensor-parallel-size (2)"),
 ])
 def test_bad_tensor_parallel_layouts_fail_in_one_line(capsys, extra, world, message):
     assert message in _fails(capsys, extra, world)

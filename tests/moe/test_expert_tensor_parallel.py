@@ -1,0 +1,114 @@
+"""An MoE layer inside TP + SP, with experts split over F (ETP = TP) or tokens split over
+the TP ranks (ETP = 1), alone and with expert parallelism, equals the single-process layer:
+outputs, input and router gradients on every rank, expert gradients after the edp sum
+(biases, shared experts with gate, aux and z losses included)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megamoe.config import MoEConfig
+from megamoe.moe.dispatcher import apply_expert_parallel
+from megamoe.moe.expert_tensor_parallel import build_moe_tensor_parallel
+from megamoe.moe.layer import MoELayer
+from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from megamoe.parallel.comm import gather_from_sequence
+from megamoe.parallel.mesh import ParallelSizes, build_mesh
+from tests.distributed import run_distributed
+
+E, H, FF, S, B = 4, 8, 6, 8, 2
+
+
+def _full_layer(dispatcher: str) -> MoELayer:
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, grouped_gemm=True,
+                    load_balancing_types=["aux_loss"], aux_loss_coeffs=[0.1], z_loss_coeff=0.01,
+                    token_dispatcher_type=dispatcher, shared_expert_intermediate_size=4,
+                    shared_expert_gate=True)
+    layer = MoELayer(cfg, H, init_method_std=0.3, add_bias_linear=True)
+    with torch.no_grad():  # non-zero biases so a bias counted twice would show
+        layer.experts.fc1_bias.normal_(0.0, 0.5)
+        layer.experts.fc2_bias.normal_(0.0, 0.5)
+    return layer
+
+
+def _data(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + replica)
+    return torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+
+
+def _run_layer(layer: MoELayer, x_SBH: torch.Tensor, grad_SBH: torch.Tensor) -> torch.Tensor:
+    x = x_SBH.clone().requires_grad_(True)
+    out = layer(x)
+    (out * grad_SBH).sum().backward()
+    return out.detach(), x.grad
+
+
+def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) -> bool:
+    MoELossTracker.clear()
+    set_aux_loss_backward_scale(1.0)
+    mesh = build_mesh(ParallelSizes(tp=tp, ep=ep, etp=etp), "gloo")
+    full = _full_layer(dispatcher)
+    layer = apply_expert_parallel(copy.deepcopy(full), mesh.group("ep"), dispatcher,
+                                  tp_group=mesh.group("tp"), etp_group=mesh.group("etp"))
+    assert layer.tensor_parallel is not None
+    local_experts = E // ep
+    assert layer.experts.fc1_weight.shape == (local_experts, H, 2 * FF // etp)
+    # Single-process references, one per data-parallel replica (gradients kept apart).
+    refs = []
+    for d in range(mesh.dp_size):
+        ref = copy.deepcopy(full)
+        refs.append((ref, *_run_layer(ref, *_data(d))))
+    MoELossTracker.clear()
+    x, grad = _data(mesh.local_rank_in("dp"))
+    t, shard = mesh.local_rank_in("tp"), S // tp
+    own = slice(t * shard, (t + 1) * shard)
+    x_local = x[own].clone().requires_grad_(True)
+    out = layer(gather_from_sequence(x_local, mesh.group("tp"), reduce_grad=False))
+    (out * grad[own]).sum().backward()
+    ref, ref_out, ref_xgrad = refs[mesh.local_rank_in("dp")]
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out[own], **tol)
+    torch.testing.assert_close(x_local.grad, ref_xgrad[own], **tol)
+    for name in ("router.weight", "shared_experts.linear_fc1.weight",
+                 "shared_experts.gate_weight"):
+        mine = dict(layer.named_parameters())[name].grad
+        torch.testing.assert_close(mine, dict(ref.named_parameters())[name].grad, **tol)
+    # Experts: sum over the edp replicas (and, for the replicated fc2 bias, over etp, as
+    # reduce_gradients does for `sequence_parallel` parameters) == sum over replicas.
+    e0, j = layer.experts.expert_offset, mesh.local_rank_in("etp")
+    for name in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
+        p = getattr(layer.experts, name)
+        g = p.grad.clone()
+        if getattr(p, "sequence_parallel", False) and mesh.group("tp") is not None:
+            torch.distributed.all_reduce(g, group=mesh.group("tp"))
+        if mesh.group("edp") is not None:
+            torch.distributed.all_reduce(g, group=mesh.group("edp"))
+        want = sum(getattr(r.experts, name).grad for r, _, _ in refs)[e0:e0 + local_experts]
+        if getattr(p, "etp_sharded", False):
+            if name.startswith("fc1"):  # [gate slice j | up slice j]
+                want = torch.cat([b.chunk(etp, dim=-1)[j] for b in want.chunk(2, dim=-1)], -1)
+            else:
+                want = want.chunk(etp, dim=1)[j]
+        torch.testing.assert_close(g, want, **tol)
+    return True
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_tp2_layer_matches_single_process(etp):
+    assert all(run_distributed(_worker, 2, 120, 2, 1, etp, "alltoall"))
+
+
+@pytest.mark.parametrize("etp, dispatcher", [(1, "alltoall"), (2, "allgather")])
+def test_tp2_x_ep2_layer_matches_single_process(etp, dispatcher):
+    assert all(run_distributed(_worker, 4, 180, 2, 2, etp, dispatcher))
+
+
+def test_etp_other_than_one_or_tp_is_refused(monkeypatch):
+    sizes = {"tp": 4, "etp": 2}
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: sizes[group])
+    with pytest.raises(ValueError, match="not supported yet: --expert-tensor-parallel-size 2"):
+        build_moe_tensor_parallel("tp", "etp")
