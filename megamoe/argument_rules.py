@@ -31,7 +31,6 @@ NOT_SUPPORTED_YET = (
     "--moe-permute-fusion",
     "--moe-shared-expert-overlap",
     "--moe-layer-recompute",
-    "--moe-adaptive-parallelism",
     "--rampup-batch-size",
     "--train-samples",
     "--recompute-activations",
@@ -173,6 +172,16 @@ def _check_moe(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"not supported yet: --expert-tensor-parallel-size {etp} other than 1 or "
             f"--tensor-model-parallel-size ({args.tensor_model_parallel_size})")
+    if args.moe_adaptive_parallelism:
+        if ep == 1:
+            raise ArgumentError("--moe-adaptive-parallelism needs --expert-model-parallel-size "
+                                "> 1 (it switches how the expert-parallel ranks share work)")
+        if etp > 1:
+            raise ArgumentError("not supported yet: --moe-adaptive-parallelism with "
+                                "--expert-tensor-parallel-size > 1 (set it to 1)")
+        if args.add_bias_linear:
+            raise ArgumentError("not supported yet: --moe-adaptive-parallelism with expert "
+                                "biases (add --disable-bias-linear)")
     if etp > 1 and args.moe_ffn_hidden_size % etp:
         raise ArgumentError(
             f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "

@@ -112,7 +112,9 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-layer-recompute", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true")
     g.add_argument("--moe-a2a-overlap-degree", type=int, default=1)
-    g.add_argument("--moe-adaptive-parallelism", action="store_true")
+    g.add_argument("--moe-adaptive-parallelism", action="store_true",
+                   help="run each MoE layer call as expert, data or expert-tensor parallel, "
+                        "whichever the cost model predicts fastest (needs EP > 1)")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:

@@ -43,6 +43,7 @@ class MoEConfig:
     grouped_gemm: bool = False
     token_dispatcher_type: str = "allgather"
     a2a_overlap_degree: int = 1  # alltoall chunks pipelined with the expert GEMMs
+    adaptive_parallelism: bool = False  # ep / dp / tp per call by cost (moe/adaptive.py)
     shared_expert_intermediate_size: Optional[int] = None
     shared_expert_gate: bool = False
     per_layer_logging: bool = False

@@ -45,6 +45,7 @@ def args_to_configs(args: argparse.Namespace, vocab_size: int) -> RunConfig:
             grouped_gemm=args.moe_grouped_gemm,
             token_dispatcher_type=args.moe_token_dispatcher_type,
             a2a_overlap_degree=args.moe_a2a_overlap_degree,
+            adaptive_parallelism=args.moe_adaptive_parallelism,
             shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             shared_expert_gate=args.moe_shared_expert_gate,
             per_layer_logging=args.moe_per_layer_logging,

@@ -101,6 +101,7 @@ class MoELayer(nn.Module):
         # sequence shard (moe/expert_tensor_parallel.py).
         self.token_dispatcher = None
         self.tensor_parallel = None
+        self.adaptive = None  # switchable ep / dp / tp execution (moe/adaptive.py)
         num_experts = config.num_experts
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long),
                              persistent=False)
@@ -145,12 +146,20 @@ class MoELayer(nn.Module):
         x_P = x_ext_TH if fuse else x_ext_TH.index_select(0, token_indices_P)
         return Dispatched(x_P, probs_P, token_indices_P, sizes_E, num_tokens, True, not fuse)
 
-    def compute(self, d: Dispatched) -> torch.Tensor:
-        """Expert outputs; grouped experts already weight them by the combine probs."""
+    def compute(self, d: Dispatched, params: Optional[dict[str, torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """Expert outputs; grouped experts already weight them by the combine probs.
+        `params` replaces the experts' parameters for this call (adaptive.py runs them
+        with gathered or re-sliced weights)."""
+        def experts(*args):
+            if params is None:
+                return self.experts(*args)
+            return torch.func.functional_call(self.experts, params, args)
+
         if not d.gathered:
             probs_N = d.probs_N if self.probs_in_experts else None
-            return self.experts(d.x_NH, d.tokens_per_expert_E, probs_N, d.token_indices_N)
-        return self.experts(d.x_NH, d.tokens_per_expert_E)
+            return experts(d.x_NH, d.tokens_per_expert_E, probs_N, d.token_indices_N)
+        return experts(d.x_NH, d.tokens_per_expert_E)
 
     def combine(self, y_NH: torch.Tensor, d: Dispatched) -> torch.Tensor:
         probs_N = None if self.probs_in_experts else d.probs_N
@@ -172,8 +181,19 @@ class MoELayer(nn.Module):
         pad = capacity if (cfg.pad_to_capacity or cf == 0) else None
         return probs_TE, routing_map_TE, pad
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., H] (typically [S, B, H])."""
+    def forward(self, hidden: torch.Tensor, parallel_mode: Optional[str] = None,
+                adaptive_r: Optional[int] = None) -> torch.Tensor:
+        """[..., H] -> [..., H] (typically [S, B, H]). With expert parallelism,
+        `parallel_mode` ("ep" | "dp" | "tp") or Tutel's `adaptive_r` (0 | 1 | EP) picks how
+        this call runs the experts (moe/adaptive.py); by default the layer's policy does."""
+        if parallel_mode is not None or adaptive_r is not None:
+            if self.adaptive is None:
+                raise ValueError("parallel_mode / adaptive_r need an expert-parallel layer with "
+                                 "adaptive parallelism enabled (enable_adaptive_parallelism)")
+            if adaptive_r is not None:
+                from megamoe.moe.adaptive import mode_from_adaptive_r
+
+                parallel_mode = mode_from_adaptive_r(adaptive_r, self.adaptive.size)
         shape = hidden.shape
         x_TH = hidden.reshape(-1, self.hidden_size)
         seq_ids_T, num_seqs = (self._sequence_ids(shape) if self.training
@@ -190,7 +210,9 @@ class MoELayer(nn.Module):
         tp = self.tensor_parallel
         x_in, probs_in, map_in = ((x_TH, probs_TE, routing_map_TE) if tp is None
                                   else tp.enter(x_TH, probs_TE, routing_map_TE))
-        if self.token_dispatcher is not None:  # expert parallel (moe/dispatcher.py)
+        if self.adaptive is not None:  # switchable parallelism (moe/adaptive.py)
+            out_TH = self.adaptive.forward(self, x_in, probs_in, map_in, parallel_mode)
+        elif self.token_dispatcher is not None:  # expert parallel (moe/dispatcher.py)
             out_TH = self.token_dispatcher.forward(x_in, probs_in, map_in, self.experts)
         else:
             d = self.dispatch(x_in, probs_in, map_in, pad)

@@ -223,7 +223,13 @@ class TrainingObserver:
         stats = reduced_routing_stats(self.model, self.dp_group)
         for layer, s in stats.items():
             self._load_LE[layer] = self._load_LE.get(layer, 0.0) + s["kept"]
-        return expert_load_scalars(stats, self.per_layer)
+        out = expert_load_scalars(stats, self.per_layer)
+        if self.run.model.moe is not None and self.run.model.moe.adaptive_parallelism:
+            from megamoe.moe.adaptive import PARALLEL_MODES, mode_counts
+
+            counts = mode_counts(self.model)  # MoE layer calls this step, per mode
+            out.update({f"moe_mode/{m}_calls": float(counts[m]) for m in PARALLEL_MODES})
+        return out
 
     def interval_scalars(self, ms_per_iter: float, tokens_per_iter: int) -> dict[str, float]:
         if self.peak_tflops is None:

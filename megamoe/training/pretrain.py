@@ -116,6 +116,10 @@ def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torc
             _set_balancing_group(model, mesh)
     if bf16:
         model = model.to(torch.bfloat16)
+    if run.model.moe is not None and run.model.moe.adaptive_parallelism:
+        from megamoe.moe.adaptive import enable_adaptive_parallelism  # times the ep links
+
+        enable_adaptive_parallelism(model, mesh.group("ep"))
     return model
 
 
@@ -195,6 +199,12 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
 
     model = build_model(run, args.bf16, mesh)
     total, active = num_parameters(run.model)
+    if run.model.moe is not None and run.model.moe.adaptive_parallelism:
+        from megamoe.moe.adaptive import describe_choice
+
+        tokens = run.train.micro_batch_size * run.model.seq_length // mesh.tp_size
+        log(f"> adaptive expert parallelism, {tokens} tokens per rank and layer call: "
+            f"{describe_choice(model, tokens)}")
     log(f"> number of parameters: {total:,} (active per token: {active:,}); "
         f"world size {mesh.world_size}, tensor-parallel size {mesh.tp_size}, "
         f"pipeline-parallel size {mesh.pp_size}, data-parallel size {mesh.dp_size}, "

@@ -1,0 +1,153 @@
+"""Adaptive expert parallelism: every mode ("dp", "tp", and Tutel's adaptive_r spellings)
+gives the EP path's outputs and gradients, training that switches mode every step gives
+the fixed-layout losses and weights, and the cost model picks weight traffic for few
+tokens and token traffic for many."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megamoe.config import MoEConfig
+from megamoe.moe.adaptive import enable_adaptive_parallelism, mode_from_adaptive_r
+from megamoe.moe.cost_model import CollectiveCosts, LinkCost, ModeCostInputs, predict_mode_seconds
+from megamoe.moe.dispatcher import apply_expert_parallel
+from megamoe.moe.layer import MoELayer
+from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from tests.distributed import run_distributed
+
+E, H, FF, T = 4, 8, 8, 12
+
+
+def _layer(dispatcher: str, world: int) -> MoELayer:
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, grouped_gemm=True,
+                    load_balancing_types=["aux_loss"], aux_loss_coeffs=[0.1], z_loss_coeff=0.01,
+                    token_dispatcher_type=dispatcher)
+    full = MoELayer(cfg, H, init_method_std=0.3)
+    layer = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, dispatcher)
+    enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
+    return layer
+
+
+def _tokens(rank: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+
+
+def _grads(layer: MoELayer, mode=None, r=None):
+    MoELossTracker.clear()
+    layer.zero_grad()
+    x, g = _tokens(dist.get_rank())
+    x.requires_grad_(True)
+    out = layer(x, parallel_mode=mode, adaptive_r=r)
+    (out * g).sum().backward()
+    return [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+def _modes_worker(rank: int, world: int, dispatcher: str) -> bool:
+    set_aux_loss_backward_scale(1.0)
+    layer = _layer(dispatcher, world)
+    want = _grads(layer, "ep")
+    assert layer.adaptive.last_mode == "ep"
+    for mode, r in (("dp", None), ("tp", None), (None, 0), (None, world), (None, 1)):
+        got = _grads(layer, mode, r)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-5, (mode, r)
+    assert layer.adaptive.last_mode == "ep"
+    return True
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_every_mode_matches_expert_parallel(dispatcher):
+    assert all(run_distributed(_modes_worker, 2, 120, dispatcher))
+
+
+@pytest.mark.slow
+def test_every_mode_matches_expert_parallel_four_ranks():
+    assert all(run_distributed(_modes_worker, 4, 180, "alltoall"))
+
+
+def _train(layer: MoELayer, modes: list[str]) -> tuple[list[float], list[torch.Tensor]]:
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.05)
+    world = dist.get_world_size()
+    losses = []
+    for step, mode in enumerate(modes):
+        MoELossTracker.clear()
+        opt.zero_grad()
+        x, target = _tokens(dist.get_rank(), step + 1)
+        loss = (layer(x, parallel_mode=mode) - target).square().mean()
+        loss.backward()
+        for p in layer.router.parameters():  # dense: average over the ranks' batches
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        for p in layer.experts.parameters():  # the exchange already summed the ranks
+            p.grad /= world
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses, [p.detach().clone() for p in layer.parameters()]
+
+
+def _switching_worker(rank: int, world: int) -> bool:
+    set_aux_loss_backward_scale(1.0)
+    fixed_losses, fixed_w = _train(_layer("alltoall", world), ["ep"] * 6)
+    layer = _layer("alltoall", world)
+    losses, weights = _train(layer, ["dp", "tp", "ep", "tp", "dp", "ep"])
+    assert layer.adaptive.mode_counts == {"dp": 2, "tp": 2, "ep": 2}
+    for a, b in zip(losses, fixed_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, fixed_losses)
+    for a, b in zip(weights, fixed_w):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert fixed_losses[-1] < fixed_losses[0]  # it trains
+    return True
+
+
+def test_switching_mode_every_step_trains_like_the_fixed_layout():
+    assert all(run_distributed(_switching_worker, 2, 120))
+
+
+def test_adaptive_r_names_tutels_modes():
+    assert [mode_from_adaptive_r(r, 4) for r in (0, 1, 4)] == ["dp", "ep", "tp"]
+    with pytest.raises(ValueError, match="adaptive_r must be 0"):
+        mode_from_adaptive_r(2, 4)
+
+
+def test_cost_model_moves_weights_only_when_tokens_outweigh_them():
+    link = LinkCost(1e-4, 1e-9)  # 100 us latency, 1 GB/s
+    costs = CollectiveCosts(link, link, link, LinkCost(0.0, 1e-11))
+    kw = dict(hidden=1024, topk=2, num_experts=8, ep_size=4,
+              local_expert_numel=2 * 3 * 1024 * 2048, bytes_per_element=2)
+    few = predict_mode_seconds(costs, ModeCostInputs(tokens=64, **kw))
+    many = predict_mode_seconds(costs, ModeCostInputs(tokens=65536, **kw))
+    assert min(few, key=few.get) != "dp"  # 64 tokens: moving 25 MB of weights never pays
+    assert min(many, key=many.get) == "dp"  # 64 k tokens x k=2 rows: weights are cheaper
+    assert few["ep"] < few["dp"] and many["ep"] > many["dp"]
+
+
+def _pretrain_worker(rank: int, world: int, extra: str) -> list[dict]:
+    import shlex
+
+    from megamoe.arguments import parse_args
+    from megamoe.training.pretrain import pretrain
+    from tests.training.test_pretrain import TINY_MOE
+
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {extra}"),
+                      world_size=world)
+    return pretrain(args, print_fn=lambda _m: None).history
+
+
+def test_pretrain_with_adaptive_parallelism_matches_single_process():
+    single = _pretrain_worker(0, 1, "")
+    per_rank = run_distributed(_pretrain_worker, 2, 180, "--expert-model-parallel-size 2 "
+                               "--moe-token-dispatcher-type alltoall --moe-adaptive-parallelism")
+    for hist in per_rank:
+        calls = sum(hist[0][f"moe_mode/{m}_calls"] for m in ("ep", "dp", "tp"))
+        assert calls == 2 * 2  # 2 MoE layers x 2 micro-batches per step
+        for a, b in zip(single, hist):
+            for k in ("lm loss", "load_balancing_loss", "grad norm"):
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, single, hist)

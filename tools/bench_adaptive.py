@@ -1,0 +1,158 @@
+"""Benchmark: adaptive expert parallelism — one MoE layer's forward+backward on N gloo ranks
+(CPU) in each fixed mode ("ep" all-to-all tokens, "dp" gathered weights, "tp" re-sliced
+weights + gathered tokens) and in the mode the cost model picks ("auto"), over a sweep of
+tokens per rank. Same weights and tokens for every mode (outputs checked against "ep");
+one thread per rank, fp32; an iteration's time is the slowest rank's, the reported number
+the median over --repeats after one warm-up. The cost model's link timings are measured
+once at start-up, as pretrain_gpt.py --moe-adaptive-parallelism does.
+
+Usage: python tools/bench_adaptive.py --json [--world-size 4] [--tokens 16,64,256,1024,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megamoe.config import MoEConfig  # noqa: E402
+from megamoe.moe.adaptive import PARALLEL_MODES, enable_adaptive_parallelism  # noqa: E402
+from megamoe.moe.cost_model import predict_mode_seconds  # noqa: E402
+from megamoe.moe.dispatcher import apply_expert_parallel  # noqa: E402
+from megamoe.moe.layer import MoELayer  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
+                ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Median ms per mode; the modes take turns within each round, so a slow spell of a
+    shared machine hits all of them alike."""
+    modes = (*PARALLEL_MODES, "auto")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    outs = {}
+    for i in range(repeats + 1):
+        for mode in modes:
+            dist.barrier()
+            start = time.perf_counter()
+            xi = x.clone().requires_grad_()
+            out = layer(xi, parallel_mode=None if mode == "auto" else mode)
+            out.square().mean().backward()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i:  # the first round warms up
+                times[mode].append(float(elapsed))
+            outs[mode] = out.detach()
+    return {m: 1000 * statistics.median(t) for m, t in times.items()}, outs
+
+
+def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        torch.manual_seed(0)
+        layer = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
+                                   ffn_hidden_size=args.ffn_hidden_size, grouped_gemm=True,
+                                   token_dispatcher_type="alltoall"),
+                         args.hidden_size, init_method_std=0.02)
+        apply_expert_parallel(layer, dist.group.WORLD, "alltoall")
+        (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, measure=True)
+        rows = []
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.hidden_size,
+                            generator=torch.Generator().manual_seed(1 + rank))
+            ms, outs = _time_modes(layer, x, args.repeats)
+            auto_mode = executor.choose(layer, tokens)
+            diff = torch.tensor([max(float((outs[m] - outs["ep"]).abs().max())
+                                     for m in PARALLEL_MODES)])
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            predicted = predict_mode_seconds(executor.costs, executor.cost_inputs(layer, tokens))
+            fixed = {m: ms[m] for m in PARALLEL_MODES}
+            best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
+            rows.append({
+                "tokens_per_rank": tokens, "ms": {k: round(v, 2) for k, v in ms.items()},
+                "predicted_ms": {k: round(1000 * v, 2) for k, v in predicted.items()},
+                "auto_mode": auto_mode, "best_fixed_mode": best,
+                "auto_over_best": round(ms["auto"] / fixed[best], 3),
+                "auto_over_worst": round(ms["auto"] / fixed[worst], 3),
+                "max_abs_diff_vs_ep": float(diff)})
+        if rank == 0:
+            queue.put({"rows": rows, "link_costs": executor.costs.as_dict()})
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--ffn-hidden-size", type=int, default=512)
+    p.add_argument("--tokens", default="16,64,256,1024,4096",
+                   help="comma-separated tokens per rank")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+    if args.num_experts % args.world_size:
+        p.error(f"--num-experts ({args.num_experts}) must be divisible by --world-size "
+                f"({args.world_size})")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, port, args, queue))
+             for r in range(args.world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        result = queue.get(timeout=args.timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    failed = [proc.exitcode for proc in procs if proc.exitcode]
+    if failed:
+        sys.exit(f"bench_adaptive.py: a rank failed (exit codes {failed})")
+    rows = result["rows"]
+    summary = {"auto_never_slower_than_worst": all(r["auto_over_worst"] <= 1.0 for r in rows),
+               "auto_within_10pct_of_best": all(r["auto_over_best"] <= 1.1 for r in rows)}
+    shape = {k: getattr(args, k) for k in ("world_size", "num_experts", "topk", "hidden_size",
+                                          "ffn_hidden_size")}
+    if args.json:
+        print(json.dumps({"shape": shape, "dtype": "fp32", "backend": "gloo", **result,
+                          "summary": summary}))
+        return
+    print(f"MoE layer fwd+bwd, EP={args.world_size} gloo ranks, {shape}")
+    for r in rows:
+        times = "  ".join(f"{k} {v:8.2f}" for k, v in r["ms"].items())
+        print(f"  {r['tokens_per_rank']:6d} tokens/rank: {times} ms -> auto={r['auto_mode']} "
+              f"({r['auto_over_best']:.2f}x best)")
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
