@@ -151,3 +151,17 @@ def test_pretrain_with_adaptive_parallelism_matches_single_process():
         for a, b in zip(single, hist):
             for k in ("lm loss", "load_balancing_loss", "grad norm"):
                 assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, single, hist)
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    ("--moe-adaptive-parallelism", 2,
+     "--moe-adaptive-parallelism needs --expert-model-parallel-size > 1"),
+    ("--moe-adaptive-parallelism --expert-model-parallel-size 2 --tensor-model-parallel-size 2 "
+     "--sequence-parallel", 4,
+     "not supported yet: --moe-adaptive-parallelism with --expert-tensor-parallel-size > 1"),
+])
+def test_adaptive_flag_rules_fail_in_one_line(capsys, extra, world, message):
+    from tests.flags import parse_error
+    from tests.training.test_pretrain import TINY_MOE
+
+    assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world)
