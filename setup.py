@@ -31,6 +31,9 @@ setup(
         # CUDA clusters only: never install these on a CPU-only machine (they build against
         # a CUDA torch). NVIDIA apex is installed from NVIDIA's repository, not PyPI.
         "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
+        # No "bench" extra on purpose: DeepSpeed, the peer in tools/bench_dispatch.py, must be
+        # installed with DS_BUILD_OPS=0, --no-build-isolation and --no-deps (else pip may
+        # replace the CPU torch): scripts/install_bench_peers.sh. Never a runtime dependency.
     },
     scripts=[],
 )
