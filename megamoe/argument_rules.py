@@ -397,21 +397,19 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
         value, default = getattr(args, dest), parser.get_default(dest)
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    for size_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                      "--expert-model-parallel-size"):
-        if getattr(args, _dest(size_flag)) > 1:
-            for flag in ("--save", "--load"):
-                if getattr(args, _dest(flag)) is not None:
-                    raise ArgumentError(f"not supported yet: {flag} with {size_flag} > 1")
-    if args.use_distributed_optimizer and args.data_parallel_size > 1:
-        for flag in ("--save", "--load"):  # a checkpoint would hold one shard's states
-            if getattr(args, _dest(flag)) is not None:
-                raise ArgumentError(f"not supported yet: {flag} with "
-                                    f"--use-distributed-optimizer and data-parallel size > 1")
+    if args.ckpt_format == "torch" and args.save is not None:
+        # the single file holds rank 0's tensors: only layouts where rank 0 has them all
+        for size_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                          "--expert-model-parallel-size"):
+            if getattr(args, _dest(size_flag)) > 1:
+                raise ArgumentError(f"--ckpt-format torch (single file) cannot save with "
+                                    f"{size_flag} > 1: use --ckpt-format torch_dist")
+        if args.use_distributed_optimizer and args.data_parallel_size > 1:
+            raise ArgumentError("--ckpt-format torch (single file) cannot save with "
+                                "--use-distributed-optimizer and data-parallel size > 1: "
+                                "use --ckpt-format torch_dist")
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("not supported yet: --transformer-impl transformer_engine")
-    if args.ckpt_format == "torch_dist":
-        raise ArgumentError("not supported yet: --ckpt-format torch_dist")
     if args.num_experts is not None:
         if args.moe_token_dispatcher_type == "flex":
             raise ArgumentError("not supported yet: --moe-token-dispatcher-type flex")

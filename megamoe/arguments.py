@@ -220,7 +220,9 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-save-optim", action="store_true")
     c.add_argument("--no-save-rng", action="store_true")
     c.add_argument("--finetune", action="store_true")
-    c.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"])
+    c.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
+                   help="torch_dist: sharded (DCP), loads into any parallel layout; torch: "
+                        "one file written by rank 0 (single-process / data-parallel only)")
     c.add_argument("--async-save", action="store_true",
                    help="write checkpoints on a background thread (training keeps going)")
     c.add_argument("--ckpt-keep-last", type=int, default=None, metavar="N",

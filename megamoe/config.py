@@ -195,6 +195,7 @@ class TrainConfig:
     finetune: bool = False
     async_save: bool = False
     ckpt_keep_last: Optional[int] = None  # None = keep every checkpoint
+    ckpt_format: str = "torch_dist"  # or "torch" (single file); loading detects the format
     # Logging.
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None

@@ -1,4 +1,5 @@
-"""`megamoe.from_checkpoint(path)`: a single-process model from any megamoe checkpoint.
+"""`megamoe.from_checkpoint(path)`: a single-process model from any megamoe checkpoint
+(either format, saved under any parallel layout).
 
 The checkpoint carries its model config (written by pretrain_gpt.py and by
 tools/checkpoint/convert.py), so no command line is needed:
@@ -17,7 +18,12 @@ import torch
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
-from megamoe.training.checkpointing import CheckpointError, read_checkpoint
+from megamoe.training.checkpointing import (
+    CheckpointError,
+    checkpoint_file,
+    is_dist_checkpoint,
+    read_checkpoint,
+)
 
 
 def model_config_from_dict(d: dict) -> ModelConfig:
@@ -54,8 +60,15 @@ def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
     """Rebuild the GPTModel a checkpoint was saved from, weights loaded, in eval mode.
 
     `path`: a --save directory (its latest checkpoint), an `iter_N` directory or the
-    `model_optim_rng.pt` file. `dtype`: cast the weights (default: as saved).
+    `model_optim_rng.pt` file. `dtype`: cast the weights (default: as saved). torch_dist
+    checkpoints of any parallel layout load directly into the single-process model.
     """
+    found = checkpoint_file(path)
+    if found is not None and is_dist_checkpoint(found):
+        from megamoe.training.dist_checkpoint import build_single_process_model
+
+        model, _ = build_single_process_model(found)
+        return (model if dtype is None else model.to(dtype)).eval()
     state = read_checkpoint(path)
     file = state["_file"]
     saved = state.get("model_config")

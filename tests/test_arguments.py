@@ -107,7 +107,7 @@ def test_files_must_exist(capsys, tmp_path):
 
 @pytest.mark.parametrize("flag", [
     "--expert-tensor-parallel-size 2",
-    "--recompute-activations", "--fp16", "--ckpt-format torch_dist",
+    "--recompute-activations", "--fp16",
 ])
 def test_not_supported_yet(capsys, flag):
     world = 2 if "parallel-size 2" in flag else 1
@@ -179,8 +179,17 @@ def test_bundled_config_parses():
 
 
 def test_checkpoint_retention_and_async_save_flags(capsys):
-    a = parse("--save ckpt --ckpt-keep-last 3 --async-save")
+    a = parse("--save ckpt --ckpt-keep-last 3 --async-save --ckpt-format torch")
     assert a.ckpt_keep_last == 3 and a.async_save
+    assert parse("--save ckpt --async-save").ckpt_format == "torch_dist"
     assert "--ckpt-keep-last must be >= 1" in fails(capsys, "--save ckpt --ckpt-keep-last 0")
     assert "--ckpt-keep-last needs --save" in fails(capsys, "--ckpt-keep-last 2")
     assert "--async-save needs --save" in fails(capsys, "--async-save")
+
+
+def test_single_file_checkpoints_only_where_rank_0_holds_everything(capsys):
+    for flags, world in (("--tensor-model-parallel-size 2 --sequence-parallel", 2),
+                         ("--use-distributed-optimizer", 2)):
+        err = fails(capsys, f"{MOE} {flags} --save ckpt --ckpt-format torch", world)
+        assert "--ckpt-format torch (single file) cannot save with" in err, err
+        assert parse(f"{MOE} {flags} --save ckpt --load ckpt", world).save == "ckpt"

@@ -17,7 +17,8 @@ from tests.training.test_pretrain import TINY_MOE
 
 def test_from_checkpoint_any_path_form_and_dtype(tmp_path):
     save = tmp_path / "run"
-    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 2 --save {save}"), world_size=1)
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 2 --save {save} "
+                                  "--ckpt-format torch"), world_size=1)
     pretrain(args, print_fn=lambda _m: None)
     tokens = torch.randint(0, 98, (3, 16), generator=torch.Generator().manual_seed(0))
     model = megamoe.from_checkpoint(str(save))

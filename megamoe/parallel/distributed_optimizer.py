@@ -243,6 +243,62 @@ class DistributedOptimizer:
         for buf in self.buffers:
             buf.all_gather_params()
 
+    def _state_names(self) -> list[str]:
+        if self.config.optimizer == "adam":
+            return ["exp_avg", "exp_avg_sq"]
+        return ["momentum_buffer"] if self.config.sgd_momentum else []
+
+    def _agreed_step(self) -> tuple[bool, Optional[torch.Tensor]]:
+        """(stepped, step count) agreed over dp and edp (a rank may own no piece)."""
+        local = [st for st in self.optimizer.state.values() if st]
+        t = torch.tensor([1.0 if local else 0.0,
+                          float(local[0].get("step", -1.0)) if local else -1.0])
+        for group in (self.dp_group, self.edp_group):
+            if group is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        step = torch.tensor(float(t[1]), dtype=torch.float32) if t[1] >= 0 else None
+        return bool(t[0]), step
+
+    @torch.no_grad()
+    def param_states(self) -> tuple[list[dict[str, torch.Tensor]], Optional[torch.Tensor]]:
+        """As MixedPrecisionOptimizer.param_states: the flat shards of every state are
+        all-gathered over dp / edp into whole per-parameter tensors (collective)."""
+        stepped, step = self._agreed_step()
+        names = (["main"] if self.separate_grads else []) + (self._state_names() if stepped
+                                                               else [])
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self.model_params]
+        for buf in self.buffers:
+            for name in names:
+                shard = torch.zeros(buf.shard_numel, dtype=torch.float32)
+                for piece in buf.pieces:
+                    src = piece.main if name == "main" else self.optimizer.state[piece.main][name]
+                    shard[piece.shard_offset:piece.shard_offset + src.numel()] = src.detach()
+                full = shard
+                if buf.size > 1:
+                    full = torch.empty(buf.numel, dtype=torch.float32)
+                    _all_gather(full, shard, group=buf.group)
+                for (i, p), off in zip(buf.params, buf.offsets):
+                    out[i][name] = full[off:off + p.numel()].view(p.shape).clone()
+        return out, step
+
+    @torch.no_grad()
+    def load_param_states(self, states: list[dict[str, torch.Tensor]],
+                          step: Optional[torch.Tensor]) -> None:
+        """Whole per-parameter states (any dp layout they were saved from) -> this rank's
+        slices; "main" optional (else the loaded parameter)."""
+        for buf in self.buffers:
+            for piece in buf.pieces:
+                st = states[piece.index]
+                main = st["main"] if "main" in st else piece.param.detach()
+                piece.main.copy_(main.reshape(-1)[piece.start:piece.end])
+                tensors = {k: v.reshape(-1)[piece.start:piece.end].float().clone()
+                           for k, v in st.items() if k != "main"}
+                if tensors:
+                    self.optimizer.state[piece.main] = ({"step": step.clone()}
+                                                        if step is not None else {}) | tensors
+        for buf in self.buffers:
+            buf.all_gather_params()
+
     @torch.no_grad()
     def reload_model_params(self) -> None:
         for buf in self.buffers:

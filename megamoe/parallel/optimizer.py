@@ -45,7 +45,8 @@ def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Pa
     (`param.expert_parallel`: each ep rank holds different experts) summed over EP, and
     the ones split over the expert-tensor-parallel group (`param.etp_sharded`) over ETP
     first, stages summed over PP. DP / EDP replicas hold identical reduced gradients, so
-    they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is not counted."""
+    they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is
+    not counted."""
     sq = torch.zeros(4, dtype=torch.float32)  # [tp-sharded, replicated, expert,
     for g, p in zip(grads, params):           #  etp-sharded expert] squares
         if getattr(p, "shared_copy", False):
@@ -186,6 +187,35 @@ class MixedPrecisionOptimizer:
                                       state["main_params"]):
                 main.copy_(saved)
                 p.copy_(main)
+
+    def param_states(self) -> tuple[list[dict[str, torch.Tensor]], Optional[torch.Tensor]]:
+        """Per model parameter (aligned with `model_params`): the inner optimizer's tensor
+        states (exp_avg, exp_avg_sq / momentum_buffer) and, when it is a separate fp32 copy,
+        "main"; plus the step count (None before the first step). What layout-free
+        (torch_dist) checkpoints save."""
+        out, step = [], None
+        for main in self.main_params:
+            st = self.optimizer.state.get(main, {})
+            d = {k: v for k, v in st.items()
+                 if isinstance(v, torch.Tensor) and v.shape == main.shape}
+            if self.separate_main:
+                d["main"] = main.detach()
+            step = st.get("step", step)
+            out.append(d)
+        return out, step
+
+    @torch.no_grad()
+    def load_param_states(self, states: list[dict[str, torch.Tensor]],
+                          step: Optional[torch.Tensor]) -> None:
+        """Inverse of `param_states` ("main" optional: else taken from the parameter)."""
+        for p, main, st in zip(self.model_params, self.main_params, states):
+            if self.separate_main:
+                main.copy_(st["main"] if "main" in st else p.float())
+                p.copy_(main)
+            tensors = {k: v.detach().clone() for k, v in st.items() if k != "main"}
+            if tensors:
+                self.optimizer.state[main] = ({"step": step.clone()} if step is not None
+                                              else {}) | tensors
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -1,7 +1,11 @@
-"""Single-process checkpoints in Megatron's directory layout, written crash-safely.
+"""Checkpoints in Megatron's directory layout, written crash-safely.
 
-    SAVE/iter_0000100/model_optim_rng.pt
+    SAVE/iter_0000100/model_optim_rng.pt         --ckpt-format torch (single file)
+    SAVE/iter_0000100/{.metadata,*.distcp,common.pt}   --ckpt-format torch_dist (default;
+                                                 sharded, any layout: dist_checkpoint.py)
     SAVE/latest_checkpointed_iteration.txt      ("100")
+
+This module holds the single-file format and the publish protocol both formats share.
 
 One file holds the model, optimizer (fp32 main params + states), LR scheduler, RNG states,
 the data position (consumed samples), the arguments and the model config (enough to rebuild
@@ -17,8 +21,7 @@ loadable and the pointer valid):
   4. retention (--ckpt-keep-last): rename old `iter_M` to `iter_M.del.PID`, then delete;
      never the one the pointer names
 Leftovers of a killed save (`*.tmp.*`, `*.old.*`, `*.del.*`) are cleaned by the next save.
-(Sharded torch.distributed.checkpoint saves that reshard across layouts are a later
-feature: --ckpt-format torch_dist is rejected as not supported yet.)
+Loading detects the format from the directory's contents, whatever --ckpt-format says.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the shards
 # Test hook for the crash tests: "PHASE:ITERATION:MARKER" makes the writer create MARKER and
 # sleep when the save of ITERATION reaches PHASE, so a test can SIGKILL it at a known point
 # of the publish protocol.
@@ -125,8 +129,12 @@ def list_checkpoints(root: str) -> list[int]:
     if not os.path.isdir(root):
         return []
     found = [int(m.group(1)) for m in map(_ITER_RE.match, os.listdir(root)) if m]
-    return sorted(i for i in found if os.path.isfile(os.path.join(iteration_dir(root, i),
-                                                                  FILENAME)))
+    return sorted(i for i in found if _is_checkpoint_dir(iteration_dir(root, i)))
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, FILENAME)) or os.path.isfile(
+        os.path.join(path, COMMON))
 
 
 def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[int]:
@@ -151,14 +159,19 @@ def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[i
     return deleted
 
 
+def prepare_tmp(root: str, iteration: int) -> str:
+    """Step 0 of a save (one writer): clean what killed saves left, make the tmp dir."""
+    os.makedirs(root, exist_ok=True)
+    _clean_leftovers(root)
+    tmp = f"{iteration_dir(root, iteration)}.tmp.{os.getpid()}"
+    os.makedirs(tmp)
+    return tmp
+
+
 def write_checkpoint(root: str, iteration: int, state: dict,
                      keep_last: Optional[int] = None) -> str:
     """Publish `state` as iteration `iteration` under `root`; returns the directory."""
-    os.makedirs(root, exist_ok=True)
-    _clean_leftovers(root)
-    final = iteration_dir(root, iteration)
-    tmp = f"{final}.tmp.{os.getpid()}"
-    os.makedirs(tmp)
+    tmp = prepare_tmp(root, iteration)
     _pause_point("before_write", iteration)
     with open(os.path.join(tmp, FILENAME), "wb") as f:
         torch.save(state, f)
@@ -166,6 +179,13 @@ def write_checkpoint(root: str, iteration: int, state: dict,
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     _pause_point("after_write", iteration)
+    return publish_tmp(root, iteration, tmp, keep_last)
+
+
+def publish_tmp(root: str, iteration: int, tmp: str, keep_last: Optional[int] = None) -> str:
+    """Steps 2-4: publish the complete `tmp` as iteration `iteration`, then the pointer,
+    then retention. Returns the published directory."""
+    final = iteration_dir(root, iteration)
     if os.path.exists(final):  # re-saving an iteration: swap, never leave it unreadable
         old = f"{final}.old.{os.getpid()}"
         os.replace(final, old)
@@ -253,28 +273,46 @@ def read_tracker(root: str) -> Optional[int]:
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
+def _in_dir(path: str) -> Optional[str]:
+    """The single file, or the torch_dist directory itself, a checkpoint directory holds."""
+    if os.path.isfile(os.path.join(path, FILENAME)):
+        return os.path.join(path, FILENAME)
+    if os.path.isfile(os.path.join(path, COMMON)):
+        return path
+    return None
+
+
 def checkpoint_file(path: str) -> Optional[str]:
-    """`path` (a --save root, an iter_N directory or the file) -> the file to read.
+    """`path` (a --save root, an iter_N directory or the file) -> what to read: the
+    single file, or for torch_dist the iter_N directory.
 
     None when `path` is a root without a checkpoint yet. While a re-save is mid-swap the
     pointer's `iter_N` may be briefly missing; its `iter_N.old.*` copy is read instead.
     """
     if os.path.isfile(path):
         return path
-    if os.path.isfile(os.path.join(path, FILENAME)):
-        return os.path.join(path, FILENAME)
+    if _in_dir(path) is not None:
+        return _in_dir(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     iteration = read_tracker(path)
     if iteration is None:
+        if glob.glob(os.path.join(path, ".metadata")) or glob.glob(os.path.join(path, "*.distcp")):
+            raise CheckpointError(f"{path}: incomplete torch_dist checkpoint (no {COMMON})")
         return None
-    file = os.path.join(iteration_dir(path, iteration), FILENAME)
-    if not os.path.isfile(file):
-        olds = sorted(glob.glob(iteration_dir(path, iteration) + ".old.*"))
-        if olds and os.path.isfile(os.path.join(olds[0], FILENAME)):
-            return os.path.join(olds[0], FILENAME)
-        raise CheckpointError(f"{file}: missing (named by {os.path.join(path, TRACKER)})")
-    return file
+    found = _in_dir(iteration_dir(path, iteration))
+    if found is None:
+        for old in sorted(glob.glob(iteration_dir(path, iteration) + ".old.*")):
+            if _in_dir(old) is not None:
+                return _in_dir(old)
+        raise CheckpointError(f"{iteration_dir(path, iteration)}: missing or incomplete "
+                              f"(named by {os.path.join(path, TRACKER)})")
+    return found
+
+
+def is_dist_checkpoint(found: str) -> bool:
+    """`found` (from checkpoint_file) names a torch_dist directory."""
+    return os.path.isdir(found)
 
 
 def read_checkpoint(path: str) -> dict:
@@ -282,6 +320,10 @@ def read_checkpoint(path: str) -> dict:
     file = checkpoint_file(path)
     if file is None:
         raise CheckpointError(f"{os.path.join(path, TRACKER)}: missing (no checkpoint in {path})")
+    if is_dist_checkpoint(file):
+        from megamoe.training.dist_checkpoint import read_dist_checkpoint
+
+        return read_dist_checkpoint(file)
     try:
         state = torch.load(file, map_location="cpu", weights_only=False)
     except Exception as e:  # any unpickling failure means a damaged file

@@ -34,8 +34,15 @@ from megamoe.training.checkpointing import (
     CheckpointError,
     build_state,
     checkpoint_file,
+    is_dist_checkpoint,
     load_checkpoint,
     write_checkpoint,
+)
+from megamoe.training.dist_checkpoint import (
+    AsyncDistSaver,
+    load_dist_checkpoint,
+    reseed,
+    save_dist_checkpoint,
 )
 from megamoe.training.logging import MetricsLogger
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
@@ -217,10 +224,7 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
         if run.train.load != run.train.save and (not os.path.exists(run.train.load)
                                                  or checkpoint_file(run.train.load) is None):
             raise CheckpointError(f"--load {run.train.load}: no checkpoint found")
-        iteration, consumed = load_checkpoint(
-            run.train.load, model, optimizer, scheduler,
-            load_optim=not run.train.no_load_optim, load_rng=not run.train.no_load_rng,
-            finetune=run.train.finetune)
+        iteration, consumed = _load(run, mesh, model, optimizer, scheduler, log)
         state.iteration, state.consumed_train_samples = iteration, consumed
         if iteration:
             log(f"> loaded checkpoint from {run.train.load} at iteration {iteration}")
@@ -236,16 +240,33 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
         train_ds, valid_ds, test_ds = build_gpt_datasets(run.data, tokenizer, num_samples)
         workers = run.data.num_workers
         train_iter = make_iterator(train_ds, state.consumed_train_samples, run, mesh, workers)
-        valid_iter = make_iterator(valid_ds, 0, run, mesh, workers)
+        # validation resumes where the uninterrupted run's would be (one eval_iters
+        # window per --eval-interval)
+        valid_consumed = (state.iteration // t.eval_interval) * t.eval_iters * gbs
+        valid_iter = make_iterator(valid_ds, valid_consumed, run, mesh, workers)
 
     logger = None
     if mesh.is_logging_rank and (t.tensorboard_dir or t.wandb_project):
         logger = MetricsLogger(t.tensorboard_dir, t.wandb_project, t.wandb_exp_name,
                                t.wandb_save_dir, config_dict=vars(args))
 
-    writer = AsyncCheckpointWriter() if t.async_save and mesh.rank == 0 else None
+    dist_format = t.ckpt_format == "torch_dist"
+    writer = None
+    if t.async_save and dist_format:
+        writer = AsyncDistSaver()  # every rank writes its shards in the background
+    elif t.async_save and mesh.rank == 0:
+        writer = AsyncCheckpointWriter()
 
     def save(st: TrainState) -> None:
+        if dist_format:  # every rank writes its shards
+            save_fn = writer.save if writer is not None else save_dist_checkpoint
+            save_fn(t.save, st.iteration, model, optimizer, scheduler, mesh,
+                    st.consumed_train_samples, _jsonable(vars(args)),
+                    model_config=to_dict(run.model), save_optim=not t.no_save_optim,
+                    save_rng=not t.no_save_rng, keep_last=t.ckpt_keep_last)
+            how = "saving (in the background)" if writer is not None else "saved"
+            log(f"> {how} checkpoint at iteration {st.iteration} to {t.save}")
+            return
         if mesh.rank == 0:
             ckpt = build_state(st.iteration, model, optimizer, scheduler,
                                st.consumed_train_samples, _jsonable(vars(args)),
@@ -281,6 +302,36 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
         if logger is not None:
             logger.close()
     return state
+
+
+def _load(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
+          log) -> tuple[int, int]:
+    """--load: either format, detected from the directory. Returns (iteration, consumed)."""
+    t = run.train
+    found = checkpoint_file(t.load) if os.path.exists(t.load) else None
+    if found is None:
+        return 0, 0
+    if not is_dist_checkpoint(found):
+        sharded = mesh.tp_size > 1 or mesh.pp_size > 1 or mesh.ep_size > 1 or (
+            run.parallel.use_distributed_optimizer and mesh.dp_size * mesh.edp_size > 1)
+        if sharded:
+            raise CheckpointError(f"{found}: a single-file (--ckpt-format torch) checkpoint "
+                                  "loads only without tensor/pipeline/expert parallelism and "
+                                  "the distributed optimizer; save it with torch_dist")
+        return load_checkpoint(t.load, model, optimizer, scheduler,
+                               load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
+                               finetune=t.finetune)
+    common = load_dist_checkpoint(found, model, optimizer, scheduler, mesh,
+                                  load_optim=not t.no_load_optim, load_rng=not t.no_load_rng,
+                                  finetune=t.finetune)
+    if t.finetune:
+        return 0, 0
+    iteration = int(common["iteration"])
+    if not t.no_load_rng and common.get("rng") and not common["rng_restored"]:
+        log(f"> checkpoint saved under another layout ({common.get('layout')}): RNG states "
+            f"reseeded from --seed {t.seed} and the iteration")
+        reseed(t.seed, iteration, PIPELINE_SEED_STRIDE * mesh.pp_rank)
+    return iteration, int(common["consumed_train_samples"])
 
 
 def _jsonable(d: dict) -> dict:

@@ -110,12 +110,13 @@ def test_bf16_model_keeps_fp32_main_slices():
     assert torch.equal(flat, torch.cat(mains).bfloat16().float())
 
 
-def test_save_with_distributed_optimizer_and_dp_fails_in_one_line(capsys):
+def test_single_file_save_with_distributed_optimizer_and_dp_fails_in_one_line(capsys):
+    """One file holds rank 0's tensors: not the dp shards (torch_dist saves them)."""
     with pytest.raises(SystemExit) as exc:
         parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --use-distributed-optimizer "
-                               f"--save /tmp/x"), world_size=2)
+                               f"--save /tmp/x --ckpt-format torch"), world_size=2)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert ("not supported yet: --save with --use-distributed-optimizer and data-parallel "
-            "size > 1") in err
+    assert ("--ckpt-format torch (single file) cannot save with --use-distributed-optimizer "
+            "and data-parallel size > 1") in err

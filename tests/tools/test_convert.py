@@ -263,8 +263,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     cases.append((("hf-to-megamoe", "--input", str(llama)), ["config.json", "llama"]))
     cases.append((("hf-to-megamoe", "--input", str(tmp_path / "hf"),
-                   "--target-expert-parallel-size", "2"),
-                  ["not supported yet: --target-expert-parallel-size"]))
+                   "--target-expert-parallel-size", "2", "--ckpt-format", "torch"),
+                  ["--target-expert-parallel-size 2 needs --ckpt-format torch_dist"]))
     cases.append((("megamoe-to-hf", "--input", str(tmp_path / "hf")), ["latest_checkpointed"]))
     for args, needles in cases:
         _one_line_error(_in_process(capsys, *args, "--output", str(out)), *needles)
@@ -277,11 +277,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
 def test_megamoe_to_hf_bad_input(tmp_path, capsys):
     hf_mixtral(tmp_path / "hf")
     convert(["hf-to-megamoe", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mm")])
-    pt = tmp_path / "mm" / "iter_0000000" / "model_optim_rng.pt"
+    pt = tmp_path / "mm" / "iter_0000000" / "__0_0.distcp"
     pt.write_bytes(pt.read_bytes()[:1000])
     out = tmp_path / "out"
     _one_line_error(_in_process(capsys, "megamoe-to-hf", "--input", str(tmp_path / "mm"),
-                                "--output", str(out)), "model_optim_rng.pt", "cannot be read")
+                                "--output", str(out)), "iter_0000000", "cannot be read")
     assert not out.exists()
     # existing output is never overwritten
     p = _in_process(capsys, "hf-to-megamoe", "--input", str(tmp_path / "hf"),

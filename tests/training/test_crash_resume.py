@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import torch
 from megamoe.arguments import parse_args
 from megamoe.data import IndexedDatasetBuilder
 from megamoe.training.checkpointing import PAUSE_ENV, TRACKER, read_checkpoint, read_tracker
+from megamoe.training.dist_checkpoint import read_dist_tensors
 from megamoe.training.pretrain import pretrain
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
@@ -65,11 +67,12 @@ PHASES = {"before_write": 2, "after_write": 2, "after_publish": 2, "after_tracke
           "prune": 3}
 
 
-def _crash_and_resume(tmp_path, phases: list[str]) -> None:
+def _crash_and_resume(tmp_path, phases: list[str], fmt: str) -> None:
     straight = _run("--train-iters 4")
+    fmt = f"--ckpt-format {fmt}"
     dirs = {ph: str(tmp_path / ph) for ph in phases}
     markers = {ph: str(tmp_path / f"{ph}.marker") for ph in phases}
-    procs = {ph: _start_paused(dirs[ph], ph, 3, markers[ph]) for ph in phases}
+    procs = {ph: _start_paused(dirs[ph], ph, 3, markers[ph], fmt) for ph in phases}
     try:
         for ph in phases:
             _kill_at_marker(procs[ph], markers[ph])
@@ -82,7 +85,7 @@ def _crash_and_resume(tmp_path, phases: list[str]) -> None:
         # is killed between the two renames of that swap
         swap = str(tmp_path / "mid_swap.marker")
         p = _start_paused(dirs["after_publish"], "mid_swap", 3, swap,
-                          extra=f"--load {dirs['after_publish']}")
+                          extra=f"--load {dirs['after_publish']} {fmt}")
         _kill_at_marker(p, swap)
         assert glob.glob(os.path.join(dirs["after_publish"], "iter_0000003.old.*"))
 
@@ -91,7 +94,7 @@ def _crash_and_resume(tmp_path, phases: list[str]) -> None:
         assert read_tracker(d) == last, phase
         state = read_checkpoint(d)  # the pointer names a complete, readable checkpoint
         assert state["iteration"] == last and state["consumed_train_samples"] == 8 * last
-        resumed = _run(f"{SAVE_EVERY} --save {d} --load {d}")
+        resumed = _run(f"{SAVE_EVERY} --save {d} --load {d} {fmt}")
         assert [h["iteration"] for h in resumed] == list(range(last + 1, 5)), phase
         for a, b in zip(straight[last:], resumed):
             assert a["lm loss"] == b["lm loss"] and a["grad norm"] == b["grad norm"], phase
@@ -100,12 +103,17 @@ def _crash_and_resume(tmp_path, phases: list[str]) -> None:
 
 
 def test_sigkill_during_save_then_resume(tmp_path):
-    _crash_and_resume(tmp_path, ["after_write", "after_tracker"])
+    _crash_and_resume(tmp_path, ["after_write", "after_tracker"], "torch")
+
+
+def test_sigkill_during_torch_dist_save_then_resume(tmp_path):
+    _crash_and_resume(tmp_path, ["before_write", "after_publish"], "torch_dist")
 
 
 @pytest.mark.slow
-def test_sigkill_at_every_save_phase_then_resume(tmp_path):
-    _crash_and_resume(tmp_path, list(PHASES))
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_sigkill_at_every_save_phase_then_resume(tmp_path, fmt):
+    _crash_and_resume(tmp_path, list(PHASES), fmt)
 
 
 @pytest.mark.slow
@@ -149,14 +157,16 @@ def _train_real(prefix: str, extra: str) -> list[dict]:
     return pretrain(args, print_fn=lambda _m: None).history
 
 
-def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path, fmt):
     prefix = _gpt_corpus(str(tmp_path / "corpus"))
     n = 3
-    straight = _train_real(prefix, f"--train-iters {2 * n} --save {tmp_path / 'a'}")
+    f = f"--ckpt-format {fmt}"
+    straight = _train_real(prefix, f"--train-iters {2 * n} --save {tmp_path / 'a'} {f}")
     first = _train_real(prefix, f"--train-iters {2 * n} --exit-interval {n} "
-                                f"--save {tmp_path / 'b'}")
+                                f"--save {tmp_path / 'b'} {f}")
     second = _train_real(prefix, f"--train-iters {2 * n} --load {tmp_path / 'b'} "
-                                 f"--save {tmp_path / 'b'}")
+                                 f"--save {tmp_path / 'b'} {f}")
     assert [h["iteration"] for h in first + second] == list(range(1, 2 * n + 1))
     for a, b in zip(straight, first + second):
         assert a["lm loss"] == b["lm loss"] and a["grad norm"] == b["grad norm"], (a, b)
@@ -166,6 +176,13 @@ def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path):
     assert sa["consumed_train_samples"] == sb["consumed_train_samples"]
     for k, v in sa["model"].items():
         assert torch.equal(v, sb["model"][k]), k
+    if fmt == "torch_dist":  # every saved tensor (model, Adam states) and the RNG states
+        ta, tb = read_dist_tensors(sa["_file"]), read_dist_tensors(sb["_file"])
+        assert ta.keys() == tb.keys() and any(k.endswith(".exp_avg_sq") for k in ta)
+        for k, v in ta.items():
+            assert torch.equal(v, tb[k]), k
+        assert torch.equal(sa["rng"][0]["torch"], sb["rng"][0]["torch"])
+        return
     oa, ob = sa["optimizer"]["optimizer"]["state"], sb["optimizer"]["optimizer"]["state"]
     assert oa.keys() == ob.keys()
     for i in oa:
@@ -174,14 +191,21 @@ def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path):
     assert torch.equal(sa["rng"]["torch"], sb["rng"]["torch"])
 
 
-def test_async_save_matches_blocking_save(tmp_path):
-    _run(f"--train-iters 3 --save-interval 1 --save {tmp_path / 'sync'}")
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_async_save_matches_blocking_save(tmp_path, fmt):
+    f = f"--ckpt-format {fmt}"
+    _run(f"--train-iters 3 --save-interval 1 --save {tmp_path / 'sync'} {f}")
     _run(f"--train-iters 3 --save-interval 1 --async-save --ckpt-keep-last 1 "
-         f"--save {tmp_path / 'async'}")
+         f"--save {tmp_path / 'async'} {f}")
     assert sorted(os.listdir(tmp_path / "async")) == ["iter_0000003", TRACKER]
     a, b = read_checkpoint(str(tmp_path / "sync")), read_checkpoint(str(tmp_path / "async"))
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
+    if fmt == "torch_dist":  # optimizer states too
+        ta, tb = read_dist_tensors(a["_file"]), read_dist_tensors(b["_file"])
+        assert ta.keys() == tb.keys()
+        for k, v in ta.items():
+            assert torch.equal(v, tb[k]), k
 
 
 def _cli(args: str) -> subprocess.CompletedProcess:
@@ -209,29 +233,40 @@ def _one_line(code: int, err: str, needles: list[str]) -> None:
         assert n in lines[0], lines[0]
 
 
-def test_bad_load_is_one_line_and_leaves_save_untouched(tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_bad_load_is_one_line_and_leaves_save_untouched(tmp_path, capsys, fmt):
     from megamoe.training.pretrain import main
 
+    f = f"--ckpt-format {fmt}"
     good = str(tmp_path / "good")
-    _run(f"--train-iters 2 --save {good}")
+    _run(f"--train-iters 2 --save {good} {f}")
     trunc = str(tmp_path / "trunc")
-    _run(f"--train-iters 1 --save {trunc}")
-    pt = os.path.join(trunc, "iter_0000001", "model_optim_rng.pt")
+    _run(f"--train-iters 1 --save {trunc} {f}")
+    name = "model_optim_rng.pt" if fmt == "torch" else "__0_0.distcp"
+    pt = os.path.join(trunc, "iter_0000001", name)
     open(pt, "r+b").truncate(os.path.getsize(pt) // 2)
     before = {d: _snapshot_tree(d) for d in (good, trunc)}
     cases = [  # (flags, words the one line must contain)
         (f"{TINY_MOE} --load {tmp_path / 'missing'} --save {good}",
          ["--load", "missing", "no checkpoint"]),
-        (f"{TINY_MOE} --load {trunc} --save {trunc}", ["model_optim_rng.pt", "cannot be read"]),
+        (f"{TINY_MOE} --load {trunc} --save {trunc}",
+         [name if fmt == "torch" else "iter_0000001", "cannot be read"]),
         (f"{_with(TINY_MOE, '--num-experts', '8')} --load {good} --save {good}",
          ["--num-experts", "num_experts=4"]),
         (f"{_with(TINY_MOE, '--hidden-size', '64')} --load {good} --save {good}",
          ["--hidden-size", "hidden_size=32"]),
     ]
+    if fmt == "torch_dist":  # a torch_dist directory without its common.pt
+        incomplete = str(tmp_path / "incomplete")
+        shutil.copytree(good, incomplete)
+        os.remove(os.path.join(incomplete, "iter_0000002", "common.pt"))
+        before[incomplete] = _snapshot_tree(incomplete)
+        cases.append((f"{TINY_MOE} --load {incomplete} --save {incomplete}",
+                      ["iter_0000002", "missing or incomplete"]))
     for flags, needles in cases:
         capsys.readouterr()
         code = main(shlex.split(f"{flags} --train-iters 3"))
         _one_line(code, capsys.readouterr().err, needles)
     p = _cli(f"{cases[1][0]} --train-iters 3")  # the real command line, same one line
     _one_line(p.returncode, p.stderr, cases[1][1])
-    assert {d: _snapshot_tree(d) for d in (good, trunc)} == before
+    assert {d: _snapshot_tree(d) for d in before} == before

@@ -172,8 +172,8 @@ def _fails(capsys, extra: str, world_size: int) -> str:
      "--expert-model-parallel-size > 1"),
     ("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
      "--moe-a2a-overlap-degree 0", 2, "--moe-a2a-overlap-degree must be >= 1, got 0"),
-    ("--expert-model-parallel-size 2 --save /tmp/x", 2,
-     "not supported yet: --save with --expert-model-parallel-size > 1"),
+    ("--expert-model-parallel-size 2 --save /tmp/x --ckpt-format torch", 2,
+     "--ckpt-format torch (single file) cannot save with --expert-model-parallel-size > 1"),
     ("--expert-model-parallel-size 2 --moe-expert-capacity-factor 1.0 "
      "--moe-pad-expert-input-to-capacity", 2,
      "not supported yet: --moe-pad-expert-input-to-capacity with "

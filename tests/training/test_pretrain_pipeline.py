@@ -78,8 +78,8 @@ def test_pp2_1f1b_even_untied():
     ("--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1"
      " --global-batch-size 6", 2,
      "needs the number of micro-batches (3) to be divisible by --pipeline-model-parallel-size"),
-    ("--pipeline-model-parallel-size 2 --save /tmp/x", 2,
-     "not supported yet: --save with --pipeline-model-parallel-size > 1"),
+    ("--pipeline-model-parallel-size 2 --save /tmp/x --ckpt-format torch", 2,
+     "--ckpt-format torch (single file) cannot save with --pipeline-model-parallel-size > 1"),
     ("--pipeline-model-parallel-size 3", 2, "world size 2 is not divisible by"),
 ])
 def test_bad_pipeline_layouts_fail_in_one_line(capsys, extra, world, message):

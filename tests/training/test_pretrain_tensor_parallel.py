@@ -70,8 +70,8 @@ def _fails(capsys, extra: str, world_size: int) -> str:
      "--max-position-embeddings 16", 2,
      "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with "
      "--sequence-parallel"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --save /tmp/x", 2,
-     "not supported yet: --save with --tensor-model-parallel-size > 1"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --save /tmp/x --ckpt-format torch", 2,
+     "--ckpt-format torch (single file) cannot save with --tensor-model-parallel-size > 1"),
     ("--expert-tensor-parallel-size 2", 2,
      "not supported yet: --expert-tensor-parallel-size 2 other than 1 or "
      "--tensor-model-parallel-size (1)"),

@@ -40,6 +40,7 @@ from megamoe.training.checkpointing import (  # noqa: E402
     read_checkpoint,
     write_checkpoint,
 )
+from megamoe.training.dist_checkpoint import save_dist_checkpoint  # noqa: E402
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -152,8 +153,11 @@ def _check_shapes(sd: dict[str, torch.Tensor], config: ModelConfig, where: str) 
         raise ConvertError(f"{where}: unexpected weights {extra[:4]}")
 
 
-def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str) -> str:
-    """Convert; returns the published iteration directory."""
+def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torch_dist",
+                             target: Optional[dict[str, int]] = None) -> str:
+    """Convert; returns the published iteration directory. `target` ({"tensor": N, ...}):
+    the layout the user means to train with, recorded in the saved arguments (a torch_dist
+    checkpoint loads under any layout)."""
     cfg = _read_hf_config(hf_dir)
     config_path = os.path.join(hf_dir, "config.json")
     try:
@@ -168,15 +172,24 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str) -> str:
         msg = e.args[0] if e.args else str(e)
         raise ConvertError(f"{hf_dir}: weights do not fit config.json ({msg})") from None
     _check_shapes(sd, config, hf_dir)
-    state = {
-        "iteration": 0, "consumed_train_samples": 0,
-        "args": {k: v for k, v in vars(args).items()
-                 if isinstance(v, (int, float, str, bool, list, type(None)))},
-        "model_config": to_dict(config), "model": sd,
-        "optimizer": None, "scheduler": None, "rng": None,
-    }
+    saved_args = {k: v for k, v in vars(args).items()
+                  if isinstance(v, (int, float, str, bool, list, type(None)))}
+    for kind, size in (target or {}).items():
+        saved_args[f"{kind}_model_parallel_size"] = size
+    saved_args["ckpt_format"] = ckpt_format
     with tqdm(total=1, desc="writing megamoe checkpoint", disable=None) as bar:
-        final = write_checkpoint(out_dir, 0, state)
+        if ckpt_format == "torch_dist":
+            with torch.device("meta"):
+                model = GPTModel(config)
+            model.load_state_dict(sd, strict=True, assign=True)
+            final = save_dist_checkpoint(out_dir, 0, model, None, None, None, 0, saved_args,
+                                         model_config=to_dict(config), save_optim=False,
+                                         save_rng=False, single=True)
+        else:
+            state = {"iteration": 0, "consumed_train_samples": 0, "args": saved_args,
+                     "model_config": to_dict(config), "model": sd,
+                     "optimizer": None, "scheduler": None, "rng": None}
+            final = write_checkpoint(out_dir, 0, state)
         bar.update(1)
     return final
 
@@ -305,7 +318,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         s.add_argument("--input", required=True)
         s.add_argument("--output", required=True)
     for kind in ("tensor", "pipeline", "expert"):
-        to_mm.add_argument(f"--target-{kind}-parallel-size", type=int, default=1)
+        to_mm.add_argument(f"--target-{kind}-parallel-size", type=int, default=1,
+                           help="recorded as the intended layout (torch_dist checkpoints "
+                                "load under any layout)")
+    to_mm.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
+                       help="torch_dist (default, sharded, any layout) or torch (one file)")
     return p.parse_args(argv)
 
 
@@ -316,8 +333,10 @@ def _check_output(args: argparse.Namespace) -> None:
             value = getattr(args, f"target_{kind}_parallel_size")
             if value < 1:
                 raise ConvertError(f"--target-{kind}-parallel-size must be >= 1, got {value}")
-            if value != 1:
-                raise ConvertError(f"not supported yet: --target-{kind}-parallel-size {value}")
+            if value != 1 and args.ckpt_format == "torch":
+                raise ConvertError(f"--target-{kind}-parallel-size {value} needs --ckpt-format "
+                                   "torch_dist (a single-file checkpoint loads only into one "
+                                   "process or data parallelism)")
         if os.path.exists(os.path.join(out, TRACKER)):
             raise ConvertError(f"--output {out}: already holds a checkpoint (choose a new folder)")
     elif os.path.exists(os.path.join(out, "config.json")):
@@ -333,7 +352,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         _check_output(args)
         if args.direction == "hf-to-megamoe":
-            final = hf_to_megamoe_checkpoint(args.input, args.output)
+            target = {kind: getattr(args, f"target_{kind}_parallel_size")
+                      for kind in ("tensor", "pipeline", "expert")}
+            final = hf_to_megamoe_checkpoint(args.input, args.output, args.ckpt_format, target)
             print(f"wrote {final}")
         else:
             megamoe_to_hf_checkpoint(args.input, args.output)

@@ -1,0 +1,363 @@
+"""--ckpt-format torch_dist: sharded checkpoints on torch.distributed.checkpoint (DCP) that
+load into any parallel layout.
+
+    SAVE/iter_0000100/__0_0.distcp ...   every rank's shards (DCP), replicas written once
+    SAVE/iter_0000100/.metadata          DCP's index: key -> global shape, chunks
+    SAVE/iter_0000100/common.pt          rank 0: iteration, consumed samples, args, model
+                                         config, LR scheduler, optimizer step, RNG states
+    SAVE/latest_checkpointed_iteration.txt
+
+Tensor keys are layout-free (sharded_state.py): `model.<single-process name>[.part]` and
+`optimizer.<same>.{main,exp_avg,exp_avg_sq,momentum_buffer}`. The distributed optimizer's
+flat dp / edp shards are gathered into whole per-parameter tensors at save and re-sliced
+at load, so the optimizer state loads under any dp size too.
+
+RNG: each rank's states are saved; a run with the same world size and layout restores its
+own rank's; under any other layout pretrain reseeds from --seed + iteration (+ the
+pipeline stage's offset), since resharding changes the dropout streams anyway, and says so.
+
+Publish protocol: the same as the single-file format (checkpointing.py): rank 0 prepares
+`iter_N.tmp.PID`, every rank writes into it, rank 0 adds common.pt, all ranks barrier,
+rank 0 publishes by rename and updates the pointer last. --async-save: DCP writes the
+shards on a background thread; the next save or the end of training publishes them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megamoe.training.checkpointing import (
+    COMMON,
+    CheckpointError,
+    _check_model_config,
+    _fsync_dir,
+    _pause_point,
+    _rng_state,
+    _set_rng_state,
+    prepare_tmp,
+    publish_tmp,
+)
+from megamoe.training.sharded_state import Entry, model_entries
+
+FORMAT_VERSION = 1
+
+
+def _world(single: bool = False) -> tuple[int, int]:
+    if not single and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _cause(e: BaseException) -> str:
+    """The first rank's underlying error of a DCP failure (a truncated shard: EOFError)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        e = getattr(inner, "exception", inner)
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0][:160]}" if text else e.__class__.__name__
+
+
+# Without a process group DCP warns that it assumes one process (also from async saves
+# writer threads): that is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized")
+
+
+def _param_keys(optimizer, entries: list[Entry]) -> list[Optional[Entry]]:
+    """The model entry of each optimizer parameter (aligned with optimizer.model_params)."""
+    by_id = {id(e.tensor): e for e in entries}
+    return [by_id.get(id(p)) for p in optimizer.model_params]
+
+
+def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: bool,
+                  copy: bool) -> tuple[dict[str, Any], Optional[dict]]:
+    """{key: DTensor | tensor} of this rank's shards (copies when `copy`: async saves)."""
+    entries = model_entries(model, mesh if world > 1 else None)
+    state: dict[str, Any] = {}
+
+    def local(part, t: torch.Tensor) -> torch.Tensor:
+        t = part.local(t.detach())
+        return t.clone() if copy else t.contiguous()
+
+    for e in entries:
+        if e.save:
+            for part in e.parts:
+                state[f"model.{part.key}"] = part.wrap(local(part, e.tensor))
+    if not save_optim or optimizer is None:
+        return state, None
+    states, step = optimizer.param_states()  # collective for the distributed optimizer
+    for e, st in zip(_param_keys(optimizer, entries), states):
+        if e is not None and e.save:
+            for name, t in st.items():
+                for part in e.parts:
+                    state[f"optimizer.{part.key}.{name}"] = part.wrap(local(part, t))
+    return state, {"step": step, "names": sorted({k for st in states for k in st})}
+
+
+def _common(iteration: int, consumed_samples: int, args: dict, model_config, scheduler,
+            optim_common, save_rng: bool, mesh, rank: int, world: int, extra) -> dict:
+    """Rank 0's non-tensor state (None on other ranks); gathers every rank's RNG states."""
+    rngs = [_rng_state()] if save_rng else None
+    if save_rng and world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(rngs[0], gathered, dst=0)
+        rngs = gathered
+    if rank != 0:
+        return None
+    return {"format": "torch_dist", "format_version": FORMAT_VERSION, "iteration": iteration,
+            "consumed_train_samples": consumed_samples, "args": args,
+            "model_config": model_config,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer": optim_common, "rng": rngs, "world_size": world,
+            "layout": dict(getattr(mesh, "sizes", {}) or {}), **(extra or {})}
+
+
+def _prepare(root: str, iteration: int, rank: int, world: int) -> str:
+    """Rank 0 makes the tmp directory; every rank learns its name."""
+    tmp = prepare_tmp(root, iteration) if rank == 0 else None
+    if world > 1:
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        tmp = box[0]
+    if rank == 0:
+        _pause_point("before_write", iteration)
+    return tmp
+
+
+def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
+            keep_last: Optional[int], rank: int, world: int) -> str:
+    """After every rank's shards are written: common.pt, barrier, publish, barrier."""
+    if rank == 0:
+        with open(os.path.join(tmp, COMMON), "wb") as f:
+            torch.save(common, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+    if world > 1:
+        dist.barrier()
+    final = tmp
+    if rank == 0:
+        _pause_point("after_write", iteration)
+        final = publish_tmp(root, iteration, tmp, keep_last)
+    if world > 1:
+        dist.barrier()
+    return final
+
+
+def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer, scheduler,
+                         mesh, consumed_samples: int, args: dict, *,
+                         model_config: Optional[dict] = None, save_optim: bool = True,
+                         save_rng: bool = True, keep_last: Optional[int] = None,
+                         extra: Optional[dict] = None, single: bool = False) -> str:
+    """Collective: every rank calls it (`single`: a single-process model, this process
+    alone). Returns the published directory."""
+    rank, world = _world(single)
+    state, optim_common = _tensor_state(model, optimizer, mesh, world, save_optim, copy=False)
+    common = _common(iteration, consumed_samples, args, model_config, scheduler, optim_common,
+                     save_rng, mesh, rank, world, extra)
+    tmp = _prepare(root, iteration, rank, world)
+    dcp.save(state, checkpoint_id=tmp, no_dist=world == 1)
+    return _finish(root, iteration, tmp, common, keep_last, rank, world)
+
+
+class AsyncDistSaver:
+    """--async-save with torch_dist: shards are copied on the training thread, then DCP
+    writes them on a background thread (its collectives on a gloo group of their own)
+    while training continues. The checkpoint is published (common.pt, rename, pointer) by
+    `finalize`, which the next save and the end of training call on every rank."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = _world()
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self._pending: Optional[tuple] = None
+
+    def save(self, root: str, iteration: int, model: nn.Module, optimizer, scheduler, mesh,
+             consumed_samples: int, args: dict, *, model_config: Optional[dict] = None,
+             save_optim: bool = True, save_rng: bool = True,
+             keep_last: Optional[int] = None) -> None:
+        self.finalize()
+        state, optim_common = _tensor_state(model, optimizer, mesh, self.world, save_optim,
+                                            copy=True)
+        common = _common(iteration, consumed_samples, args, model_config, scheduler,
+                         optim_common, save_rng, mesh, self.rank, self.world, None)
+        tmp = _prepare(root, iteration, self.rank, self.world)
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
+                                no_dist=self.world == 1)
+        self._pending = (future, root, iteration, tmp, common, keep_last)
+
+    def finalize(self) -> None:
+        """Wait for the in-flight save and publish it (collective); CheckpointError if the
+        write failed."""
+        if self._pending is None:
+            return
+        future, root, iteration, tmp, common, keep_last = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"{tmp}: async save failed ({_cause(e)})") from None
+        _finish(root, iteration, tmp, common, keep_last, self.rank, self.world)
+
+
+def read_common(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, COMMON)
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_dir}: missing {COMMON}") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.__class__.__name__})") from None
+    if not isinstance(common, dict) or common.get("format") != "torch_dist":
+        raise CheckpointError(f"{path}: not a megamoe torch_dist checkpoint")
+    return common
+
+
+def read_metadata(ckpt_dir: str) -> dict[str, Any]:
+    """DCP's index of `ckpt_dir`: {key: TensorStorageMetadata (size, dtype) | bytes}."""
+    try:
+        return dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"{ckpt_dir}: DCP metadata cannot be read "
+                              f"({e.__class__.__name__})") from None
+
+
+def _request(meta: dict, ckpt_dir: str, key: str, part, like: torch.Tensor,
+             request: dict, targets: list, target: Callable[[torch.Tensor], None]) -> None:
+    """Ask DCP for `key` into a fresh buffer; `target(buffer)` consumes it after the load."""
+    if key not in meta:
+        raise CheckpointError(f"{ckpt_dir}: does not match the model (missing {key})")
+    saved = tuple(meta[key].size)
+    if saved != part.global_shape:
+        raise CheckpointError(f"{ckpt_dir}: does not match the model ({key} has shape "
+                              f"{list(saved)} in the checkpoint, {list(part.global_shape)} "
+                              "in this model)")
+    if key not in request:
+        buf = torch.empty(part.local(like).shape, dtype=like.dtype)
+        request[key] = (part.wrap(buf), buf)
+    targets.append((request[key][1], target))
+
+
+def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, mesh, *,
+                         load_optim: bool = True, load_rng: bool = True,
+                         finetune: bool = False, common: Optional[dict] = None,
+                         single: bool = False) -> dict:
+    """Load `ckpt_dir` (an iter_N directory) into this rank's shards (collective; `single`:
+    a single-process model in this process alone). Returns the common state; its
+    "rng_restored" says whether this rank's RNG states were set."""
+    rank, world = _world(single)
+    common = read_common(ckpt_dir) if common is None else common
+    _check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))
+    meta = read_metadata(ckpt_dir)
+    entries = model_entries(model, mesh if world > 1 else None)
+    request: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    targets: list = []
+    for e in entries:
+        for part in e.parts:
+            _request(meta, ckpt_dir, f"model.{part.key}", part, e.tensor, request, targets,
+                     lambda buf, t=e.tensor, p=part: p.local(t).copy_(buf))
+    optim = common.get("optimizer")
+    use_optim = (optimizer is not None and load_optim and not finetune and optim is not None)
+    per_param: list[dict[str, torch.Tensor]] = []
+    if use_optim:
+        for e, p in zip(_param_keys(optimizer, entries), optimizer.model_params):
+            st: dict[str, torch.Tensor] = {}
+            per_param.append(st)
+            for name in optim["names"]:
+                if name == "main" and f"optimizer.{e.parts[0].key}.main" not in meta:
+                    continue
+                full = torch.empty(p.shape, dtype=torch.float32)
+                st[name] = full
+                for part in e.parts:
+                    _request(meta, ckpt_dir, f"optimizer.{part.key}.{name}", part, full,
+                             request, targets, lambda buf, t=full, q=part: q.local(t).copy_(buf))
+    try:
+        dcp.load({k: v[0] for k, v in request.items()}, checkpoint_id=ckpt_dir,
+                 no_dist=world == 1)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot be read ({_cause(e)})") from None
+    with torch.no_grad():
+        for buf, target in targets:
+            target(buf)
+    if optimizer is not None:
+        if use_optim:
+            optimizer.load_param_states(per_param, optim.get("step"))
+        else:
+            optimizer.reload_model_params()
+    common["rng_restored"] = False
+    if not finetune:
+        if scheduler is not None and load_optim and common.get("scheduler") is not None:
+            scheduler.load_state_dict(common["scheduler"])
+        rngs = common.get("rng")
+        same_layout = (common.get("world_size") == world and common.get("layout")
+                       == dict(getattr(mesh, "sizes", {}) or {}))
+        if load_rng and rngs and same_layout:
+            _set_rng_state(rngs[rank])
+            common["rng_restored"] = True
+    return common
+
+
+def read_dist_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` as one whole tensor, in this process (no process group)."""
+    meta = read_metadata(ckpt_dir)
+    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
+            if k.startswith(prefix) and hasattr(m, "size")}
+    try:
+        dcp.load(want, checkpoint_id=ckpt_dir, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot be read ({_cause(e)})") from None
+    return want
+
+
+def load_single_process_model(ckpt_dir: str, model: nn.Module) -> dict:
+    """Load a torch_dist checkpoint of any layout into a single-process GPTModel."""
+    return load_dist_checkpoint(ckpt_dir, model, None, None, None, load_optim=False,
+                                load_rng=False, finetune=True, single=True)
+
+
+def reseed(seed: int, iteration: int, stream: int = 0) -> None:
+    """After a layout change (RNG states not restorable): a fresh stream per resumed run
+    (and pipeline stage, `stream`) that does not replay the first iterations' draws."""
+    s = seed + iteration + stream
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+
+
+def _saved_dtype(meta: dict) -> torch.dtype:
+    for key, m in meta.items():
+        if key.startswith("model.") and hasattr(m, "properties"):
+            return m.properties.dtype
+    return torch.float32
+
+
+def build_single_process_model(ckpt_dir: str) -> tuple[nn.Module, dict]:
+    """A single-process GPTModel (saved dtype) with the weights of a torch_dist checkpoint
+    of any layout, and the checkpoint's common state."""
+    from megamoe.inference import model_config_from_dict
+    from megamoe.model.gpt_model import GPTModel
+
+    common = read_common(ckpt_dir)
+    if not common.get("model_config"):
+        raise CheckpointError(f"{os.path.join(ckpt_dir, COMMON)}: holds no model config")
+    model = GPTModel(model_config_from_dict(common["model_config"]))
+    model = model.to(_saved_dtype(read_metadata(ckpt_dir)))
+    load_single_process_model(ckpt_dir, model)
+    return model, common
+
+
+def read_dist_checkpoint(ckpt_dir: str) -> dict:
+    """The single-file view of a torch_dist checkpoint (read_checkpoint's format): "model"
+    is the single-process state_dict; optimizer states stay in the directory
+    (read_dist_tensors(ckpt_dir, "optimizer."))."""
+    model, common = build_single_process_model(ckpt_dir)
+    return {**common, "model": model.state_dict(), "optimizer": None, "_file": ckpt_dir}
