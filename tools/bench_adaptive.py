@@ -15,9 +15,9 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +34,10 @@ from megamoe.moe.dispatcher import apply_expert_parallel  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_file() -> str:
+    """Rendezvous through a fresh file, not a TCP port: nothing another process can take
+    between choosing it and binding it."""
+    return os.path.join(tempfile.mkdtemp(prefix="megamoe-bench-"), "rendezvous")
 
 
 def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
@@ -62,10 +62,10 @@ def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
     return {m: 1000 * statistics.median(t) for m, t in times.items()}, outs
 
 
-def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _bench_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
         torch.manual_seed(0)
@@ -122,8 +122,8 @@ def main(argv=None) -> None:
                 f"({args.world_size})")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, port, args, queue))
+    init_file = _init_file()
+    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, init_file, args, queue))
              for r in range(args.world_size)]
     for proc in procs:
         proc.start()

@@ -27,9 +27,9 @@ import json
 import logging
 import os
 import queue as queue_module
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -51,10 +51,10 @@ DEEPSPEED_LAYER = "deepspeed.moe.layer.MoE"
 DEEPSPEED_MISSING = "deepspeed not installed (scripts/install_bench_peers.sh)"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_file() -> str:
+    """Rendezvous through a fresh file, not a TCP port: nothing another process can take
+    between choosing it and binding it."""
+    return os.path.join(tempfile.mkdtemp(prefix="megamoe-bench-"), "rendezvous")
 
 
 def _time_fwd_bwd(layer: Callable[[torch.Tensor], torch.Tensor],
@@ -231,10 +231,10 @@ def _deepspeed_row(layer: nn.Module, row: dict, timed: tuple, reference: tuple, 
 # ---------------------------------------------------------------- ranks and driver
 
 
-def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _bench_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
         torch.manual_seed(0)
@@ -321,8 +321,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 f"({args.world_size})")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, port, args, queue))
+    init_file = _init_file()
+    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, init_file, args, queue))
              for r in range(args.world_size)]
     for proc in procs:
         proc.start()
