@@ -10,12 +10,11 @@
 # built on the meta device and its parameter counts are printed (a missing tokenizer file
 # is replaced by the Llama-2 vocabulary size).
 #
-# Parallel layout (Megatron's values, 16 GPUs: TP4 x DP4, EP4): megamoe stops with one line
-# "not supported yet: --tensor-model-parallel-size" (or --expert-model-parallel-size,
-# --sequence-parallel, --use-distributed-optimizer with DP > 1) for every parallelism that
-# is not built yet, rather than silently running a different layout. Override them from
-# the environment (TP=1 EP=1 PP=1 DIST_OPT=0) to run data parallel today, and ask
-# tools/plan_parallel.py which layout fits your cluster.
+# Parallel layout (Megatron's values, 16 GPUs: TP4 x DP4, EP4, ETP = TP, distributed
+# optimizer, sharded torch_dist checkpoints that load under any other layout). Override
+# them from the environment (TP, EP, PP, DIST_OPT) and ask tools/plan_parallel.py which
+# layout fits your cluster; DRY_RUN=1 prints the per-rank memory of the layout
+# (68.6 GiB per GPU for the defaults on 16 GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,7 +73,7 @@ MODEL_ARGS=(
 MOE_ARGS=(
   --num-experts 8
   --expert-model-parallel-size "$EP"
-  --moe-router-load-balancing-type aux_loss  # aux_loss or none today; sinkhorn: not supported yet
+  --moe-router-load-balancing-type aux_loss  # or seq_aux_loss, global_aux_loss, sinkhorn, none
   --moe-router-topk 2
   --moe-aux-loss-coeff 1e-2
   --moe-grouped-gemm
