@@ -9,7 +9,8 @@ In one process and one run, on the same weights and input (SwiGLU experts, fp32 
   dense   a dense SwiGLU MLP with intermediate k x F: the same expert FLOPs as one GEMM
           each, this machine's ceiling
 Peak activation memory = bytes saved for backward during the forward (unique storages),
-the memory a training step holds per layer; reported relative to dense.
+the memory a training step holds per layer; reported relative to dense, with the saved
+tensors of >= 1 MiB listed per variant (`saved_tensors`: [MiB, shape, dtype]).
 
 Shapes: mixtral (E=8, k=2, H=1024, F=2048, S=4096), fine_grained (E=64, k=8, H=1024,
 F=256, S=4096), tiny (smoke test). Usage: python tools/bench_moe_layer.py --json
@@ -86,20 +87,31 @@ class DenseSwiGLU(torch.nn.Module):
         return (F.silu(gate) * up) @ self.w2
 
 
-def saved_activation_bytes(fn, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward."""
-    seen: dict[int, int] = {}
+def saved_tensors(fn, x: torch.Tensor) -> list[tuple[int, list[int], str]]:
+    """(bytes, shape, dtype) of each distinct storage autograd saves for backward in one
+    forward, largest first (views of one storage count once, with the first shape seen)."""
+    seen: dict[int, tuple[int, list[int], str]] = {}
 
     def pack(t: torch.Tensor):
         if not isinstance(t, torch.nn.Parameter):
             s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
+            seen.setdefault(s.data_ptr(), (s.nbytes(), list(t.shape), str(t.dtype)[6:]))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(x.detach().requires_grad_(True))
     del out
-    return sum(seen.values())
+    return sorted(seen.values(), key=lambda v: -v[0])
+
+
+def saved_activation_bytes(fn, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward."""
+    return sum(nbytes for nbytes, _, _ in saved_tensors(fn, x))
+
+
+def _breakdown(saved: list[tuple[int, list[int], str]], min_bytes: int = 1 << 20) -> list:
+    """The saved tensors of at least min_bytes as [MiB, shape, dtype] (the memory profile)."""
+    return [[round(b / 2**20, 2), shape, dt] for b, shape, dt in saved if b >= min_bytes]
 
 
 def time_fwd_bwd(fn, x: torch.Tensor, repeats: int) -> float:
@@ -129,7 +141,8 @@ def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int)
         n = repeats if k in ("moe", "dense") else baseline_repeats
         ms[k] = 1e3 * time_fwd_bwd(fn, x, n)
         print(f"# {name} {dtype_name} {k}: {ms[k]:.1f} ms", file=sys.stderr, flush=True)
-    mem = {k: saved_activation_bytes(fns[k], x) for k in ("moe", "dense", "einsum")}
+    saved = {k: saved_tensors(fns[k], x) for k in ("moe", "dense", "einsum")}
+    mem = {k: sum(b for b, _, _ in v) for k, v in saved.items()}
     expert_flops = 3 * 2 * s["T"] * s["k"] * 3 * s["H"] * s["F"]  # fwd + 2x bwd, 3 GEMMs
     return {
         "shape": name, "dtype": dtype_name, **s, "threads": torch.get_num_threads(),
@@ -144,6 +157,8 @@ def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int)
         "einsum_mem_ratio_vs_dense": round(mem["einsum"] / mem["dense"], 3),
         "moe_expert_gflops": round(expert_flops / ms["moe"] / 1e6, 1),
         "dense_gflops": round(expert_flops / ms["dense"] / 1e6, 1),
+        "saved_mib": {k: round(mem[k] / 2**20, 1) for k in ("moe", "dense")},
+        "saved_tensors": {k: _breakdown(saved[k]) for k in ("moe", "dense")},
     }
 
 

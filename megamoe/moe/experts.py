@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megamoe.moe.grouped_gemm import gather_grouped_mm, grouped_mm
+from megamoe.moe.swiglu import swiglu
 
 
 def _rows_bias(bias_EM: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
@@ -77,10 +78,14 @@ class GroupedExperts(nn.Module):
         b1_NF = _rows_bias(self.fc1_bias, tokens_per_expert_E, num_rows)
         if b1_NF is not None:
             h_NF = h_NF + b1_NF
-        a_NF = self.activation(h_NF)
-        p_N1 = None if probs_N is None else probs_N.to(a_NF.dtype).unsqueeze(-1)
-        if p_N1 is not None:
-            a_NF = a_NF * p_N1
+        p_N = None if probs_N is None else probs_N.to(h_NF.dtype)
+        p_N1 = None if p_N is None else p_N.unsqueeze(-1)
+        if self.swiglu:  # fused: autograd keeps h_NF only, not the [N, F] intermediates
+            a_NF = swiglu(h_NF, p_N)
+        else:
+            a_NF = self.activation(h_NF)
+            if p_N1 is not None:
+                a_NF = a_NF * p_N1
         y_NH = grouped_mm(a_NF, self.fc2_weight, tokens_per_expert_E, self.backend)
         b2_NH = _rows_bias(self.fc2_bias, tokens_per_expert_E, num_rows)
         if b2_NH is None:

@@ -39,20 +39,52 @@ def permute_probs(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor) -> torch
     return probs_TE.t().contiguous().masked_select(_expert_major(routing_map_TE))
 
 
+class _Unpermute(torch.autograd.Function):
+    """out_TH = index_add of (probs_N *) y_NH over token_indices_N, in fp32 or wider.
+
+    Autograd's index_add keeps its [N, H] source for backward (only for its shape); this
+    keeps token_indices_N, plus y_NH and probs_N when the weights need a gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, y_NH: torch.Tensor, token_indices_N: torch.Tensor,
+                probs_N: Optional[torch.Tensor], num_tokens: int) -> torch.Tensor:
+        acc = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        weighted_NH = y_NH.to(acc)
+        if probs_N is not None:
+            weighted_NH = weighted_NH * probs_N.to(acc).unsqueeze(-1)
+        out_TH = weighted_NH.new_zeros(num_tokens, y_NH.shape[-1])
+        out_TH.index_add_(0, token_indices_N, weighted_NH)
+        keep_y = probs_N is not None and ctx.needs_input_grad[2]
+        ctx.save_for_backward(token_indices_N, y_NH if keep_y else None, probs_N)
+        ctx.acc, ctx.y_dtype = acc, y_NH.dtype
+        return out_TH.to(y_NH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH: torch.Tensor):
+        token_indices_N, y_NH, probs_N = ctx.saved_tensors
+        grad_NH = grad_TH.to(ctx.acc).index_select(0, token_indices_N)
+        grad_probs = None
+        if y_NH is not None:
+            grad_probs = (grad_NH * y_NH.to(ctx.acc)).sum(dim=-1).to(probs_N.dtype)
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            if probs_N is not None:
+                grad_NH = grad_NH * probs_N.to(ctx.acc).unsqueeze(-1)
+            grad_y = grad_NH.to(ctx.y_dtype)
+        return grad_y, None, grad_probs, None
+
+
 def unpermute(y_NH: torch.Tensor, token_indices_N: torch.Tensor,
               probs_N: Optional[torch.Tensor], num_tokens: int) -> torch.Tensor:
     """out[t] = sum over copies n of token t of probs_N[n] * y_NH[n] (probs_N None: rows
     already weighted, as the grouped experts do before fc2).
 
-    Accumulates in at least fp32 (index_add, deterministic on CPU) and casts back to y's dtype, so a
-    bf16 model sums its k expert outputs without extra rounding.
+    Accumulates in at least fp32 (index_add, deterministic on CPU) and casts back to y's
+    dtype, so a bf16 model sums its k expert outputs without extra rounding. Saves no
+    [N, H] tensor for backward unless the combine weights need a gradient.
     """
-    acc = torch.promote_types(y_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-    weighted_NH = y_NH.to(acc)
-    if probs_N is not None:
-        weighted_NH = weighted_NH * probs_N.to(acc).unsqueeze(-1)
-    out_TH = weighted_NH.new_zeros(num_tokens, y_NH.shape[-1])
-    return out_TH.index_add(0, token_indices_N, weighted_NH).to(y_NH.dtype)
+    return _Unpermute.apply(y_NH, token_indices_N, probs_N, num_tokens)
 
 
 def pad_groups(token_indices_N: torch.Tensor, probs_N: torch.Tensor,
