@@ -83,10 +83,11 @@ class MoELayer(nn.Module):
                 add_bias=add_bias_linear, init_method_std=init_method_std,
                 output_init_std=output_std, grouped_gemm=config.grouped_gemm)
         # Grouped experts are linear after the activation, so the combine weights can scale
-        # the [N, F] activation instead of the [N, H] output: cheaper when F <= H (the
-        # multiply and the tensor autograd keeps for it are F wide instead of H).
+        # the [N, F] activation instead of the [N, H] output: with SwiGLU the fused op
+        # (moe/swiglu.py) applies them for free and keeps only fc1's output, otherwise it
+        # pays when F <= H (the multiply and the tensor autograd keeps are F wide, not H).
         self.probs_in_experts = (isinstance(self.experts, GroupedExperts)
-                                 and config.ffn_hidden_size <= hidden_size)
+                                 and (swiglu or config.ffn_hidden_size <= hidden_size))
         self.shared_experts = None
         if config.shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(

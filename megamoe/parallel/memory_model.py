@@ -116,9 +116,16 @@ def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes
         if model.is_moe_layer(i):
             m, f = model.moe, model.moe.ffn_hidden_size
             fc1 = 2 * f if model.swiglu else f
-            # norm + router input, permuted tokens, fc1 out, act out, expert out (k copies),
-            # plus the all-to-all send/receive buffers of the dispatch (k x h each way).
-            expert = m.topk * (h + fc1 + f + h) / lay.etp + (2 * m.topk * h if lay.ep > 1 else 0)
+            # Per token copy: fc1's output and the (weighted) activation (moe/swiglu.py);
+            # the local path gathers rows inside fc1 and weights the activation, while the
+            # dispatcher path keeps the received rows and the expert outputs (for the
+            # combine weights), plus the all-to-all send/receive buffers (k x h each way).
+            copy = (fc1 + f) / lay.etp
+            if lay.ep > 1:
+                copy += 2 * h
+            elif not (model.swiglu or f <= h):
+                copy += h  # GELU experts wider than H weight the output
+            expert = m.topk * copy + (2 * m.topk * h if lay.ep > 1 else 0)
             mlp = 2 * h + expert + m.num_experts * 4 / act_bytes  # fp32 router probs
         else:
             f = model.ffn_hidden_size
