@@ -23,6 +23,7 @@ cheapest depends on tokens per step against expert weight bytes and on the links
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Optional
 
@@ -82,8 +83,8 @@ class AdaptiveExpertParallel:
     """Executes one MoE layer's routed experts in the mode asked for, or, with `costs`,
     in the mode the cost model predicts fastest for this call's token count."""
 
-    def __init__(self, layer: MoELayer, group, costs: Optional[CollectiveCosts] = None
-                 ) -> None:
+    def __init__(self, layer: MoELayer, group, costs: Optional[CollectiveCosts] = None,
+                 calibrate: bool = False) -> None:
         experts = layer.experts
         if layer.token_dispatcher is None:
             raise ValueError("--moe-adaptive-parallelism needs --expert-model-parallel-size > 1")
@@ -98,6 +99,8 @@ class AdaptiveExpertParallel:
         ffn = experts.fc2_weight.shape[1]
         self.tp_possible = ffn % self.size == 0
         self.costs = costs
+        self.calibrate = calibrate
+        self.timings: dict[int, dict[str, float]] = {}  # tokens -> measured seconds per mode
         self.mode_counts: Counter = Counter()
         self.last_mode: Optional[str] = None
         self._choice: dict[int, str] = {}  # tokens per rank -> chosen mode (deterministic)
@@ -111,17 +114,56 @@ class AdaptiveExpertParallel:
             bytes_per_element=experts.fc1_weight.element_size(),
             dispatcher=layer.config.token_dispatcher_type)
 
+    def modes(self) -> tuple[str, ...]:
+        return PARALLEL_MODES if self.tp_possible else ("ep", "dp")
+
     def choose(self, layer: MoELayer, num_tokens: int) -> str:
-        """The predicted-fastest mode; every rank computes the same answer (the costs were
-        agreed on by all ranks and the token count is the same on all of them)."""
-        if self.costs is None:
-            return "ep"
+        """The fastest mode for `num_tokens` tokens per rank, decided once per token count
+        and identical on every rank (agreed timings, same token count everywhere).
+
+        With `calibrate`, each mode's forward + backward is timed on this layer's own
+        weights with random tokens of that count (the slowest rank's time; gradients of
+        the real parameters restored, nothing else is touched): the alpha-beta model of
+        cost_model.py misses what a step really pays per collective call and per expert
+        group on a given machine. Without it the alpha-beta prediction decides."""
         if num_tokens not in self._choice:
-            seconds = predict_mode_seconds(self.costs, self.cost_inputs(layer, num_tokens))
-            if not self.tp_possible:
-                seconds.pop("tp")
-            self._choice[num_tokens] = min(seconds, key=seconds.get)
+            if self.calibrate:
+                self._choice[num_tokens] = self._timed_choice(layer, num_tokens)
+            elif self.costs is not None:
+                seconds = predict_mode_seconds(self.costs, self.cost_inputs(layer, num_tokens))
+                self._choice[num_tokens] = min(self.modes(), key=seconds.get)
+            else:
+                return "ep"
         return self._choice[num_tokens]
+
+    def _timed_choice(self, layer: MoELayer, num_tokens: int, repeats: int = 2) -> str:
+        experts = layer.experts
+        dtype, device = experts.fc1_weight.dtype, experts.fc1_weight.device
+        g = torch.Generator().manual_seed(1234 + dist.get_rank(self.group))
+        x = torch.randn(num_tokens, layer.hidden_size, generator=g).to(device, dtype)
+        logits = torch.randn(num_tokens, layer.config.num_experts, generator=g).to(device)
+        top = logits.topk(layer.config.topk, dim=1).indices
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True)
+        probs = torch.softmax(logits, dim=1) * routing_map
+        saved = [p.grad for p in experts.parameters()]
+        modes = self.modes()
+        seconds = {m: float("inf") for m in modes}
+        with torch.enable_grad():
+            for i in range(1 + repeats):  # the first round warms up
+                for mode in modes:
+                    dist.barrier(group=self.group)
+                    start = time.perf_counter()
+                    self._run(layer, x.requires_grad_(), probs, routing_map, mode).sum().backward()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if i:
+                        seconds[mode] = min(seconds[mode], time.perf_counter() - start)
+        for p, grad in zip(experts.parameters(), saved):
+            p.grad = grad
+        agreed = torch.tensor([seconds[m] for m in modes], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        self.timings[num_tokens] = dict(zip(modes, agreed.tolist()))
+        return modes[int(agreed.argmin())]
 
     def forward(self, layer: MoELayer, x_TH: torch.Tensor, probs_TE: torch.Tensor,
                 routing_map_TE: torch.Tensor, mode: Optional[str] = None) -> torch.Tensor:
@@ -135,6 +177,10 @@ class AdaptiveExpertParallel:
         self.last_mode = mode
         if layer.training:
             self.mode_counts[mode] += 1
+        return self._run(layer, x_TH, probs_TE, routing_map_TE, mode)
+
+    def _run(self, layer: MoELayer, x_TH: torch.Tensor, probs_TE: torch.Tensor,
+             routing_map_TE: torch.Tensor, mode: str) -> torch.Tensor:
         if mode == "ep":
             return layer.token_dispatcher.forward(x_TH, probs_TE, routing_map_TE, layer.experts)
         if mode == "dp":
@@ -165,7 +211,8 @@ def mode_counts(model: torch.nn.Module, reset: bool = True) -> Counter:
 
 
 def describe_choice(model: torch.nn.Module, num_tokens: int) -> str:
-    """'ep 1.20 ms, dp 0.31 ms, tp 0.90 ms -> dp' for the first adaptive layer."""
+    """'predicted ep 1.20 ms, ...; measured ep 3.1 ms, ... -> ep' for the first adaptive
+    layer (a collective over its ep group when it calibrates: call it on every rank)."""
     from megamoe.moe.layer import MoELayer
 
     for layer in model.modules():
@@ -175,21 +222,27 @@ def describe_choice(model: torch.nn.Module, num_tokens: int) -> str:
                 return "no cost model (mode chosen per call)"
             seconds = predict_mode_seconds(ex.costs, ex.cost_inputs(layer, num_tokens))
             shown = ", ".join(f"{m} {1e3 * s:.2f} ms" for m, s in seconds.items())
-            return f"predicted {shown} -> {ex.choose(layer, num_tokens)}"
+            mode = ex.choose(layer, num_tokens)
+            measured = ex.timings.get(num_tokens)
+            if measured:
+                shown += "; measured " + ", ".join(f"{m} {1e3 * s:.2f} ms"
+                                                   for m, s in measured.items())
+            return f"predicted {shown} -> {mode}"
     return "no expert-parallel MoE layer on this rank"
 
 
 def enable_adaptive_parallelism(model: torch.nn.Module, group, *, measure: bool = True
                                 ) -> list[AdaptiveExpertParallel]:
     """Give every expert-parallel MoE layer of `model` a switchable executor. With
-    `measure`, time the collectives on `group` once (agreed on by all ranks) and let the
-    cost model choose the mode per layer and call; otherwise the mode defaults to "ep" and
-    callers pass `parallel_mode=` / `adaptive_r=`."""
+    `measure`, time the collectives on `group` once (the alpha-beta model, logged) and let
+    each layer time its modes at the first call of every token count and keep the fastest
+    (see `choose`); otherwise the mode defaults to "ep" and callers pass `parallel_mode=` /
+    `adaptive_r=`."""
     from megamoe.moe.layer import MoELayer
 
     costs = CollectiveCosts.measure(group) if measure else None
     executors = []
     for layer in [m for m in model.modules() if isinstance(m, MoELayer)]:
-        layer.adaptive = AdaptiveExpertParallel(layer, group, costs)
+        layer.adaptive = AdaptiveExpertParallel(layer, group, costs, calibrate=measure)
         executors.append(layer.adaptive)
     return executors

@@ -104,6 +104,16 @@ def _switching_worker(rank: int, world: int) -> bool:
     for a, b in zip(weights, fixed_w):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     assert fixed_losses[-1] < fixed_losses[0]  # it trains
+    # Calibration times every mode on the layer's own weights without touching its state.
+    calibrated = _layer("alltoall", world)
+    (executor,) = enable_adaptive_parallelism(calibrated, dist.group.WORLD, measure=True)
+    before = [p.detach().clone() for p in calibrated.parameters()]
+    mode = executor.choose(calibrated, T)
+    assert set(executor.timings[T]) == {"ep", "dp", "tp"} and mode in executor.timings[T]
+    assert executor.timings[T][mode] == min(executor.timings[T].values())
+    assert all(p.grad is None for p in calibrated.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, calibrated.parameters()))
+    assert not executor.mode_counts  # probes are not training calls
     return True
 
 
