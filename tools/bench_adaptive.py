@@ -15,18 +15,14 @@ Usage: python tools/bench_adaptive.py --json [--world-size 4] [--tokens 16,64,25
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,12 +31,7 @@ from megamoe.moe.adaptive import PARALLEL_MODES, enable_adaptive_parallelism  # 
 from megamoe.moe.cost_model import CollectiveCosts, predict_mode_seconds  # noqa: E402
 from megamoe.moe.dispatcher import apply_expert_parallel  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
-
-
-def _init_file() -> str:
-    """Rendezvous through a fresh file, not a TCP port: nothing another process can take
-    between choosing it and binding it."""
-    return os.path.join(tempfile.mkdtemp(prefix="megamoe-bench-"), "rendezvous")
+from tools.gloo_ranks import run_gloo_ranks  # noqa: E402
 
 
 def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
@@ -66,48 +57,41 @@ def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
     return {m: 1000 * min(t) for m, t in times.items()}, outs
 
 
-def _bench_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        costs = CollectiveCosts.measure(dist.group.WORLD)
-        rows = []
-        for ffn, tokens in itertools.product(args.ffn_hidden_sizes, args.tokens):
-            torch.manual_seed(0)
-            layer = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
-                                       ffn_hidden_size=ffn, grouped_gemm=True,
-                                       token_dispatcher_type="alltoall"),
-                             args.hidden_size, init_method_std=0.02)
-            apply_expert_parallel(layer, dist.group.WORLD, "alltoall")
-            (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
-            executor.costs, executor.calibrate = costs, True  # as measure=True, costs shared
-            x = torch.randn(tokens, args.hidden_size,
-                            generator=torch.Generator().manual_seed(1 + rank))
-            ms, outs = _time_modes(layer, x, args.repeats)
-            auto_mode = executor.choose(layer, tokens)
-            diff = torch.tensor([max(float((outs[m] - outs["ep"]).abs().max())
-                                     for m in PARALLEL_MODES)])
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-            predicted = predict_mode_seconds(executor.costs, executor.cost_inputs(layer, tokens))
-            fixed = {m: ms[m] for m in PARALLEL_MODES}
-            best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
-            rows.append({
-                "ffn_hidden_size": ffn, "tokens_per_rank": tokens,
-                "ms": {k: round(v, 2) for k, v in ms.items()},
-                "predicted_ms": {k: round(1000 * v, 2) for k, v in predicted.items()},
-                "calibration_ms": {k: round(1000 * v, 2)
-                                   for k, v in executor.timings.get(tokens, {}).items()},
-                "auto_mode": auto_mode, "best_fixed_mode": best,
-                "auto_over_best": round(ms["auto"] / fixed[best], 3),
-                "chosen_over_best": round(fixed[auto_mode] / fixed[best], 3),
-                "auto_over_worst": round(ms["auto"] / fixed[worst], 3),
-                "max_abs_diff_vs_ep": float(diff)})
-        if rank == 0:
-            queue.put({"rows": rows, "link_costs": costs.as_dict()})
-    finally:
-        dist.destroy_process_group()
+def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """Rows of the sweep, identical on every rank; run by gloo_ranks.run_gloo_ranks."""
+    costs = CollectiveCosts.measure(dist.group.WORLD)
+    rows = []
+    for ffn, tokens in itertools.product(args.ffn_hidden_sizes, args.tokens):
+        torch.manual_seed(0)
+        layer = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
+                                   ffn_hidden_size=ffn, grouped_gemm=True,
+                                   token_dispatcher_type="alltoall"),
+                         args.hidden_size, init_method_std=0.02)
+        apply_expert_parallel(layer, dist.group.WORLD, "alltoall")
+        (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
+        executor.costs, executor.calibrate = costs, True  # as measure=True, costs shared
+        x = torch.randn(tokens, args.hidden_size,
+                        generator=torch.Generator().manual_seed(1 + rank))
+        ms, outs = _time_modes(layer, x, args.repeats)
+        auto_mode = executor.choose(layer, tokens)
+        diff = torch.tensor([max(float((outs[m] - outs["ep"]).abs().max())
+                                 for m in PARALLEL_MODES)])
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        predicted = predict_mode_seconds(executor.costs, executor.cost_inputs(layer, tokens))
+        fixed = {m: ms[m] for m in PARALLEL_MODES}
+        best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
+        rows.append({
+            "ffn_hidden_size": ffn, "tokens_per_rank": tokens,
+            "ms": {k: round(v, 2) for k, v in ms.items()},
+            "predicted_ms": {k: round(1000 * v, 2) for k, v in predicted.items()},
+            "calibration_ms": {k: round(1000 * v, 2)
+                               for k, v in executor.timings.get(tokens, {}).items()},
+            "auto_mode": auto_mode, "best_fixed_mode": best,
+            "auto_over_best": round(ms["auto"] / fixed[best], 3),
+            "chosen_over_best": round(fixed[auto_mode] / fixed[best], 3),
+            "auto_over_worst": round(ms["auto"] / fixed[worst], 3),
+            "max_abs_diff_vs_ep": float(diff)})
+    return {"rows": rows, "link_costs": costs.as_dict()}
 
 
 def main(argv=None) -> None:
@@ -133,23 +117,8 @@ def main(argv=None) -> None:
     if args.num_experts % args.world_size:
         p.error(f"--num-experts ({args.num_experts}) must be divisible by --world-size "
                 f"({args.world_size})")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = _init_file()
-    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, init_file, args, queue))
-             for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    try:
-        result = queue.get(timeout=args.timeout)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    failed = [proc.exitcode for proc in procs if proc.exitcode]
-    if failed:
-        sys.exit(f"bench_adaptive.py: a rank failed (exit codes {failed})")
+    result = run_gloo_ranks(_bench_rank, args.world_size, args, args.timeout,
+                            "bench_adaptive.py")
     rows = result["rows"]
     summary = {"auto_never_slower_than_worst": all(r["auto_over_worst"] <= 1.0 for r in rows),
                "auto_within_10pct_of_best": all(r["auto_over_best"] <= 1.1 for r in rows),

@@ -22,21 +22,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import json
 import logging
 import os
-import queue as queue_module
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -45,16 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megamoe.config import MoEConfig  # noqa: E402
 from megamoe.moe.dispatcher import apply_expert_parallel  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
+from tools.gloo_ranks import run_gloo_ranks  # noqa: E402
 
 CONFIGS = (("allgather", 1), ("alltoall", 1), ("alltoall", 2))
 DEEPSPEED_LAYER = "deepspeed.moe.layer.MoE"
 DEEPSPEED_MISSING = "deepspeed not installed (scripts/install_bench_peers.sh)"
-
-
-def _init_file() -> str:
-    """Rendezvous through a fresh file, not a TCP port: nothing another process can take
-    between choosing it and binding it."""
-    return os.path.join(tempfile.mkdtemp(prefix="megamoe-bench-"), "rendezvous")
 
 
 def _time_fwd_bwd(layer: Callable[[torch.Tensor], torch.Tensor],
@@ -231,41 +222,33 @@ def _deepspeed_row(layer: nn.Module, row: dict, timed: tuple, reference: tuple, 
 # ---------------------------------------------------------------- ranks and driver
 
 
-def _bench_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        torch.manual_seed(0)
-        base = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
-                                  ffn_hidden_size=args.ffn_hidden_size, grouped_gemm=True),
-                        args.hidden_size, init_method_std=0.02)
-        x = torch.randn(args.tokens, args.hidden_size,
-                        generator=torch.Generator().manual_seed(1 + rank))
-        layers: list = []
-        for dispatcher, overlap in CONFIGS:
-            layer = copy.deepcopy(base)
-            layer.config.token_dispatcher_type = dispatcher
-            layer.config.a2a_overlap_degree = overlap
-            layers.append(apply_expert_parallel(layer, dist.group.WORLD, dispatcher))
-        peer, peer_row = _build_deepspeed(base, args)
-        if peer is not None:
-            layers.append(lambda xi: peer(xi)[0])  # MoE returns (out, l_aux, exp_counts)
-        timed = _time_round_robin(layers, x, args.repeats)
-        reference = timed[0][1:]
-        results = [{"dispatcher": dispatcher, "overlap_degree": overlap, "ms": ms,
-                    "max_rel_diff_vs_first": _max_rel_diff(out, reference[0]),
-                    "max_rel_diff_grad_vs_first": _max_rel_diff(grad, reference[1])}
-                   for (dispatcher, overlap), (ms, out, grad) in zip(CONFIGS, timed)]
-        ours = {_config_key(r["dispatcher"], r["overlap_degree"]): r["ms"] for r in results}
-        if peer is not None:
-            peer_row = _deepspeed_row(peer, peer_row, timed[-1], reference, ours, args)
-        peers = [peer_row]
-        if rank == 0:
-            queue.put((results, peers))
-    finally:
-        dist.destroy_process_group()
+def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[list, list]:
+    """(our rows, peer rows), identical on every rank; run by gloo_ranks.run_gloo_ranks."""
+    torch.manual_seed(0)
+    base = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
+                              ffn_hidden_size=args.ffn_hidden_size, grouped_gemm=True),
+                    args.hidden_size, init_method_std=0.02)
+    x = torch.randn(args.tokens, args.hidden_size,
+                    generator=torch.Generator().manual_seed(1 + rank))
+    layers: list = []
+    for dispatcher, overlap in CONFIGS:
+        layer = copy.deepcopy(base)
+        layer.config.token_dispatcher_type = dispatcher
+        layer.config.a2a_overlap_degree = overlap
+        layers.append(apply_expert_parallel(layer, dist.group.WORLD, dispatcher))
+    peer, peer_row = _build_deepspeed(base, args)
+    if peer is not None:
+        layers.append(lambda xi: peer(xi)[0])  # MoE returns (out, l_aux, exp_counts)
+    timed = _time_round_robin(layers, x, args.repeats)
+    reference = timed[0][1:]
+    results = [{"dispatcher": dispatcher, "overlap_degree": overlap, "ms": ms,
+                "max_rel_diff_vs_first": _max_rel_diff(out, reference[0]),
+                "max_rel_diff_grad_vs_first": _max_rel_diff(grad, reference[1])}
+               for (dispatcher, overlap), (ms, out, grad) in zip(CONFIGS, timed)]
+    ours = {_config_key(r["dispatcher"], r["overlap_degree"]): r["ms"] for r in results}
+    if peer is not None:
+        peer_row = _deepspeed_row(peer, peer_row, timed[-1], reference, ours, args)
+    return results, [peer_row]
 
 
 def _print_text(shape: dict, results: list[dict], peers: list[dict]) -> None:
@@ -282,24 +265,6 @@ def _print_text(shape: dict, results: list[dict], peers: list[dict]) -> None:
               f"{p['max_rel_diff_vs_first']:.1e}; {ratios}; capacity "
               f"{p['capacity_per_expert']}, {p['expert_rows_per_rank']} expert rows for "
               f"{p['routed_rows_per_rank']} routed)")
-
-
-def _collect(queue, procs: list, timeout: float):
-    """Rank 0's report; exits with one line as soon as a rank dies or time runs out (a
-    dead rank would otherwise leave the others waiting in a collective until --timeout)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except queue_module.Empty:
-            failed = [proc.exitcode for proc in procs if proc.exitcode]
-            if failed:
-                for proc in procs:
-                    proc.kill()
-                sys.exit(f"bench_dispatch.py: a rank failed (exit codes {failed})")
-    for proc in procs:
-        proc.kill()
-    sys.exit(f"bench_dispatch.py: no result within --timeout {timeout:g} s")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -319,23 +284,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.num_experts % args.world_size:
         p.error(f"--num-experts ({args.num_experts}) must be divisible by --world-size "
                 f"({args.world_size})")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = _init_file()
-    procs = [ctx.Process(target=_bench_rank, args=(r, args.world_size, init_file, args, queue))
-             for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    try:
-        results, peers = _collect(queue, procs, args.timeout)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    failed = [proc.exitcode for proc in procs if proc.exitcode]
-    if failed:
-        sys.exit(f"bench_dispatch.py: a rank failed (exit codes {failed})")
+    results, peers = run_gloo_ranks(_bench_rank, args.world_size, args, args.timeout,
+                                    "bench_dispatch.py")
     shape = {k: getattr(args, k) for k in ("world_size", "num_experts", "topk", "hidden_size",
                                           "ffn_hidden_size", "tokens")}
     if args.json:
