@@ -40,8 +40,10 @@ def _run(extra: str) -> list[dict]:
 
 def _start_paused(save: str, phase: str, iteration: int, marker: str,
                   extra: str = "") -> subprocess.Popen:
+    # Same intra-op thread count as the in-process runs it is compared with bitwise (the
+    # order of a multi-threaded reduction can change the last bit).
     env = dict(os.environ, **{PAUSE_ENV: f"{phase}:{iteration}:{marker}"},
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS=str(torch.get_num_threads()))
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
                              *shlex.split(f"{TINY_MOE} {SAVE_EVERY} --save {save} {extra}")],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
