@@ -34,19 +34,13 @@ from torch import nn
 from megamoe.parallel.comm import (
     copy_to_tp,
     gather_from_sequence,
+    group_rank,
+    group_size,
     reduce_scatter_to_sequence,
     scatter_to_sequence,
 )
 
 Group = Optional[dist.ProcessGroup]
-
-
-def _size(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: Group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 @dataclass
@@ -59,7 +53,7 @@ class MoETensorParallel:
 
     @property
     def tp_size(self) -> int:
-        return _size(self.tp_group)
+        return group_size(self.tp_group)
 
     @property
     def partition_group(self) -> Group:
@@ -73,7 +67,7 @@ class MoETensorParallel:
                     routing_map_TE)
         group = self.partition_group  # this rank's rows; the backward all-gathers
         return (scatter_to_sequence(x_TH, group), scatter_to_sequence(probs_TE, group),
-                routing_map_TE.chunk(self.tp_size)[_rank(group)])
+                routing_map_TE.chunk(self.tp_size)[group_rank(group)])
 
     def exit(self, routed_TH: torch.Tensor) -> torch.Tensor:
         """This rank's expert output -> its sequence shard of the summed output."""
@@ -92,7 +86,7 @@ class MoETensorParallel:
 
 def build_moe_tensor_parallel(tp_group: Group, etp_group: Group) -> Optional[MoETensorParallel]:
     """None without TP; ETP must be 1 or the TP size (the etp group is then the tp group)."""
-    tp, etp = _size(tp_group), _size(etp_group)
+    tp, etp = group_size(tp_group), group_size(etp_group)
     if tp == 1 and etp == 1:
         return None
     if etp not in (1, tp):
@@ -111,7 +105,7 @@ def shard_expert_hidden(experts: nn.Module, etp_group: Group) -> None:
     gradient is then partial, summed over TP like a sequence-parallel parameter."""
     from megamoe.moe.experts import GroupedExperts
 
-    size, rank = _size(etp_group), _rank(etp_group)
+    size, rank = group_size(etp_group), group_rank(etp_group)
     experts.etp_size, experts.etp_rank = size, rank
     if size == 1:
         return

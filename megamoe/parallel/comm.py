@@ -28,12 +28,19 @@ import torch.distributed as dist
 Group = Optional[dist.ProcessGroup]
 
 
-def _size(group: Group) -> int:
+def group_size(group: Group) -> int:
+    """Ranks in `group`; 1 for None (this codebase's "no such parallelism")."""
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_rank(group: Group) -> int:
+    """This rank's index in `group`; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
@@ -41,7 +48,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return x
     if x.shape[0] % n:
@@ -51,7 +58,7 @@ def _split(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
@@ -60,7 +67,7 @@ def _all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return x
     if x.shape[0] % n:
@@ -159,7 +166,7 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def all_reduce_tensor(x: torch.Tensor, group: Group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Non-differentiable in-place all-reduce (statistics, norms); no-op without a group."""
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
 

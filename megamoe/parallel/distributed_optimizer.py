@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
+from megamoe.parallel.comm import group_rank, group_size
 from megamoe.parallel.data_parallel import _sum_marked
 from megamoe.parallel.optimizer import _param_groups, build_inner_optimizer, fp32_accumulate_hook
 
@@ -33,14 +34,6 @@ Group = Optional[dist.ProcessGroup]
 # torch >= 2.10 names (the *_tensor spellings are deprecated aliases).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _size(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: Group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 @dataclass
@@ -60,7 +53,7 @@ class _ShardedBuffer:
 
     def __init__(self, params: list[tuple[int, torch.nn.Parameter]], group: Group) -> None:
         self.group = group
-        self.size, self.rank = _size(group), _rank(group)
+        self.size, self.rank = group_size(group), group_rank(group)
         self.params = params
         self.offsets = []
         total = 0
@@ -201,7 +194,7 @@ class DistributedOptimizer:
         grads = self._full_grads()
         _sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
         _sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
-        dp_size = _size(self.dp_group)
+        dp_size = group_size(self.dp_group)
         shards = []
         for buf in self.buffers:
             shards.append(buf.reduce_scatter([grads[i] for i, _ in buf.params], dp_size))
