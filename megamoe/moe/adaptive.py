@@ -56,21 +56,22 @@ def mode_from_adaptive_r(r: int, ep_size: int) -> str:
                      f"{ep_size} (tp), got {r}")
 
 
-def gathered_expert_params(experts: torch.nn.Module, group) -> dict[str, torch.Tensor]:
+def gathered_expert_params(params: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
     """"dp": all E experts on every rank; the backward reduce-scatters (sums) the gradient
     of every expert onto the rank that owns it."""
-    return {"fc1_weight": gather_from_sequence(experts.fc1_weight, group, reduce_grad=True),
-            "fc2_weight": gather_from_sequence(experts.fc2_weight, group, reduce_grad=True)}
+    return {"fc1_weight": gather_from_sequence(params["fc1_weight"], group, reduce_grad=True),
+            "fc2_weight": gather_from_sequence(params["fc2_weight"], group, reduce_grad=True)}
 
 
-def hidden_sliced_expert_params(experts: torch.nn.Module, group) -> dict[str, torch.Tensor]:
+def hidden_sliced_expert_params(experts: torch.nn.Module, params: dict[str, torch.Tensor],
+                                group) -> dict[str, torch.Tensor]:
     """"tp": slice s of F of every local expert goes to rank s, so each rank ends with its
     F slice of all E experts (global expert order: source rank major). fc1's SwiGLU columns
     [gate | up] are sliced block-wise so each rank keeps [gate slice | up slice]."""
     size = dist.get_world_size(group)
     local = experts.num_local_experts
     blocks = 2 if experts.swiglu else 1
-    fc1, fc2 = experts.fc1_weight, experts.fc2_weight  # [El, H, blocks F], [El, F, H]
+    fc1, fc2 = params["fc1_weight"], params["fc2_weight"]  # [El, H, blocks F], [El, F, H]
     send1 = torch.cat([torch.cat([b.chunk(size, dim=-1)[s] for b in fc1.chunk(blocks, dim=-1)],
                                  dim=-1) for s in range(size)])  # [W El, H, blocks F / W]
     send2 = torch.cat(fc2.chunk(size, dim=1))  # [W El, F / W, H]
@@ -122,8 +123,10 @@ class AdaptiveExpertParallel:
         and identical on every rank (agreed timings, same token count everywhere).
 
         With `calibrate`, each mode's forward + backward is timed on this layer's own
-        weights with random tokens of that count (the slowest rank's time; gradients of
-        the real parameters restored, nothing else is touched): the alpha-beta model of
+        weights with random tokens of that count (the slowest rank's time): the weights
+        enter as detached leaves sharing their storage, so the probes' backward never
+        reaches a parameter (no .grad, no gradient hook, no fp32 main grad, nothing the
+        optimizer reads); nothing else is touched either. The alpha-beta model of
         cost_model.py misses what a step really pays per collective call and per expert
         group on a given machine. Without it the alpha-beta prediction decides."""
         if num_tokens not in self._choice:
@@ -145,7 +148,8 @@ class AdaptiveExpertParallel:
         top = logits.topk(layer.config.topk, dim=1).indices
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True)
         probs = torch.softmax(logits, dim=1) * routing_map
-        saved = [p.grad for p in experts.parameters()]
+        # Leaves of their own on the parameters' storage: the probes' gradients stop here.
+        probes = {name: p.detach().requires_grad_() for name, p in experts.named_parameters()}
         modes = self.modes()
         seconds = {m: float("inf") for m in modes}
         with torch.enable_grad():
@@ -153,13 +157,12 @@ class AdaptiveExpertParallel:
                 for mode in modes:
                     dist.barrier(group=self.group)
                     start = time.perf_counter()
-                    self._run(layer, x.requires_grad_(), probs, routing_map, mode).sum().backward()
+                    out = self._run(layer, x.requires_grad_(), probs, routing_map, mode, probes)
+                    out.sum().backward()
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     if i:
                         seconds[mode] = min(seconds[mode], time.perf_counter() - start)
-        for p, grad in zip(experts.parameters(), saved):
-            p.grad = grad
         agreed = torch.tensor([seconds[m] for m in modes], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         self.timings[num_tokens] = dict(zip(modes, agreed.tolist()))
@@ -180,21 +183,28 @@ class AdaptiveExpertParallel:
         return self._run(layer, x_TH, probs_TE, routing_map_TE, mode)
 
     def _run(self, layer: MoELayer, x_TH: torch.Tensor, probs_TE: torch.Tensor,
-             routing_map_TE: torch.Tensor, mode: str) -> torch.Tensor:
+             routing_map_TE: torch.Tensor, mode: str,
+             params: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """One call in `mode`; `params` replaces the experts' parameters (calibration)."""
+        own = dict(layer.experts.named_parameters()) if params is None else params
         if mode == "ep":
-            return layer.token_dispatcher.forward(x_TH, probs_TE, routing_map_TE, layer.experts)
+            def experts(*args):
+                if params is None:
+                    return layer.experts(*args)
+                return torch.func.functional_call(layer.experts, params, args)
+
+            return layer.token_dispatcher.forward(x_TH, probs_TE, routing_map_TE, experts)
         if mode == "dp":
             d = layer.dispatch(x_TH, probs_TE, routing_map_TE)
-            return layer.combine(layer.compute(d, gathered_expert_params(layer.experts,
-                                                                         self.group)), d)
+            return layer.combine(layer.compute(d, gathered_expert_params(own, self.group)), d)
         # "tp": every rank sees every token of the group, computes its F slice of all
         # experts; partial outputs (and, in backward, partial input gradients) are summed.
         x_GH = gather_from_sequence(x_TH, self.group, reduce_grad=True)
         probs_GE = gather_from_sequence(probs_TE, self.group, reduce_grad=True)
         map_GE = all_gather_no_grad(routing_map_TE, self.group)
         d = layer.dispatch(x_GH, probs_GE, map_GE)
-        params = hidden_sliced_expert_params(layer.experts, self.group)
-        return reduce_scatter_to_sequence(layer.combine(layer.compute(d, params), d),
+        sliced = hidden_sliced_expert_params(layer.experts, own, self.group)
+        return reduce_scatter_to_sequence(layer.combine(layer.compute(d, sliced), d),
                                           self.group)
 
 

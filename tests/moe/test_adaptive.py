@@ -175,3 +175,87 @@ def test_adaptive_flag_rules_fail_in_one_line(capsys, extra, world, message):
     from tests.training.test_pretrain import TINY_MOE
 
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world)
+
+
+# ------------------------------------------------------------------------------------------
+# The calibration's probes must never reach a gradient, an fp32 main grad or optimizer state.
+
+def _pin_to_ep() -> None:
+    """Let the calibration time every mode as usual, then run "ep": the training must then
+    be bitwise the fixed expert-parallel run (the probes ran on the real weights)."""
+    from megamoe.moe import adaptive
+
+    timed = adaptive.AdaptiveExpertParallel._timed_choice
+
+    def pinned(self, layer, num_tokens, repeats=2):
+        timed(self, layer, num_tokens, repeats)
+        assert self.timings[num_tokens]  # the probes did run
+        return "ep"
+
+    adaptive.AdaptiveExpertParallel._timed_choice = pinned
+
+
+def _history_worker(rank: int, world: int, extra: str, pin: bool) -> list[tuple[float, float]]:
+    if pin:
+        _pin_to_ep()
+    hist = _pretrain_worker(rank, world, f"--num-layers 4 {extra}")
+    return [(h["lm loss"], h["grad norm"]) for h in hist]
+
+
+@pytest.mark.parametrize("extra", ["--bf16", "--bf16 --use-distributed-optimizer", ""])
+def test_calibration_leaves_training_bitwise_unchanged(extra):
+    """The bug it guards: under --bf16 the probes' backward went through the fp32
+    accumulation hooks into the main grads (step-1 grad norm 14.6 instead of 0.908 on this
+    model, losses parting from iteration 3)."""
+    base = f"--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall {extra}"
+    fixed = run_distributed(_history_worker, 2, 180, base, False)
+    adaptive = run_distributed(_history_worker, 2, 180, f"{base} --moe-adaptive-parallelism",
+                               True)
+    assert adaptive == fixed
+
+
+def _grad_state(layer, opt) -> list[torch.Tensor]:
+    out = [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in layer.parameters()]
+    mains = getattr(opt, "main_params", None) or [piece.main for buf in opt.buffers
+                                                   for piece in buf.pieces]
+    out += [m.detach().clone() for m in mains]
+    out += [m.grad.clone() for m in mains if m.grad is not None]
+    out += [b.clone() for b in getattr(opt, "grad_buffers", [])]
+    for st in opt.optimizer.state.values():
+        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _untouched_worker(rank: int, world: int, dtype_name: str, distributed: bool) -> bool:
+    from megamoe.config import OptimizerConfig
+    from megamoe.parallel.distributed_optimizer import DistributedOptimizer
+    from megamoe.parallel.optimizer import MixedPrecisionOptimizer
+
+    set_aux_loss_backward_scale(1.0)
+    layer = _layer("alltoall", world).to(getattr(torch, dtype_name))
+    cfg = OptimizerConfig(lr=1e-2)
+    group = dist.group.WORLD
+    opt = (DistributedOptimizer(layer, cfg, tp_group=None, dp_group=None, ep_group=group)
+           if distributed else MixedPrecisionOptimizer(layer, cfg))
+    (executor,) = enable_adaptive_parallelism(layer, group, measure=True)
+    executor._choice[T] = "ep"  # the real calls below must not calibrate themselves
+    for step in range(2):  # a step, then gradients accumulated and not yet applied
+        opt.zero_grad()
+        x, g = _tokens(rank, step)
+        (layer(x.to(layer.router.weight.dtype)) * g).sum().backward()
+        if step == 0:
+            opt.step()
+    before = _grad_state(layer, opt)
+    weights = [p.detach().clone() for p in layer.parameters()]
+    executor._timed_choice(layer, 2 * T)  # another token count: every mode runs fwd + bwd
+    assert set(executor.timings[2 * T]) == {"ep", "dp", "tp"}
+    after = _grad_state(layer, opt)
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(weights, layer.parameters()))
+    return True
+
+
+@pytest.mark.parametrize("dtype_name, distributed", [("bfloat16", False), ("float32", False),
+                                                     ("bfloat16", True)])
+def test_calibration_touches_no_gradient_or_optimizer_state(dtype_name, distributed):
+    assert all(run_distributed(_untouched_worker, 2, 120, dtype_name, distributed))
