@@ -38,6 +38,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megamoe.training.safe_load import CheckpointError, load_torch_file
+
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the shards
@@ -46,10 +48,6 @@ COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the
 # of the publish protocol.
 PAUSE_ENV = "MEGAMOE_CKPT_TEST_PAUSE"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be read or does not fit the model (message names the file)."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -324,10 +322,7 @@ def read_checkpoint(path: str) -> dict:
         from megamoe.training.dist_checkpoint import read_dist_checkpoint
 
         return read_dist_checkpoint(file)
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as e:  # any unpickling failure means a damaged file
-        raise CheckpointError(f"{file}: cannot be read ({e.__class__.__name__})") from None
+    state = load_torch_file(file)  # refuses anything but megamoe's own types (safe_load.py)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{file}: not a megamoe checkpoint (no model weights)")
     state["_file"] = file

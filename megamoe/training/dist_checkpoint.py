@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megamoe.training.checkpointing import (
     COMMON,
@@ -46,6 +47,12 @@ from megamoe.training.checkpointing import (
     _set_rng_state,
     prepare_tmp,
     publish_tmp,
+)
+from megamoe.training.safe_load import (
+    SafeFileSystemReader,
+    TensorOnlyLoadPlanner,
+    load_torch_file,
+    read_dcp_metadata,
 )
 from megamoe.training.sharded_state import Entry, model_entries
 
@@ -212,23 +219,28 @@ class AsyncDistSaver:
 def read_common(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, COMMON)
     try:
-        common = torch.load(path, map_location="cpu", weights_only=False)
+        common = load_torch_file(path)  # megamoe's own types only (safe_load.py)
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt_dir}: missing {COMMON}") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot be read ({e.__class__.__name__})") from None
     if not isinstance(common, dict) or common.get("format") != "torch_dist":
         raise CheckpointError(f"{path}: not a megamoe torch_dist checkpoint")
     return common
 
 
 def read_metadata(ckpt_dir: str) -> dict[str, Any]:
-    """DCP's index of `ckpt_dir`: {key: TensorStorageMetadata (size, dtype) | bytes}."""
+    """DCP's index of `ckpt_dir`: {key: TensorStorageMetadata (size, dtype) | bytes}, read
+    by the restricted unpickler (a crafted .metadata cannot run code)."""
+    return read_dcp_metadata(os.path.join(ckpt_dir, ".metadata")).state_dict_metadata
+
+
+def _dcp_load(state: dict[str, Any], ckpt_dir: str, no_dist: bool) -> None:
+    """dcp.load of tensors only, through the safe reader and planner (safe_load.py)."""
     try:
-        return dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"{ckpt_dir}: DCP metadata cannot be read "
-                              f"({e.__class__.__name__})") from None
+        dcp.load(state, checkpoint_id=ckpt_dir, no_dist=no_dist,
+                 storage_reader=SafeFileSystemReader(ckpt_dir),
+                 planner=TensorOnlyLoadPlanner())
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot be read ({_cause(e)})") from None
 
 
 def _request(meta: dict, ckpt_dir: str, key: str, part, like: torch.Tensor,
@@ -236,6 +248,9 @@ def _request(meta: dict, ckpt_dir: str, key: str, part, like: torch.Tensor,
     """Ask DCP for `key` into a fresh buffer; `target(buffer)` consumes it after the load."""
     if key not in meta:
         raise CheckpointError(f"{ckpt_dir}: does not match the model (missing {key})")
+    if not isinstance(meta[key], TensorStorageMetadata):
+        raise CheckpointError(f"{ckpt_dir}: does not match the model ({key} is not a tensor "
+                              "in the checkpoint)")
     saved = tuple(meta[key].size)
     if saved != part.global_shape:
         raise CheckpointError(f"{ckpt_dir}: does not match the model ({key} has shape "
@@ -280,11 +295,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
                 for part in e.parts:
                     _request(meta, ckpt_dir, f"optimizer.{part.key}.{name}", part, full,
                              request, targets, lambda buf, t=full, q=part: q.local(t).copy_(buf))
-    try:
-        dcp.load({k: v[0] for k, v in request.items()}, checkpoint_id=ckpt_dir,
-                 no_dist=world == 1)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"{ckpt_dir}: cannot be read ({_cause(e)})") from None
+    _dcp_load({k: v[0] for k, v in request.items()}, ckpt_dir, no_dist=world == 1)
     with torch.no_grad():
         for buf, target in targets:
             target(buf)
@@ -310,11 +321,8 @@ def read_dist_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor
     """Every tensor under `prefix` as one whole tensor, in this process (no process group)."""
     meta = read_metadata(ckpt_dir)
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
-            if k.startswith(prefix) and hasattr(m, "size")}
-    try:
-        dcp.load(want, checkpoint_id=ckpt_dir, no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"{ckpt_dir}: cannot be read ({_cause(e)})") from None
+            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    _dcp_load(want, ckpt_dir, no_dist=True)
     return want
 
 

@@ -1,0 +1,133 @@
+"""Reading checkpoint files without running code that a checkpoint could carry.
+
+A checkpoint is often downloaded from somewhere else. Python's pickle, which torch.save
+and torch.distributed.checkpoint (DCP) use for everything that is not raw tensor bytes,
+calls any importable function the file names while it loads; a crafted `common.pt`,
+`model_optim_rng.pt` or DCP `.metadata` would run code the moment megamoe opened it. So
+every unpickling on megamoe's load path admits only the types megamoe itself writes:
+
+- torch.save files (`model_optim_rng.pt`, `common.pt`): `torch.load(weights_only=True)`
+  (tensors, numbers, strings, containers) plus numpy's array reconstruction, which the
+  numpy RNG state in the saved RNG states needs;
+- DCP's `.metadata`: a restricted unpickler that knows DCP's metadata dataclasses,
+  torch.Size, dtypes and layouts, and nothing else (`SafeFileSystemReader`);
+- DCP's byte items (arbitrary pickled objects a DCP checkpoint may hold): never read;
+  megamoe asks DCP for tensors only, and `TensorOnlyLoadPlanner` refuses bytes outright.
+
+Anything else fails with `CheckpointError` naming the file, before any of it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+import re
+from typing import Any
+
+import numpy as np
+import torch
+import torch.serialization
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or does not fit the model (message names the file)."""
+
+
+def _numpy_reconstruct():
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    return core.multiarray._reconstruct
+
+
+# What megamoe's own torch.save files hold besides weights_only's defaults: the numpy
+# MT19937 state of the saved RNG states (an ndarray of uint32).
+_TORCH_SAVE_GLOBALS = [_numpy_reconstruct(), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+# What DCP's FileSystemWriter pickles into `.metadata`.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+_REFUSED = ("refused: it holds pickled objects other than a checkpoint's tensors, numbers, "
+            "strings and RNG states, and loading it could run code ({})")
+
+
+def load_torch_file(path: str) -> Any:
+    """torch.load of a megamoe torch.save file on the CPU, admitting only megamoe's types."""
+    try:
+        with torch.serialization.safe_globals(_TORCH_SAVE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as e:
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if named is None:  # not a forbidden callable: a damaged file
+            raise CheckpointError(f"{path}: cannot be read (UnpicklingError)") from None
+        raise CheckpointError(f"{path}: {_REFUSED.format(named.group(1))}") from None
+    except Exception as e:  # any other unpickling failure means a damaged file
+        raise CheckpointError(f"{path}: cannot be read ({e.__class__.__name__})") from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only DCP's metadata types (and dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+
+
+def read_dcp_metadata(path: str) -> dcp_metadata.Metadata:
+    """Unpickle a DCP `.metadata` file with `_MetadataUnpickler`; CheckpointError if it
+    names anything else or is not DCP metadata."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: {_REFUSED.format(e)}") from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.__class__.__name__})") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise CheckpointError(f"{path}: not DCP metadata ({type(metadata).__name__})")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader whose `.metadata` goes through `read_dcp_metadata`. (Tensor
+    items are read by DCP with torch.load(weights_only=True) already.)"""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = read_dcp_metadata(os.path.join(str(self.path), name))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that a byte item (an arbitrary pickled object, which
+    DCP would torch.load with weights_only=False) is refused, never unpickled."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise CheckpointError(f"{read_item.dest_index.fqn}: refused a pickled (non-tensor) "
+                              "item; megamoe checkpoints hold tensors only")

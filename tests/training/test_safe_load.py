@@ -1,0 +1,138 @@
+"""A checkpoint cannot run code: crafted pickles in the single-file format, in a torch_dist
+checkpoint's common.pt and in its DCP .metadata are refused with one line naming the
+file, by every reader (pretrain_gpt.py --load / --finetune, megamoe.from_checkpoint,
+tools/checkpoint/convert.py), and the payload never runs."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megamoe.training.safe_load import (
+    CheckpointError,
+    TensorOnlyLoadPlanner,
+    load_torch_file,
+    read_dcp_metadata,
+)
+from tests.training.test_pretrain import ROOT, TINY_MOE, _run
+
+
+class Payload:
+    """Unpickling this creates `marker`: any code a loader lets run would do the same."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _craft_torch_file(path: str, marker: str) -> None:
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own test file
+    state["args"] = dict(state["args"], trap=Payload(marker))
+    torch.save(state, path)
+
+
+def _craft_metadata(path: str, marker: str) -> None:
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)  # our own test file
+    metadata.planner_data = {"trap": Payload(marker)}
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for fmt in ("torch", "torch_dist"):
+        out[fmt] = str(root / fmt)
+        _run(f"--train-iters 1 --save {out[fmt]} --ckpt-format {fmt}")
+    return out
+
+
+def _crafted(checkpoints, tmp_path, where: str) -> tuple[str, str, str]:
+    """(save root, the crafted file, marker path) for `where` in single/common/metadata."""
+    marker = str(tmp_path / "payload-ran")
+    src = checkpoints["torch" if where == "single" else "torch_dist"]
+    root = str(tmp_path / where)
+    shutil.copytree(src, root)
+    it = os.path.join(root, "iter_0000001")
+    if where == "single":
+        target = os.path.join(it, "model_optim_rng.pt")
+        _craft_torch_file(target, marker)
+    elif where == "common":
+        target = os.path.join(it, "common.pt")
+        _craft_torch_file(target, marker)
+    else:
+        target = os.path.join(it, ".metadata")
+        _craft_metadata(target, marker)
+    return root, target, marker
+
+
+def _one_line_refusal(code: int, err: str, target: str) -> None:
+    assert code != 0
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert target in err and "refused" in err and "could run code" in err, err
+
+
+@pytest.mark.parametrize("where", ["single", "common", "metadata"])
+def test_crafted_checkpoint_is_refused_by_every_reader(checkpoints, tmp_path, capsys, where):
+    from megamoe import from_checkpoint
+    from megamoe.training.pretrain import main
+
+    root, target, marker = _crafted(checkpoints, tmp_path, where)
+    for extra in ("", "--finetune"):
+        capsys.readouterr()
+        code = main(shlex.split(f"{TINY_MOE} --train-iters 2 --load {root} {extra}"))
+        _one_line_refusal(code, capsys.readouterr().err, target)
+    with pytest.raises(CheckpointError, match="refused") as e:
+        from_checkpoint(root)
+    assert target in str(e.value)
+    convert = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"),
+         "megamoe-to-hf", "--input", root, "--output", str(tmp_path / "hf")],
+        capture_output=True, text=True, cwd=ROOT)
+    _one_line_refusal(convert.returncode, convert.stderr, target)
+    assert not os.path.exists(tmp_path / "hf")
+    assert not os.path.exists(marker)  # nothing ran
+
+
+def test_real_checkpoints_still_load(checkpoints):
+    """What megamoe writes passes the allow-lists (RNG states with numpy arrays included)."""
+    single = load_torch_file(os.path.join(checkpoints["torch"], "iter_0000001",
+                                          "model_optim_rng.pt"))
+    assert single["rng"]["numpy"][0] == "MT19937" and single["optimizer"] is not None
+    common = load_torch_file(os.path.join(checkpoints["torch_dist"], "iter_0000001",
+                                          "common.pt"))
+    assert common["format"] == "torch_dist" and common["rng"]
+    meta = read_dcp_metadata(os.path.join(checkpoints["torch_dist"], "iter_0000001",
+                                          ".metadata"))
+    assert "model.embedding.word_embeddings.weight" in meta.state_dict_metadata
+
+
+def test_dcp_byte_items_are_never_unpickled(tmp_path):
+    """DCP stores non-tensor values as pickles and its default planner would load them with
+    torch.load(weights_only=False); megamoe's planner refuses them."""
+    marker = str(tmp_path / "payload-ran")
+    ckpt = str(tmp_path / "bytes")
+    dcp.save({"w": torch.ones(3), "obj": Payload(marker)}, checkpoint_id=ckpt, no_dist=True)
+    assert not os.path.exists(marker)  # saving does not unpickle
+    with pytest.raises(BaseException) as e:  # DCP wraps it in a CheckpointException
+        dcp.load({"obj": io.BytesIO()}, checkpoint_id=ckpt, no_dist=True,
+                 planner=TensorOnlyLoadPlanner())
+    assert "refused a pickled" in repr(getattr(e.value, "failures", e.value))
+    assert not os.path.exists(marker)
+    from megamoe.training.dist_checkpoint import read_dist_tensors
+
+    assert list(read_dist_tensors(ckpt)) == ["w"]  # tensors only, the pickle is not read
+    assert not os.path.exists(marker)
