@@ -151,8 +151,14 @@ def test_position_ids_and_embedding_types():
         default = model(tokens)
         explicit = model(tokens, position_ids=torch.arange(12).expand(2, 12))
         torch.testing.assert_close(default, explicit)
+        # Two 6-token documents (--reset-position-ids): relative positions change.
+        reset = model(tokens, position_ids=(torch.arange(12) % 6).expand(2, 12))
+        assert not torch.allclose(default, reset, atol=1e-4)
         shifted = model(tokens, position_ids=torch.arange(12).expand(2, 12) + 3)
-        assert not torch.allclose(default, shifted)
+        if kind == "rope":  # rotary attention sees relative positions only
+            torch.testing.assert_close(default, shifted, rtol=1e-4, atol=1e-5)
+        else:
+            assert not torch.allclose(default, shifted, atol=1e-4)
     assert GPTModel(tiny(position_embedding_type="none")).embedding.position_embeddings is None
     with pytest.raises(ValueError):
         GPTModel(tiny(position_embedding_type="alibi"))

@@ -66,8 +66,11 @@ def _memory_and_step_worker(rank: int, world: int) -> dict:
         ok, norm, _ = opt.step()
         ok_ref, norm_ref, _ = plain.step()
         assert ok and ok_ref and abs(norm - norm_ref) <= 1e-5 * norm_ref
+    # Adam divides each element by its own gradient scale: where the gradient nearly
+    # cancels, the fp32 summation-order difference (a reduce-scatter of two ranks' sums vs
+    # one backward) reaches the update at a size of up to ~1e-4 x lr.
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-4 * cfg.lr)
     return {"bytes": opt.state_bytes(), "numel": sum(p.numel() for p in model.parameters())}
 
 
