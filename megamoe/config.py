@@ -1,6 +1,6 @@
 """Small per-feature config dataclasses.
 
-`megamoe.arguments` turns Megatron-LM command-line flags into these; library users can
+`megamoe.cli.arguments` turns Megatron-LM command-line flags into these; library users can
 build them directly. Each class holds only what its feature reads, so a layer never
 receives the whole argument namespace.
 """

@@ -18,7 +18,7 @@ import torch
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
-from megamoe.training.checkpointing import (
+from megamoe.training.checkpoint.single_file import (
     CheckpointError,
     checkpoint_file,
     is_dist_checkpoint,
@@ -41,8 +41,8 @@ def _known(cls, d: dict) -> dict:
 
 def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
     """Older checkpoints without a model config: rebuild it from the saved flags."""
-    from megamoe.arguments import build_parser
-    from megamoe.configs_from_args import args_to_configs
+    from megamoe.cli.arguments import build_parser
+    from megamoe.cli.mapping import args_to_configs
     from megamoe.training.pretrain import build_tokenizer_from_args
 
     ns = build_parser().parse_args([])
@@ -65,7 +65,7 @@ def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
     """
     found = checkpoint_file(path)
     if found is not None and is_dist_checkpoint(found):
-        from megamoe.training.dist_checkpoint import build_single_process_model
+        from megamoe.training.checkpoint.dist import build_single_process_model
 
         model, _ = build_single_process_model(found)
         return (model if dtype is None else model.to(dtype)).eval()

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 
 
 def parse_error(capsys, flags: str, world_size: int) -> str:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from megamoe.argument_rules import NOT_SUPPORTED_YET, parse_layer_freq
-from megamoe.arguments import parse_args
-from megamoe.configs_from_args import args_to_configs
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import args_to_configs
+from megamoe.cli.rules import NOT_SUPPORTED_YET, parse_layer_freq
 from tests.flags import parse_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def test_not_supported_yet(capsys, flag):
 
 
 def test_not_supported_table_names_real_flags():
-    from megamoe.arguments import build_parser
+    from megamoe.cli.arguments import build_parser
     known = {opt for a in build_parser()._actions for opt in a.option_strings}
     assert set(NOT_SUPPORTED_YET) <= known
 

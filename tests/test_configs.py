@@ -11,7 +11,7 @@ import shlex
 import pytest
 import yaml
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.training.pretrain import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

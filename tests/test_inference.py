@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import megamoe
-from megamoe.arguments import parse_args
-from megamoe.training.checkpointing import CheckpointError
+from megamoe.cli.arguments import parse_args
+from megamoe.training.checkpoint.single_file import CheckpointError
 from megamoe.training.pretrain import pretrain
 from tests.training.test_pretrain import TINY_MOE
 

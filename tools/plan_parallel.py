@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megamoe.config import ModelConfig  # noqa: E402
 from megamoe.model.flops import flops_per_token  # noqa: E402
-from megamoe.parallel.memory_model import (  # noqa: E402
+from megamoe.planning.memory import (  # noqa: E402
     Layout,
     activation_bytes,
     model_bytes,
@@ -181,8 +181,8 @@ def explain(r: dict, hw: Hardware) -> str:
 
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:
-    from megamoe.arguments import config_file_to_argv, parse_args
-    from megamoe.configs_from_args import args_to_configs
+    from megamoe.cli.arguments import config_file_to_argv, parse_args
+    from megamoe.cli.mapping import args_to_configs
 
     argv = config_file_to_argv(config_path) + ["--dry-run"]
     if seq_length:
@@ -194,7 +194,7 @@ def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> Mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megamoe.arguments import OneLineArgumentParser
+    from megamoe.cli.arguments import OneLineArgumentParser
 
     p = OneLineArgumentParser(prog="plan_parallel.py", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="a preset, e.g. configs/mixtral-8x7b.yaml")

@@ -31,7 +31,7 @@ from megamoe.parallel.comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
-from megamoe.parallel.random import RNGTracker
+from megamoe.parallel.rng import RNGTracker
 
 
 @dataclass(frozen=True)

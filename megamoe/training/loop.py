@@ -18,13 +18,13 @@ from megamoe.config import RunConfig
 from megamoe.moe.global_batch import update_expert_biases
 from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
-from megamoe.training.logging import (
+from megamoe.training.metrics import (
     MetricsLogger,
     TrainingObserver,
     format_log_line,
     moe_layer_numbers,
 )
-from megamoe.training.schedule import Batch, forward_backward
+from megamoe.training.schedules.local import Batch, forward_backward
 
 
 @dataclass

@@ -17,19 +17,24 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import args_to_configs
 from megamoe.config import RunConfig, to_dict
-from megamoe.configs_from_args import args_to_configs
 from megamoe.data import DataError, PretrainingSampler, build_gpt_datasets, build_tokenizer
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.pipeline_stage import build_pipeline_model
-from megamoe.parallel.memory_model import Layout, activation_bytes, model_bytes
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
-from megamoe.parallel.optimizer import build_optimizer
-from megamoe.parallel.random import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
+from megamoe.parallel.rng import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
 from megamoe.parallel.tensor_parallel import TensorParallel
-from megamoe.training.checkpointing import (
+from megamoe.planning.memory import Layout, activation_bytes, model_bytes
+from megamoe.training.checkpoint.dist import (
+    AsyncDistSaver,
+    load_dist_checkpoint,
+    reseed,
+    save_dist_checkpoint,
+)
+from megamoe.training.checkpoint.single_file import (
     AsyncCheckpointWriter,
     CheckpointError,
     build_state,
@@ -38,15 +43,10 @@ from megamoe.training.checkpointing import (
     load_checkpoint,
     write_checkpoint,
 )
-from megamoe.training.dist_checkpoint import (
-    AsyncDistSaver,
-    load_dist_checkpoint,
-    reseed,
-    save_dist_checkpoint,
-)
-from megamoe.training.logging import MetricsLogger
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
-from megamoe.training.lr_schedule import LRScheduler
+from megamoe.training.metrics import MetricsLogger
+from megamoe.training.optim.mixed_precision import build_optimizer
+from megamoe.training.schedules.lr import LRScheduler
 
 USER_ERRORS = (DataError, CheckpointError, FileNotFoundError)
 
@@ -144,7 +144,7 @@ def _set_balancing_group(model: torch.nn.Module, mesh: Mesh) -> None:
 
 def dry_run(run: RunConfig, print_fn=print) -> None:
     """Build the model's shapes on the meta device; report its size and the memory one rank
-    of this launch's layout needs (megamoe.parallel.memory_model, largest pipeline stage,
+    of this launch's layout needs (megamoe.planning.memory, largest pipeline stage,
     layers split evenly over the stages)."""
     with torch.device("meta"):
         model = GPTModel(run.model)

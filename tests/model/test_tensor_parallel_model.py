@@ -8,8 +8,6 @@ import torch.distributed as dist
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
-from megamoe.parallel.data_parallel import reduce_gradients
-from megamoe.parallel.optimizer import local_grad_norm, model_parallel_grad_norm
 from megamoe.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -17,6 +15,8 @@ from megamoe.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     shard_rows,
 )
+from megamoe.training.optim.grads import reduce_gradients
+from megamoe.training.optim.mixed_precision import local_grad_norm, model_parallel_grad_norm
 from tests.distributed import run_distributed
 
 DENSE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4,

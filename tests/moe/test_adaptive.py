@@ -142,7 +142,7 @@ def test_cost_model_moves_weights_only_when_tokens_outweigh_them():
 def _pretrain_worker(rank: int, world: int, extra: str) -> list[dict]:
     import shlex
 
-    from megamoe.arguments import parse_args
+    from megamoe.cli.arguments import parse_args
     from megamoe.training.pretrain import pretrain
     from tests.training.test_pretrain import TINY_MOE
 
@@ -228,8 +228,8 @@ def _grad_state(layer, opt) -> list[torch.Tensor]:
 
 def _untouched_worker(rank: int, world: int, dtype_name: str, distributed: bool) -> bool:
     from megamoe.config import OptimizerConfig
-    from megamoe.parallel.distributed_optimizer import DistributedOptimizer
-    from megamoe.parallel.optimizer import MixedPrecisionOptimizer
+    from megamoe.training.optim.distributed import DistributedOptimizer
+    from megamoe.training.optim.mixed_precision import MixedPrecisionOptimizer
 
     set_aux_loss_backward_scale(1.0)
     layer = _layer("alltoall", world).to(getattr(torch, dtype_name))

@@ -7,8 +7,8 @@ import shlex
 import pytest
 import torch
 
-from megamoe.arguments import parse_args
-from megamoe.configs_from_args import args_to_configs
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import args_to_configs
 from megamoe.moe.router import TopKRouter
 from megamoe.training.pretrain import pretrain
 

@@ -18,7 +18,7 @@ import torch
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
 from megamoe.moe.router import TopKRouter
-from megamoe.training.schedule import forward_backward_no_pipelining, forward_step
+from megamoe.training.schedules.local import forward_backward_no_pipelining, forward_step
 
 E, K, S, B = 4, 2, 8, 2
 

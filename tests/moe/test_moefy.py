@@ -98,7 +98,7 @@ def test_moefy_any_model_with_predicate():
 
 
 def test_pretrain_moe_use_upcycling_first_loss_equals_dense():
-    from megamoe.arguments import parse_args
+    from megamoe.cli.arguments import parse_args
     from megamoe.training.pretrain import pretrain
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

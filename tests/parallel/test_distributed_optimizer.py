@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.config import OptimizerConfig
-from megamoe.parallel.distributed_optimizer import DistributedOptimizer
-from megamoe.parallel.optimizer import MixedPrecisionOptimizer
+from megamoe.training.optim.distributed import DistributedOptimizer
+from megamoe.training.optim.mixed_precision import MixedPrecisionOptimizer
 from tests.distributed import run_distributed
 from tests.training.test_pretrain import TINY_MOE
 from tests.training.test_pretrain_expert_parallel import _check, _check_losses, _run

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megamoe.model.pipeline_stage import pipeline_layer_ranges
-from megamoe.parallel.pipeline import one_f_one_b_order
+from megamoe.training.schedules.pipeline import one_f_one_b_order
 
 
 def test_even_uneven_and_virtual_layer_ranges():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
-from megamoe.parallel.random import RNGTracker
+from megamoe.parallel.rng import RNGTracker
 from megamoe.parallel.tensor_parallel import TensorParallel
 from tests.distributed import run_distributed
 

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import megamoe
-from megamoe.arguments import parse_args
-from megamoe.training.checkpointing import read_checkpoint, write_checkpoint
+from megamoe.cli.arguments import parse_args
+from megamoe.training.checkpoint.single_file import read_checkpoint, write_checkpoint
 from megamoe.training.pretrain import pretrain
 from tools.checkpoint.convert import main as convert
 

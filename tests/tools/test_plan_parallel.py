@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import plan_parallel as pl  # noqa: E402
 
-from megamoe.arguments import parse_args  # noqa: E402
-from megamoe.configs_from_args import args_to_configs  # noqa: E402
+from megamoe.cli.arguments import parse_args  # noqa: E402
+from megamoe.cli.mapping import args_to_configs  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -79,9 +79,9 @@ def _measure_layout(flags: str, world_size: int) -> tuple[dict[str, float], int]
     the measured bytes and this rank's pipeline stage."""
     from megamoe.moe.losses import MoELossTracker
     from megamoe.parallel.mesh import ParallelSizes, build_mesh
-    from megamoe.parallel.optimizer import build_optimizer
+    from megamoe.training.optim.mixed_precision import build_optimizer
     from megamoe.training.pretrain import build_model
-    from megamoe.training.schedule import forward_backward
+    from megamoe.training.schedules.local import forward_backward
 
     args, run = _run_config(flags, world_size)
     mesh = None
@@ -213,8 +213,8 @@ def _rules_accept(model_flags: str, lay: pl.Layout, gpus: int, gbs: int) -> None
             f"--expert-tensor-parallel-size {lay.etp} --micro-batch-size {lay.micro_batch_size}"
             + (" --sequence-parallel" if lay.tp > 1 else "")
             + (" --use-distributed-optimizer" if lay.distributed_optimizer else ""))
-    from megamoe.argument_rules import ArgumentError, finalize_args
-    from megamoe.arguments import build_parser, expand_config_file
+    from megamoe.cli.arguments import build_parser, expand_config_file
+    from megamoe.cli.rules import ArgumentError, finalize_args
 
     parser = build_parser()
     args = parser.parse_args(expand_config_file(shlex.split(argv)))

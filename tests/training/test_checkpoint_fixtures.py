@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megamoe import from_checkpoint
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.training.pretrain import pretrain
 from tests.training.test_pretrain import TINY_MOE
 

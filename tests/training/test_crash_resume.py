@@ -23,10 +23,15 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.data import IndexedDatasetBuilder
-from megamoe.training.checkpointing import PAUSE_ENV, TRACKER, read_checkpoint, read_tracker
-from megamoe.training.dist_checkpoint import read_dist_tensors
+from megamoe.training.checkpoint.dist import read_dist_tensors
+from megamoe.training.checkpoint.single_file import (
+    PAUSE_ENV,
+    TRACKER,
+    read_checkpoint,
+    read_tracker,
+)
 from megamoe.training.pretrain import pretrain
 from tests.training.test_pretrain import ROOT, TINY_MOE
 

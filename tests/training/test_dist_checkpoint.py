@@ -12,19 +12,19 @@ import shlex
 import pytest
 import torch
 
-from megamoe.arguments import parse_args
-from megamoe.configs_from_args import args_to_configs
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import args_to_configs
 from megamoe.inference import from_checkpoint
 from megamoe.parallel.mesh import init_mesh
-from megamoe.parallel.optimizer import build_optimizer
-from megamoe.training.checkpointing import checkpoint_file
-from megamoe.training.dist_checkpoint import (
+from megamoe.training.checkpoint.dist import (
     load_dist_checkpoint,
     read_dist_tensors,
     save_dist_checkpoint,
 )
-from megamoe.training.lr_schedule import LRScheduler
+from megamoe.training.checkpoint.single_file import checkpoint_file
+from megamoe.training.optim.mixed_precision import build_optimizer
 from megamoe.training.pretrain import build_model, build_tokenizer_from_args, pretrain
+from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
 from tests.training.test_pretrain import TINY_MOE
 
@@ -168,8 +168,8 @@ def test_torch_dist_from_checkpoint_path_forms_and_bf16_resume(tmp_path):
 
 def test_wrong_shape_names_the_tensor(tmp_path):
     """Without a saved model config to compare flags with, DCP's own index catches it."""
-    from megamoe.training.checkpointing import CheckpointError
-    from megamoe.training.dist_checkpoint import read_common
+    from megamoe.training.checkpoint.dist import read_common
+    from megamoe.training.checkpoint.single_file import CheckpointError
 
     save = tmp_path / "run"
     _losses(f"--train-iters 1 --save {save}", 1)

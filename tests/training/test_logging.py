@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.arguments import parse_args
-from megamoe.training.logging import (
+from megamoe.cli.arguments import parse_args
+from megamoe.training.metrics import (
     colormap,
     expert_load_heatmap,
     expert_load_scalars,
@@ -80,7 +80,7 @@ def test_per_layer_losses_average_to_the_console_value(logged_run):
 
 
 def test_mfu_is_model_flops_over_peak(logged_run):
-    from megamoe.configs_from_args import args_to_configs
+    from megamoe.cli.mapping import args_to_configs
     from megamoe.model.flops import flops_per_token
 
     out, _, _ = logged_run

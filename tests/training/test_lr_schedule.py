@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.lr_schedule import LRScheduler
+from megamoe.training.schedules.lr import LRScheduler
 
 
 def _lrs(steps: int, **kw) -> list[float]:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.training.pretrain import pretrain
 from tests.distributed import run_distributed
 
@@ -61,8 +61,8 @@ def _dry_run_memory(extra: str, world_size: int) -> dict:
 
 
 def test_dry_run_reports_per_rank_memory_of_the_layout():
-    from megamoe.configs_from_args import args_to_configs
-    from megamoe.parallel.memory_model import Layout, model_bytes
+    from megamoe.cli.mapping import args_to_configs
+    from megamoe.planning.memory import Layout, model_bytes
 
     single = _dry_run_memory("", 1)
     split = _dry_run_memory("--tensor-model-parallel-size 2 --sequence-parallel "

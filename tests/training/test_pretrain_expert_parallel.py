@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megamoe.training.pretrain as pretrain_module
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.moe.losses import MoELossTracker
 from megamoe.training.pretrain import pretrain
 from tests.distributed import run_distributed

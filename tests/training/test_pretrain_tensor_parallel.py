@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megamoe.arguments import parse_args
+from megamoe.cli.arguments import parse_args
 from megamoe.training.pretrain import pretrain
 from tests.distributed import run_distributed
 from tests.flags import parse_error

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megamoe.training.safe_load import (
+from megamoe.training.checkpoint.safe_load import (
     CheckpointError,
     TensorOnlyLoadPlanner,
     load_torch_file,
@@ -132,7 +132,7 @@ def test_dcp_byte_items_are_never_unpickled(tmp_path):
                  planner=TensorOnlyLoadPlanner())
     assert "refused a pickled" in repr(getattr(e.value, "failures", e.value))
     assert not os.path.exists(marker)
-    from megamoe.training.dist_checkpoint import read_dist_tensors
+    from megamoe.training.checkpoint.dist import read_dist_tensors
 
     assert list(read_dist_tensors(ckpt)) == ["w"]  # tensors only, the pickle is not read
     assert not os.path.exists(marker)

@@ -6,7 +6,7 @@ import torch
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
-from megamoe.training.schedule import forward_backward_no_pipelining
+from megamoe.training.schedules.local import forward_backward_no_pipelining
 
 
 def _model() -> GPTModel:

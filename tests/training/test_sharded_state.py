@@ -9,11 +9,11 @@ import shlex
 
 import torch
 
-from megamoe.arguments import parse_args
-from megamoe.configs_from_args import args_to_configs
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import args_to_configs
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.pipeline_stage import build_pipeline_model
-from megamoe.training.sharded_state import model_entries
+from megamoe.training.checkpoint.sharded_state import model_entries
 from tests.training.test_pretrain import TINY_MOE
 
 

@@ -27,20 +27,20 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megamoe.argument_rules import ArgumentError, finalize_args  # noqa: E402
-from megamoe.arguments import build_parser  # noqa: E402
+from megamoe.cli.arguments import build_parser  # noqa: E402
+from megamoe.cli.mapping import args_to_configs  # noqa: E402
+from megamoe.cli.rules import ArgumentError, finalize_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
-from megamoe.configs_from_args import args_to_configs  # noqa: E402
 from megamoe.inference import model_config_from_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
 from megamoe.model.hf_mapping import hf_to_megamoe, megamoe_to_hf  # noqa: E402
-from megamoe.training.checkpointing import (  # noqa: E402
+from megamoe.training.checkpoint.dist import save_dist_checkpoint  # noqa: E402
+from megamoe.training.checkpoint.single_file import (  # noqa: E402
     TRACKER,
     CheckpointError,
     read_checkpoint,
     write_checkpoint,
 )
-from megamoe.training.dist_checkpoint import save_dist_checkpoint  # noqa: E402
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

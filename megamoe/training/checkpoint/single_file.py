@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megamoe.training.safe_load import CheckpointError, load_torch_file
+from megamoe.training.checkpoint.safe_load import CheckpointError, load_torch_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
@@ -319,7 +319,7 @@ def read_checkpoint(path: str) -> dict:
     if file is None:
         raise CheckpointError(f"{os.path.join(path, TRACKER)}: missing (no checkpoint in {path})")
     if is_dist_checkpoint(file):
-        from megamoe.training.dist_checkpoint import read_dist_checkpoint
+        from megamoe.training.checkpoint.dist import read_dist_checkpoint
 
         return read_dist_checkpoint(file)
     state = load_torch_file(file)  # refuses anything but megamoe's own types (safe_load.py)

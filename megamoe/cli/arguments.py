@@ -2,7 +2,7 @@
 
 A launch script written for Megatron-LM's `pretrain_gpt.py` should run against ours after
 changing only paths. Parsing never touches a process group or a file; every cross-flag
-rule is checked by `megamoe.argument_rules` right after parsing, so a bad launch fails in
+rule is checked by `megamoe.cli.rules` right after parsing, so a bad launch fails in
 one line before any rank starts work.
 """
 
@@ -14,7 +14,7 @@ from typing import NoReturn, Optional, Sequence
 
 import yaml
 
-from megamoe.argument_rules import ArgumentError, finalize_args
+from megamoe.cli.rules import ArgumentError, finalize_args
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -55,7 +55,7 @@ def forward_backward(model: torch.nn.Module, data_iter: Iterator[Batch],
                      num_microbatches: int, *, forward_only: bool = False) -> torch.Tensor:
     """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel."""
     from megamoe.model.pipeline_stage import PipelineModel
-    from megamoe.parallel.pipeline import forward_backward_pipelining
+    from megamoe.training.schedules.pipeline import forward_backward_pipelining
 
     if isinstance(model, PipelineModel):
         return forward_backward_pipelining(model, data_iter, num_microbatches,

@@ -137,7 +137,7 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
                                 ) -> torch.Tensor:
     """Run one global batch through the pipeline; returns the mean LM loss (fp32, on every
     rank of the pipeline group). Gradients accumulate in the chunks' parameters."""
-    from megamoe.training.schedule import masked_lm_loss  # the same loss definition
+    from megamoe.training.schedules.local import masked_lm_loss  # the same loss definition
 
     m = num_microbatches
     batches = [next(data_iter) for _ in range(m)]  # every stage reads the same batches

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
-from megamoe.parallel.data_parallel import reduce_gradients
+from megamoe.training.optim.grads import reduce_gradients
 
 if TYPE_CHECKING:
     from megamoe.parallel.mesh import Mesh
@@ -235,7 +235,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
     EDP (distributed_optimizer.py); with one rank in both it is this same optimizer."""
     if distributed and mesh is not None and reduce_grads_fn is None and (
             mesh.dp_size > 1 or mesh.edp_size > 1):
-        from megamoe.parallel.distributed_optimizer import DistributedOptimizer
+        from megamoe.training.optim.distributed import DistributedOptimizer
 
         return DistributedOptimizer(
             model, config, tp_group=mesh.group("tp"), dp_group=mesh.group("dp"),

@@ -27,8 +27,12 @@ import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_rank, group_size
-from megamoe.parallel.data_parallel import _sum_marked
-from megamoe.parallel.optimizer import _param_groups, build_inner_optimizer, fp32_accumulate_hook
+from megamoe.training.optim.grads import _sum_marked
+from megamoe.training.optim.mixed_precision import (
+    _param_groups,
+    build_inner_optimizer,
+    fp32_accumulate_hook,
+)
 
 Group = Optional[dist.ProcessGroup]
 # torch >= 2.10 names (the *_tensor spellings are deprecated aliases).

@@ -37,7 +37,14 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megamoe.training.checkpointing import (
+from megamoe.training.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    TensorOnlyLoadPlanner,
+    load_torch_file,
+    read_dcp_metadata,
+)
+from megamoe.training.checkpoint.sharded_state import Entry, model_entries
+from megamoe.training.checkpoint.single_file import (
     COMMON,
     CheckpointError,
     _check_model_config,
@@ -48,13 +55,6 @@ from megamoe.training.checkpointing import (
     prepare_tmp,
     publish_tmp,
 )
-from megamoe.training.safe_load import (
-    SafeFileSystemReader,
-    TensorOnlyLoadPlanner,
-    load_torch_file,
-    read_dcp_metadata,
-)
-from megamoe.training.sharded_state import Entry, model_entries
 
 FORMAT_VERSION = 1
 
