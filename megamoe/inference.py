@@ -11,12 +11,11 @@ tools/checkpoint/convert.py), so no command line is needed:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Optional
 
 import torch
 
-from megamoe.config import ModelConfig, MoEConfig
+from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.single_file import (
     CheckpointError,
@@ -26,23 +25,10 @@ from megamoe.training.checkpoint.single_file import (
 )
 
 
-def model_config_from_dict(d: dict) -> ModelConfig:
-    """The inverse of config.to_dict for ModelConfig (derived fields are recomputed)."""
-    fields = _known(ModelConfig, d)
-    moe = fields.pop("moe", None)
-    return ModelConfig(**fields, moe=MoEConfig(**_known(MoEConfig, moe)) if moe else None)
-
-
-def _known(cls, d: dict) -> dict:
-    """Only the fields `cls` has (a checkpoint may come from an older or newer megamoe)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
-
-
 def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
     """Older checkpoints without a model config: rebuild it from the saved flags."""
     from megamoe.cli.arguments import build_parser
-    from megamoe.cli.mapping import args_to_configs
+    from megamoe.cli.mapping import run_config_from_args
     from megamoe.training.pretrain import build_tokenizer_from_args
 
     ns = build_parser().parse_args([])
@@ -53,7 +39,7 @@ def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
     except Exception as e:
         raise CheckpointError(f"{file}: holds no model config and its tokenizer cannot be "
                               f"loaded to find the vocabulary size ({e})") from None
-    return args_to_configs(ns, vocab_size).model
+    return run_config_from_args(ns, vocab_size).model
 
 
 def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
@@ -72,7 +58,7 @@ def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
     state = read_checkpoint(path)
     file = state["_file"]
     saved = state.get("model_config")
-    config = model_config_from_dict(saved) if saved else _config_from_args(state["args"], file)
+    config = ModelConfig.from_dict(saved) if saved else _config_from_args(state["args"], file)
     saved_dtype = next(iter(state["model"].values())).dtype
     model = GPTModel(config).to(saved_dtype)
     try:

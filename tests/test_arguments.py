@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.mapping import args_to_configs
+from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.rules import NOT_SUPPORTED_YET, parse_layer_freq
 from tests.flags import parse_error
 
@@ -41,7 +41,7 @@ def test_swiglu_ffn_default_and_moe_config():
     a = parse(f"--swiglu {MOE} --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 "
               "--disable-bias-linear")
     assert a.ffn_hidden_size == int((4 * 64 * 2 / 3) / 64) * 64
-    run = args_to_configs(a, vocab_size=100)
+    run = run_config_from_args(a, vocab_size=100)
     assert run.model.moe.num_experts == 8 and run.model.moe.topk == 2
     assert run.model.moe.aux_loss_coeff("aux_loss") == pytest.approx(1e-2)
     assert run.model.moe.ffn_hidden_size == a.ffn_hidden_size
@@ -62,7 +62,7 @@ def test_num_experts_zero_means_dense():
 @pytest.mark.parametrize("extra,world,message", [
     ("--tensor-model-parallel-size 3", 4, "world size 4 is not divisible by"),
     ("--pipeline-model-parallel-size 2", 3, "world size 3 is not divisible by"),
-    ("--num-experts 6 --expert-model-parallel-size 4", 1,
+    ("--num-experts 6 --expert-model-parallel-size 4", 4,
      "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
     ("--num-experts 4 --moe-router-topk 5", 1, "--moe-router-topk (5) must be between 1 and"),
     ("--global-batch-size 7", 1, "--global-batch-size (7) must be divisible by"),
@@ -145,15 +145,16 @@ MIXTRAL_SCRIPT = """
 
 def test_mixtral_script_flags_parse():
     a = parse_args(MIXTRAL_SCRIPT.split(), world_size=1)
-    run = args_to_configs(a, vocab_size=300)
+    run = run_config_from_args(a, vocab_size=300)
     assert run.model.position_embedding_type == "rope"
-    assert run.model.num_query_groups == 2 and run.model.moe.grouped_gemm
+    assert run.model.num_query_groups == 2 and run.moe_execution.grouped_gemm
 
 
 def test_cli_bad_flag_is_one_line_no_traceback():
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *shlex.split(BASE),
            "--num-experts", "6", "--expert-model-parallel-size", "4"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, WORLD_SIZE="4"))
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "pretrain_gpt.py: error: --num-experts (6) must be divisible by "
@@ -182,7 +183,8 @@ def test_checkpoint_retention_and_async_save_flags(capsys):
     a = parse("--save ckpt --ckpt-keep-last 3 --async-save --ckpt-format torch")
     assert a.ckpt_keep_last == 3 and a.async_save
     assert parse("--save ckpt --async-save").ckpt_format == "torch_dist"
-    assert "--ckpt-keep-last must be >= 1" in fails(capsys, "--save ckpt --ckpt-keep-last 0")
+    assert "--ckpt-keep-last must be positive, got 0" in fails(
+        capsys, "--save ckpt --ckpt-keep-last 0")
     assert "--ckpt-keep-last needs --save" in fails(capsys, "--ckpt-keep-last 2")
     assert "--async-save needs --save" in fails(capsys, "--async-save")
 

@@ -64,9 +64,8 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     for ffn, tokens in itertools.product(args.ffn_hidden_sizes, args.tokens):
         torch.manual_seed(0)
         layer = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
-                                   ffn_hidden_size=ffn, grouped_gemm=True,
-                                   token_dispatcher_type="alltoall"),
-                         args.hidden_size, init_method_std=0.02)
+                                   ffn_hidden_size=ffn),
+                         args.hidden_size, init_method_std=0.02, grouped_gemm=True)
         apply_expert_parallel(layer, dist.group.WORLD, "alltoall")
         (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
         executor.costs, executor.calibrate = costs, True  # as measure=True, costs shared

@@ -226,16 +226,15 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[list, 
     """(our rows, peer rows), identical on every rank; run by gloo_ranks.run_gloo_ranks."""
     torch.manual_seed(0)
     base = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
-                              ffn_hidden_size=args.ffn_hidden_size, grouped_gemm=True),
-                    args.hidden_size, init_method_std=0.02)
+                              ffn_hidden_size=args.ffn_hidden_size),
+                    args.hidden_size, init_method_std=0.02, grouped_gemm=True)
     x = torch.randn(args.tokens, args.hidden_size,
                     generator=torch.Generator().manual_seed(1 + rank))
     layers: list = []
     for dispatcher, overlap in CONFIGS:
         layer = copy.deepcopy(base)
-        layer.config.token_dispatcher_type = dispatcher
-        layer.config.a2a_overlap_degree = overlap
-        layers.append(apply_expert_parallel(layer, dist.group.WORLD, dispatcher))
+        layers.append(apply_expert_parallel(layer, dist.group.WORLD, dispatcher,
+                                            overlap_degree=overlap))
     peer, peer_row = _build_deepspeed(base, args)
     if peer is not None:
         layers.append(lambda xi: peer(xi)[0])  # MoE returns (out, l_aux, exp_counts)

@@ -130,8 +130,8 @@ def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int)
     s = SHAPES[name]
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=s["E"], topk=s["k"], ffn_hidden_size=s["F"], grouped_gemm=True)
-    layer = MoELayer(cfg, s["H"], init_method_std=0.02, swiglu=True).to(dtype)
+    cfg = MoEConfig(num_experts=s["E"], topk=s["k"], ffn_hidden_size=s["F"])
+    layer = MoELayer(cfg, s["H"], init_method_std=0.02, swiglu=True, grouped_gemm=True).to(dtype)
     dense = DenseSwiGLU(s["H"], s["k"] * s["F"], dtype)
     x = torch.randn(s["T"], s["H"]).to(dtype)
     fns = {"moe": layer, "loop": lambda xi: loop_moe(layer, xi),

@@ -182,7 +182,7 @@ def explain(r: dict, hw: Hardware) -> str:
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:
     from megamoe.cli.arguments import config_file_to_argv, parse_args
-    from megamoe.cli.mapping import args_to_configs
+    from megamoe.cli.mapping import run_config_from_args
 
     argv = config_file_to_argv(config_path) + ["--dry-run"]
     if seq_length:
@@ -190,7 +190,7 @@ def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> Mod
     # The planner chooses the layout: drop flags the rules would reject only because the
     # feature is not built yet, so a preset can be planned before megamoe can run it.
     args = parse_args(argv, world_size=1, prog="plan_parallel.py")
-    return args_to_configs(args, vocab_size).model
+    return run_config_from_args(args, vocab_size).model
 
 
 def main(argv: list[str] | None = None) -> int:

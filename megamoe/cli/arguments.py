@@ -15,6 +15,7 @@ from typing import NoReturn, Optional, Sequence
 import yaml
 
 from megamoe.cli.rules import ArgumentError, finalize_args
+from megamoe.config import ConfigError
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -330,6 +331,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int
     args = parser.parse_args(argv)
     try:
         finalize_args(args, parser, world_size=world_size)
-    except ArgumentError as e:
+    except ConfigError as e:  # ArgumentError included
         parser.error(str(e))
     return args

@@ -66,18 +66,21 @@ def parse_data_path(values: Sequence[str]) -> tuple[list[float], list[str]]:
         weights = [float(w) for w in values[0::2]]
     except ValueError:
         raise DataError(f"data path {' '.join(values)!r}: expected weight/prefix pairs") from None
+    if any(w < 0 for w in weights):
+        raise DataError(f"data path {' '.join(values)!r}: negative weight")
     return weights, values[1::2]
 
 
-def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, int, int]):
-    """(train, valid, test); a split is None when its weight or its num_samples is 0."""
+def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, int, int], *,
+                       seq_length: int, seed: int):
+    """(train, valid, test) of `seq_length`-token samples, shuffled with `seed`; a split is
+    None when its weight or its num_samples is 0."""
     if config.reset_attention_mask:
         raise DataError("--reset-attention-mask is not supported: megamoe attends causally "
                         "without masks (use --reset-position-ids for per-document positions)")
-    builder = _Builder(config, tokenizer)
+    builder = _Builder(config, tokenizer, seq_length, seed)
     if config.mock_data:
-        mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, config.seq_length,
-                                  config.seed)
+        mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, seq_length, seed)
         return tuple(builder.split_of(mock, i, n, None)
                      for i, n in enumerate(num_samples))
     if config.data_path:
@@ -99,9 +102,10 @@ def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, in
 
 
 class _Builder:
-    def __init__(self, config: DataConfig, tokenizer) -> None:
+    def __init__(self, config: DataConfig, tokenizer, seq_length: int, seed: int) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.seq_length, self.seed = seq_length, seed
         self._opened: dict[str, IndexedDataset] = {}
 
     def open(self, prefix: str) -> IndexedDataset:
@@ -128,7 +132,7 @@ class _Builder:
         if end <= begin:
             return None
         c = self.config
-        return GPTDataset(indexed, np.arange(begin, end), num_samples, c.seq_length, c.seed,
+        return GPTDataset(indexed, np.arange(begin, end), num_samples, self.seq_length, self.seed,
                           self.tokenizer.eod, eod_mask_loss=c.eod_mask_loss,
                           reset_position_ids=c.reset_position_ids,
                           cache_dir=self.cache_dir(prefix), name=SPLIT_NAMES[i])

@@ -12,10 +12,9 @@ import json
 import os
 from typing import Optional, Sequence
 
+from megamoe.config.data import TOKENIZER_TYPES
 from megamoe.data.errors import DataError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
-                   "GPT2BPETokenizer", "NullTokenizer")
 # End-of-document spellings tried, in order, when a tokenizer.json does not name its eos.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>",
                    "<|im_end|>", "[SEP]")

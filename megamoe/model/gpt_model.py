@@ -85,14 +85,9 @@ class GPTEmbedding(nn.Module):
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: Optional[TensorParallel] = None):
         super().__init__()
-        if config.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError(f"unknown position_embedding_type "
-                             f"{config.position_embedding_type!r}")
         self.config = config
         self.tp = tp = tp or SINGLE
         self.embedding = GPTEmbedding(config, tp)
-        if config.position_embedding_type == "rope":
-            rotary_dim(config.kv_channels, config.rotary_percent)  # fail early when invalid
         self.decoder = TransformerBlock(config, tp)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:

@@ -16,53 +16,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megamoe.config import ModelConfig
+from megamoe.config import ModelConfig, pipeline_layer_ranges
 from megamoe.model.gpt_model import GPTModel, lm_head, rotary_for
 from megamoe.parallel.tensor_parallel import TensorParallel
-
-
-def pipeline_layer_ranges(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
-                          first: Optional[int] = None, last: Optional[int] = None
-                          ) -> list[list[tuple[int, int]]]:
-    """[rank][chunk] -> (first layer, end layer). Virtual stage v = chunk * pp + rank holds
-    consecutive layers; uneven first/last stages take `first` / `last` layers and the middle
-    stages share the rest evenly. Raises ValueError naming the flags on a bad split."""
-    if layers_per_virtual_stage is not None:
-        if first is not None or last is not None:
-            raise ValueError("--num-layers-per-virtual-pipeline-stage cannot be combined with "
-                             "--decoder-first/last-pipeline-num-layers")
-        if layers_per_virtual_stage < 1 or num_layers % (pp * layers_per_virtual_stage):
-            raise ValueError(
-                f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-"
-                f"size ({pp}) x --num-layers-per-virtual-pipeline-stage "
-                f"({layers_per_virtual_stage})")
-        chunks = num_layers // (pp * layers_per_virtual_stage)
-        n = layers_per_virtual_stage
-        return [[((c * pp + r) * n, (c * pp + r + 1) * n) for c in range(chunks)]
-                for r in range(pp)]
-    if pp == 1 and (first is not None or last is not None):
-        raise ValueError("--decoder-first/last-pipeline-num-layers need "
-                         "--pipeline-model-parallel-size > 1")
-    counts: list[Optional[int]] = [None] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    fixed = sum(c for c in counts if c is not None)
-    free = [i for i, c in enumerate(counts) if c is None]
-    rest = num_layers - fixed
-    if any(c is not None and c < 1 for c in counts) or rest < 0 or (
-            free and (rest % len(free) or rest // len(free) < 1)) or (not free and rest):
-        raise ValueError(
-            f"--num-layers ({num_layers}) cannot be split over --pipeline-model-parallel-size "
-            f"({pp}) stages (first stage {first}, last stage {last}): every stage needs at "
-            "least one layer and the other stages an equal share")
-    for i in free:
-        counts[i] = rest // len(free)
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + c)
-    return [[(bounds[r], bounds[r + 1])] for r in range(pp)]
 
 
 class GPTStage(nn.Module):

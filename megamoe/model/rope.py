@@ -13,11 +13,8 @@ import torch
 
 
 def rotary_dim(kv_channels: int, rotary_percent: float) -> int:
-    dim = int(kv_channels * rotary_percent)
-    if dim % 2 or dim <= 0:
-        raise ValueError(f"rotary dim {dim} (kv_channels {kv_channels} x rotary_percent "
-                         f"{rotary_percent}) must be positive and even")
-    return dim
+    """Channels of each head that rotate (even and positive: ModelConfig checks it)."""
+    return int(kv_channels * rotary_percent)
 
 
 def rotary_cos_sin(seq_length: int, rot_dim: int, base: float, *,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.moe.cost_model import CollectiveCosts, ModeCostInputs, predict_mode_seconds
+from megamoe.moe.dispatcher import AllToAllTokenDispatcher
 from megamoe.parallel.comm import (
     all_gather_no_grad,
     all_to_all_uneven,
@@ -113,7 +114,8 @@ class AdaptiveExpertParallel:
             num_experts=layer.config.num_experts, ep_size=self.size,
             local_expert_numel=sum(p.numel() for p in experts.parameters()),
             bytes_per_element=experts.fc1_weight.element_size(),
-            dispatcher=layer.config.token_dispatcher_type)
+            dispatcher="alltoall" if isinstance(layer.token_dispatcher, AllToAllTokenDispatcher)
+            else "allgather")
 
     def modes(self) -> tuple[str, ...]:
         return PARALLEL_MODES if self.tp_possible else ("ep", "dp")

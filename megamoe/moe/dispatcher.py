@@ -315,7 +315,8 @@ def _shard_experts(experts: nn.Module, start: int, count: int) -> None:
 def apply_expert_parallel(model: nn.Module, ep_group: Optional[dist.ProcessGroup],
                           dispatcher_type: str = "allgather", *,
                           tp_group: Optional[dist.ProcessGroup] = None,
-                          etp_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+                          etp_group: Optional[dist.ProcessGroup] = None,
+                          overlap_degree: int = 1) -> nn.Module:
     """Mark every MoE layer's routed experts; with an ep group, keep this rank's slice of
     them and give the layer a token dispatcher; with a tp group (sequence parallelism),
     split the experts' hidden dimension over `etp_group` (ETP = TP) or the tokens over the
@@ -335,7 +336,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: Optional[dist.ProcessGroup
                 raise ValueError("expert parallelism does not pad expert inputs to capacity "
                                  "(--moe-pad-expert-input-to-capacity)")
             dispatcher = build_dispatcher(dispatcher_type, layer.config.num_experts, ep_group,
-                                          layer.config.a2a_overlap_degree)
+                                          overlap_degree)
             _shard_experts(layer.experts, dispatcher.local_start, dispatcher.num_local_experts)
             layer.token_dispatcher = dispatcher
         if moe_tp is not None:  # after the ep slice, which makes new parameters

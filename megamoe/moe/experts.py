@@ -95,6 +95,14 @@ class GroupedExperts(nn.Module):
         return y_NH + (b2_NH if p_N1 is None else b2_NH * p_N1)
 
 
+def use_grouped_gemm(model: nn.Module, enabled: bool) -> None:
+    """--moe-grouped-gemm for every GroupedExperts in `model`: one grouped GEMM per weight
+    (the best backend available, grouped_gemm.py) or the per-expert loop. Speed only."""
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.backend = "auto" if enabled else "loop"
+
+
 class SequentialExperts(nn.Module):
     """User-supplied expert modules (Tutel / FastMoE style), run one after another.
 

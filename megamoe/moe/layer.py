@@ -40,6 +40,8 @@ class MoELayer(nn.Module):
     Args (beyond the MoEConfig, which `**config_kwargs` can build instead):
       experts: optional list of nn.Module experts ([n, H] -> [n, H]) replacing the
         grouped SwiGLU/GELU experts; num_experts is then len(experts).
+      grouped_gemm: run the experts as one grouped GEMM per weight (else a loop); the
+        --moe-grouped-gemm execution setting, not part of the MoEConfig.
       sequence_dim: which input dim is the sequence for seq_aux_loss: 0 for Megatron's
         [S, B, H] (the GPT model), 1 for [B, S, H]; a 2-D input is one sequence.
       balancing_group / grad_average_size: see TopKRouter (global_aux_loss).
@@ -50,7 +52,8 @@ class MoELayer(nn.Module):
                  add_bias_linear: bool = False, swiglu: bool = True,
                  experts: Optional[Sequence[nn.Module]] = None, sequence_dim: int = 0,
                  balancing_group: Optional[dist.ProcessGroup] = None,
-                 grad_average_size: int = 1, **config_kwargs) -> None:
+                 grad_average_size: int = 1, grouped_gemm: bool = False,
+                 **config_kwargs) -> None:
         super().__init__()
         if hidden_size is None:
             raise ValueError("MoELayer needs hidden_size")
@@ -81,7 +84,7 @@ class MoELayer(nn.Module):
             self.experts = GroupedExperts(
                 config.num_experts, hidden_size, config.ffn_hidden_size, swiglu=swiglu,
                 add_bias=add_bias_linear, init_method_std=init_method_std,
-                output_init_std=output_std, grouped_gemm=config.grouped_gemm)
+                output_init_std=output_std, grouped_gemm=grouped_gemm)
         # Grouped experts are linear after the activation, so the combine weights can scale
         # the [N, F] activation instead of the [N, H] output: with SwiGLU the fused op
         # (moe/swiglu.py) applies them for free and keeps only fc1's output, otherwise it
@@ -94,9 +97,6 @@ class MoELayer(nn.Module):
                 hidden_size, config.shared_expert_intermediate_size, swiglu=swiglu,
                 add_bias=add_bias_linear, gate=config.shared_expert_gate,
                 init_method_std=init_method_std, output_init_std=output_std)
-        elif config.shared_expert_gate:
-            raise ValueError("--moe-shared-expert-gate needs "
-                             "--moe-shared-expert-intermediate-size")
         # Set by apply_expert_parallel (moe/dispatcher.py) when experts span ranks; with
         # `tensor_parallel` the input is the TP-gathered sequence and the output this rank's
         # sequence shard (moe/expert_tensor_parallel.py).

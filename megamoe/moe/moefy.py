@@ -112,10 +112,11 @@ def moefy(model: nn.Module, *, num_experts: int, topk: int = 2,
             fc1 = module.linear_fc1
             ffn = fc1.out_features // (2 if module.swiglu else 1)
             moe_cfg = MoEConfig(num_experts=num_experts, topk=topk, ffn_hidden_size=ffn,
-                                grouped_gemm=True, use_upcycling=upcycle, **moe_options)
+                                **moe_options)
             new = MoELayer(moe_cfg, fc1.in_features, layer_number=index,
                            num_layers=len(targets), init_method_std=std,
-                           add_bias_linear=fc1.bias is not None, swiglu=module.swiglu)
+                           add_bias_linear=fc1.bias is not None, swiglu=module.swiglu,
+                           grouped_gemm=True)
             if upcycle:
                 upcycle_mlp(module, new)
         else:
@@ -127,7 +128,7 @@ def moefy(model: nn.Module, *, num_experts: int, topk: int = 2,
                             m.reset_parameters()
             new = MoELayer(None, hidden_size or _hidden_size(module), layer_number=index,
                            num_layers=len(targets), init_method_std=std, experts=experts,
-                           topk=topk, use_upcycling=upcycle, **moe_options)
+                           topk=topk, **moe_options)
         new.to(next(module.parameters()).device)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

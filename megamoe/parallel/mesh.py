@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from megamoe.config import ParallelConfig
 
 DENSE_DIMS = ("pp", "dp", "cp", "tp")  # slowest -> fastest
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
@@ -46,38 +48,6 @@ GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-class MeshError(ValueError):
-    """A parallel layout that does not factor the world size; the message names sizes."""
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None  # None = tp
-
-    def resolved(self, world_size: int) -> dict[str, int]:
-        """All sizes including dp and edp; raises MeshError when they do not factor."""
-        etp = self.tp if self.etp is None else self.etp
-        sizes = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "ep": self.ep, "etp": etp}
-        for name, v in sizes.items():
-            if v < 1:
-                raise MeshError(f"{name} size must be >= 1, got {v}")
-        dense = self.tp * self.cp * self.pp
-        if world_size % dense:
-            raise MeshError(f"world size {world_size} is not divisible by tensor ({self.tp}) x "
-                            f"context ({self.cp}) x pipeline ({self.pp}) parallel sizes")
-        expert = etp * self.ep * self.pp
-        if world_size % expert:
-            raise MeshError(f"world size {world_size} is not divisible by expert tensor ({etp})"
-                            f" x expert ({self.ep}) x pipeline ({self.pp}) parallel sizes")
-        sizes["dp"] = world_size // dense
-        sizes["edp"] = world_size // expert
-        return sizes
-
-
 def _grid(sizes: dict[str, int], dims: tuple[str, ...]) -> torch.Tensor:
     world = 1
     for d in dims:
@@ -85,9 +55,10 @@ def _grid(sizes: dict[str, int], dims: tuple[str, ...]) -> torch.Tensor:
     return torch.arange(world).reshape([sizes[d] for d in dims])
 
 
-def rank_groups(world_size: int, sizes: ParallelSizes) -> dict[str, list[list[int]]]:
-    """{group name: list of rank lists} for every group in GROUP_DIMS (pure function)."""
-    s = sizes.resolved(world_size)
+def rank_groups(parallel: ParallelConfig) -> dict[str, list[list[int]]]:
+    """{group name: list of rank lists} for every group in GROUP_DIMS of the (validated)
+    layout over its world size (pure function)."""
+    s = parallel.sizes()
     grids = {"dense": (_grid(s, DENSE_DIMS), DENSE_DIMS),
              "expert": (_grid(s, EXPERT_DIMS), EXPERT_DIMS)}
     out: dict[str, list[list[int]]] = {}
@@ -115,31 +86,25 @@ class Mesh:
 
     rank: int
     world_size: int
-    dp_group: Optional[dist.ProcessGroup]  # None when the dp size is 1
     backend: Optional[str]
-    sizes: dict[str, int] = field(default_factory=dict)
-    ranks: dict[str, int] = field(default_factory=dict)  # this rank's index in each group
-    groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
-    group_ranks: dict[str, list[int]] = field(default_factory=dict)  # members of my groups
+    sizes: dict[str, int]  # every dimension: tp, cp, pp, ep, etp, dp, edp
+    ranks: dict[str, int]  # this rank's index in each dimension's group
+    groups: dict[str, Optional[dist.ProcessGroup]]  # every group of GROUP_DIMS and embd
+    group_ranks: dict[str, list[int]]  # members of this rank's groups
     device_mesh: Optional[DeviceMesh] = None  # dense pp x dp x cp x tp
     expert_device_mesh: Optional[DeviceMesh] = None  # pp x edp x ep x etp
 
     def size(self, name: str) -> int:
-        if name in self.sizes:
-            return self.sizes[name]
-        return self.world_size if name == "dp" and not self.sizes else 1
+        return self.sizes[name]
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
-        if name == "dp" and not self.groups:
-            return self.dp_group
-        return self.groups.get(name)
+        return self.groups[name]
 
     def local_rank_in(self, name: str) -> int:
-        if name == "dp" and not self.ranks:
-            return self.rank
-        return self.ranks.get(name, 0)
+        return self.ranks[name]
 
     # Megatron-style accessors.
+    dp_group = property(lambda self: self.group("dp"))
     dp_size = property(lambda self: self.size("dp"))
     dp_rank = property(lambda self: self.local_rank_in("dp"))
     tp_size = property(lambda self: self.size("tp"))
@@ -165,20 +130,24 @@ class Mesh:
 
 def _single_process_mesh() -> Mesh:
     names = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
-    return Mesh(rank=0, world_size=1, dp_group=None, backend=None,
-                sizes={n: 1 for n in names}, ranks={n: 0 for n in names},
-                groups={n: None for n in GROUP_DIMS}, group_ranks={n: [0] for n in GROUP_DIMS})
+    groups = (*GROUP_DIMS, "embd")
+    return Mesh(rank=0, world_size=1, backend=None, sizes={n: 1 for n in names},
+                ranks={n: 0 for n in names}, groups={n: None for n in groups},
+                group_ranks={n: [0] for n in groups})
 
 
-def build_mesh(sizes: ParallelSizes, backend: str) -> Mesh:
+def build_mesh(parallel: ParallelConfig, backend: str) -> Mesh:
     """Create every group of the layout on an initialised default process group.
 
     All ranks create all groups in the same order (torch.distributed requires it); groups
     of size 1 are None so single-rank dimensions cost no collectives.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    resolved = sizes.resolved(world)
-    lists = rank_groups(world, sizes)
+    if parallel.world_size != world:
+        raise ValueError(f"the layout is for {parallel.world_size} ranks, the process group "
+                         f"has {world}")
+    resolved = parallel.sizes()
+    lists = rank_groups(parallel)
     device = "cuda" if backend == "nccl" else "cpu"
     meshes = {layout: DeviceMesh(device, _grid(resolved, dims), mesh_dim_names=dims)
               for layout, dims in (("dense", DENSE_DIMS), ("expert", EXPERT_DIMS))}
@@ -198,32 +167,30 @@ def build_mesh(sizes: ParallelSizes, backend: str) -> Mesh:
                 groups[name] = pg
                 mine[name] = members
     ranks = {d: mine[d].index(rank) for d in ("tp", "cp", "dp", "pp", "ep", "etp", "edp")}
-    return Mesh(rank=rank, world_size=world, dp_group=groups["dp"], backend=backend,
+    return Mesh(rank=rank, world_size=world, backend=backend,
                 sizes=resolved, ranks=ranks, groups=groups, group_ranks=mine,
                 device_mesh=meshes["dense"], expert_device_mesh=meshes["expert"])
 
 
-def init_mesh(backend: Optional[str] = None, timeout_minutes: float = 10.0, *,
-              tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1,
-              etp: Optional[int] = None) -> Mesh:
-    """Initialise torch.distributed from torchrun's environment and build the mesh.
+def init_mesh(parallel: ParallelConfig) -> Mesh:
+    """Initialise torch.distributed from torchrun's environment and build the mesh of the
+    (validated) layout.
 
-    One process with all sizes 1 needs no process group. The timeout applies to every
-    collective, so a hung one ends with an error instead of blocking forever.
+    One process with all sizes 1 needs no process group. The timeout
+    (--distributed-timeout-minutes) applies to every collective, so a hung one ends with
+    an error instead of blocking forever.
     """
-    sizes = ParallelSizes(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1 and not dist.is_initialized():
-        sizes.resolved(1)  # a layout needing more ranks fails with a clear message
+    if parallel.world_size == 1 and not dist.is_initialized():
         return _single_process_mesh()
+    backend = parallel.distributed_backend
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+        dist.init_process_group(backend=backend, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return build_mesh(sizes, backend)
+    return build_mesh(parallel, backend)
 
 
 def destroy_mesh(mesh: Mesh) -> None:

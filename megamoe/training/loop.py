@@ -71,7 +71,7 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:
         scheduler.step(increment=1)
-    per_layer = run.model.moe is not None and run.model.moe.per_layer_logging
+    per_layer = run.model.moe is not None and run.moe_training.per_layer_logging
     moe = _moe_scalars(MoELossTracker.report(n_micro),
                        moe_layer_numbers(model) if per_layer else None)
     names = ["lm loss", *moe.keys()]
@@ -103,7 +103,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
           print_fn: Callable[[str], None] = print) -> TrainState:
     """Train from state.iteration to --train-iters; returns the final state."""
     MoELossTracker.clear()  # values left by an earlier run in this process are not ours
-    t = run.train
+    t, lg = run.train, run.logging
     tokens_per_iter = t.global_batch_size * run.model.seq_length
     interval: dict[str, float] = {}
     interval_iters = 0
@@ -125,17 +125,17 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
             interval[k] = interval.get(k, 0.0) + v
         interval_iters += 1
 
-        if logger is not None and state.iteration % t.tensorboard_log_interval == 0:
+        if logger is not None and state.iteration % lg.tensorboard_log_interval == 0:
             logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
                                 "learning_rate": lr, "loss_scale": optimizer.get_loss_scale(),
                                 "consumed_samples": state.consumed_train_samples},
                                state.iteration)
-        if state.iteration % t.log_interval == 0:
+        if state.iteration % lg.log_interval == 0:
             elapsed = time.time() - tick
             ms_per_iter = 1000.0 * elapsed / interval_iters
             means = {k: v / interval_iters for k, v in interval.items()}
             extra = (observer.interval_scalars(ms_per_iter, tokens_per_iter)
-                     if mesh.is_logging_rank and (logger is not None or t.log_throughput)
+                     if mesh.is_logging_rank and (logger is not None or lg.log_throughput)
                      else {})
             if mesh.is_logging_rank:
                 print_fn(format_log_line(
@@ -148,7 +148,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
                     loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
                     skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
                     tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
-                    if t.log_throughput else None))
+                    if lg.log_throughput else None))
             if logger is not None:
                 logger.log_scalars(extra, state.iteration)
                 observer.write_heatmap(logger, state.iteration)
@@ -158,7 +158,8 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
             loss = evaluate(run, mesh, model, valid_iter)
             report_validation(state.iteration, loss, logger, mesh, print_fn)
             state.history[-1]["valid lm loss"] = loss
-        if save_fn is not None and t.save_interval and state.iteration % t.save_interval == 0:
+        save_interval = run.checkpoint.save_interval
+        if save_fn is not None and save_interval and state.iteration % save_interval == 0:
             save_fn(state)
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             break

@@ -213,9 +213,9 @@ class TrainingObserver:
         self.model = model
         self.dp_group = dp_group
         self.world_size = world_size
-        self.per_layer = bool(run.model.moe and run.model.moe.per_layer_logging)
+        self.per_layer = bool(run.model.moe and run.moe_training.per_layer_logging)
         self.flops_per_token = flops_per_token(run.model)
-        self.peak_tflops = run.train.peak_tflops
+        self.peak_tflops = run.logging.peak_tflops
         self.device = next(model.parameters()).device
         self._load_LE: dict[int, np.ndarray] = {}
 
@@ -224,7 +224,7 @@ class TrainingObserver:
         for layer, s in stats.items():
             self._load_LE[layer] = self._load_LE.get(layer, 0.0) + s["kept"]
         out = expert_load_scalars(stats, self.per_layer)
-        if self.run.model.moe is not None and self.run.model.moe.adaptive_parallelism:
+        if self.run.model.moe is not None and self.run.moe_execution.adaptive_parallelism:
             from megamoe.moe.adaptive import PARALLEL_MODES, mode_counts
 
             counts = mode_counts(self.model)  # MoE layer calls this step, per mode

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.mapping import args_to_configs
+from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import RunConfig, to_dict
 from megamoe.data import DataError, PretrainingSampler, build_gpt_datasets, build_tokenizer
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.pipeline_stage import build_pipeline_model
+from megamoe.moe.experts import use_grouped_gemm
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.parallel.rng import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
 from megamoe.parallel.tensor_parallel import TensorParallel
@@ -103,7 +104,7 @@ def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torc
         model = GPTModel(run.model, tp)
     if parallel:  # dropout stream of this pipeline stage (same on every TP rank)
         torch.manual_seed(run.train.seed + PIPELINE_SEED_STRIDE * mesh.pp_rank)
-    if run.model.moe is not None and run.model.moe.use_upcycling:
+    if run.model.moe is not None and run.moe_training.use_upcycling:
         # --moe-use-upcycling: every expert starts as this seed's dense MLP (moefy.py).
         import dataclasses
 
@@ -115,15 +116,17 @@ def build_model(run: RunConfig, bf16: bool, mesh: Optional[Mesh] = None) -> torc
     if run.model.moe is not None:  # routed experts: mark them; with EP keep this rank's
         from megamoe.moe.dispatcher import apply_expert_parallel  # slice, add a dispatcher
 
+        use_grouped_gemm(model, run.moe_execution.grouped_gemm)
         apply_expert_parallel(model, None if mesh is None else mesh.group("ep"),
-                              run.model.moe.token_dispatcher_type,
+                              run.moe_execution.token_dispatcher_type,
                               tp_group=None if mesh is None else mesh.group("tp"),
-                              etp_group=None if mesh is None else mesh.group("etp"))
+                              etp_group=None if mesh is None else mesh.group("etp"),
+                              overlap_degree=run.moe_execution.a2a_overlap_degree)
         if mesh is not None and mesh.dp_size * mesh.cp_size > 1:
             _set_balancing_group(model, mesh)
     if bf16:
         model = model.to(torch.bfloat16)
-    if run.model.moe is not None and run.model.moe.adaptive_parallelism:
+    if run.model.moe is not None and run.moe_execution.adaptive_parallelism:
         from megamoe.moe.adaptive import enable_adaptive_parallelism  # times the ep links
 
         enable_adaptive_parallelism(model, mesh.group("ep"))
@@ -183,12 +186,9 @@ def _dry_run_vocab_size(args: argparse.Namespace) -> int:
 
 def pretrain(args: argparse.Namespace, print_fn=print) -> TrainState:
     if args.dry_run:  # shapes and sizes only: no process group, no data
-        dry_run(args_to_configs(args, _dry_run_vocab_size(args)), print_fn)
+        dry_run(run_config_from_args(args, _dry_run_vocab_size(args)), print_fn)
         return TrainState()
-    mesh = init_mesh(args.distributed_backend, args.distributed_timeout_minutes,
-                     tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
-                     pp=args.pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
-                     etp=args.expert_tensor_parallel_size)
+    mesh = init_mesh(run_config_from_args(args, args.vocab_size or 1).parallel)
     try:
         return _pretrain(args, mesh, print_fn)
     finally:
@@ -202,11 +202,11 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer = build_tokenizer_from_args(args)
-    run = args_to_configs(args, tokenizer.vocab_size)
+    run = run_config_from_args(args, tokenizer.vocab_size)
 
     model = build_model(run, args.bf16, mesh)
     total, active = num_parameters(run.model)
-    if run.model.moe is not None and run.model.moe.adaptive_parallelism:
+    if run.model.moe is not None and run.moe_execution.adaptive_parallelism:
         from megamoe.moe.adaptive import describe_choice
 
         tokens = run.train.micro_batch_size * run.model.seq_length // mesh.tp_size
@@ -220,14 +220,14 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
                                 distributed=run.parallel.use_distributed_optimizer)
     scheduler = LRScheduler(optimizer, run.optim, run.train.train_iters)
     state = TrainState()
-    if run.train.load is not None:
-        if run.train.load != run.train.save and (not os.path.exists(run.train.load)
-                                                 or checkpoint_file(run.train.load) is None):
-            raise CheckpointError(f"--load {run.train.load}: no checkpoint found")
+    c = run.checkpoint
+    if c.load is not None:
+        if c.load != c.save and (not os.path.exists(c.load) or checkpoint_file(c.load) is None):
+            raise CheckpointError(f"--load {c.load}: no checkpoint found")
         iteration, consumed = _load(run, mesh, model, optimizer, scheduler, log)
         state.iteration, state.consumed_train_samples = iteration, consumed
         if iteration:
-            log(f"> loaded checkpoint from {run.train.load} at iteration {iteration}")
+            log(f"> loaded checkpoint from {c.load} at iteration {iteration}")
 
     t = run.train
     gbs = t.global_batch_size
@@ -237,7 +237,8 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
     # out of the training RNG stream, so a resumed run (RNG restored from the checkpoint)
     # continues with exactly the dropout masks of a run that never stopped.
     with torch.random.fork_rng(devices=[]):
-        train_ds, valid_ds, test_ds = build_gpt_datasets(run.data, tokenizer, num_samples)
+        train_ds, valid_ds, test_ds = build_gpt_datasets(
+            run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=t.seed)
         workers = run.data.num_workers
         train_iter = make_iterator(train_ds, state.consumed_train_samples, run, mesh, workers)
         # validation resumes where the uninterrupted run's would be (one eval_iters
@@ -246,37 +247,38 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
         valid_iter = make_iterator(valid_ds, valid_consumed, run, mesh, workers)
 
     logger = None
-    if mesh.is_logging_rank and (t.tensorboard_dir or t.wandb_project):
-        logger = MetricsLogger(t.tensorboard_dir, t.wandb_project, t.wandb_exp_name,
-                               t.wandb_save_dir, config_dict=vars(args))
+    lg = run.logging
+    if mesh.is_logging_rank and (lg.tensorboard_dir or lg.wandb_project):
+        logger = MetricsLogger(lg.tensorboard_dir, lg.wandb_project, lg.wandb_exp_name,
+                               lg.wandb_save_dir, config_dict=run.command_line)
 
-    dist_format = t.ckpt_format == "torch_dist"
+    dist_format = c.ckpt_format == "torch_dist"
     writer = None
-    if t.async_save and dist_format:
+    if c.async_save and dist_format:
         writer = AsyncDistSaver()  # every rank writes its shards in the background
-    elif t.async_save and mesh.rank == 0:
+    elif c.async_save and mesh.rank == 0:
         writer = AsyncCheckpointWriter()
 
     def save(st: TrainState) -> None:
         if dist_format:  # every rank writes its shards
             save_fn = writer.save if writer is not None else save_dist_checkpoint
-            save_fn(t.save, st.iteration, model, optimizer, scheduler, mesh,
-                    st.consumed_train_samples, _jsonable(vars(args)),
-                    model_config=to_dict(run.model), save_optim=not t.no_save_optim,
-                    save_rng=not t.no_save_rng, keep_last=t.ckpt_keep_last)
+            save_fn(c.save, st.iteration, model, optimizer, scheduler, mesh,
+                    st.consumed_train_samples, run.command_line,
+                    model_config=to_dict(run.model), save_optim=not c.no_save_optim,
+                    save_rng=not c.no_save_rng, keep_last=c.ckpt_keep_last)
             how = "saving (in the background)" if writer is not None else "saved"
-            log(f"> {how} checkpoint at iteration {st.iteration} to {t.save}")
+            log(f"> {how} checkpoint at iteration {st.iteration} to {c.save}")
             return
         if mesh.rank == 0:
             ckpt = build_state(st.iteration, model, optimizer, scheduler,
-                               st.consumed_train_samples, _jsonable(vars(args)),
-                               save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
+                               st.consumed_train_samples, run.command_line,
+                               save_optim=not c.no_save_optim, save_rng=not c.no_save_rng,
                                model_config=to_dict(run.model))
             if writer is not None:  # snapshot now, write in the background
-                writer.save(t.save, st.iteration, ckpt, t.ckpt_keep_last)
+                writer.save(c.save, st.iteration, ckpt, c.ckpt_keep_last)
             else:
-                write_checkpoint(t.save, st.iteration, ckpt, t.ckpt_keep_last)
-            log(f"> saved checkpoint at iteration {st.iteration} to {t.save}")
+                write_checkpoint(c.save, st.iteration, ckpt, c.ckpt_keep_last)
+            log(f"> saved checkpoint at iteration {st.iteration} to {c.save}")
         mesh.barrier()
 
     start = time.time()
@@ -285,8 +287,8 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
             if train_iter is None:
                 raise DataError("the training split is empty: check --split / --data-path")
             state = train(run, mesh, model, optimizer, scheduler, train_iter, valid_iter,
-                          logger, state, save_fn=save if t.save else None, print_fn=print_fn)
-            if t.save and (not t.save_interval or state.iteration % t.save_interval):
+                          logger, state, save_fn=save if c.save else None, print_fn=print_fn)
+            if c.save and (not c.save_interval or state.iteration % c.save_interval):
                 save(state)
         log(f"> training done: {state.iteration} iterations in {time.time() - start:.1f} s")
         evaluated_last = bool(state.history) and "valid lm loss" in state.history[-1]
@@ -307,7 +309,7 @@ def _pretrain(args: argparse.Namespace, mesh: Mesh, print_fn) -> TrainState:
 def _load(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
           log) -> tuple[int, int]:
     """--load: either format, detected from the directory. Returns (iteration, consumed)."""
-    t = run.train
+    t = run.checkpoint
     found = checkpoint_file(t.load) if os.path.exists(t.load) else None
     if found is None:
         return 0, 0
@@ -329,13 +331,9 @@ def _load(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     iteration = int(common["iteration"])
     if not t.no_load_rng and common.get("rng") and not common["rng_restored"]:
         log(f"> checkpoint saved under another layout ({common.get('layout')}): RNG states "
-            f"reseeded from --seed {t.seed} and the iteration")
-        reseed(t.seed, iteration, PIPELINE_SEED_STRIDE * mesh.pp_rank)
+            f"reseeded from --seed {run.train.seed} and the iteration")
+        reseed(run.train.seed, iteration, PIPELINE_SEED_STRIDE * mesh.pp_rank)
     return iteration, int(common["consumed_train_samples"])
-
-
-def _jsonable(d: dict) -> dict:
-    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

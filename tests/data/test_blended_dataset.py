@@ -86,15 +86,15 @@ def test_weighted_data_path_blends_and_caches(tmp_path):
     tok = build_tokenizer("NullTokenizer", vocab_size=eod)
     a = _corpus(tmp_path / "a", 1000, 50, eod)
     b = _corpus(tmp_path / "b", 3000, 50, eod)
-    cfg = DataConfig(data_path=["0.8", a, "0.2", b], split="90,10,0", seq_length=8)
-    train, valid, test = build_gpt_datasets(cfg, tok, (200, 20, 0))
+    cfg = DataConfig(data_path=["0.8", a, "0.2", b], split="90,10,0")
+    train, valid, test = build_gpt_datasets(cfg, tok, (200, 20, 0), seq_length=8, seed=1234)
     assert isinstance(train, BlendedDataset) and len(train) == 200 and test is None
     # Which corpus each sample came from: its first non-eod token's range.
     src = [next(t for t in train[i]["tokens"].tolist() if t != eod) // 1000 for i in range(200)]
     assert src.count(1) == 160 and src.count(3) == 40
     blend_files = sorted(f for f in os.listdir(tmp_path / "cache") if "Blended" in f)
     assert len(blend_files) == 4  # train + valid, two arrays each
-    again = build_gpt_datasets(cfg, tok, (200, 20, 0))[0]
+    again = build_gpt_datasets(cfg, tok, (200, 20, 0), seq_length=8, seed=1234)[0]
     assert all(again[i]["tokens"].tolist() == train[i]["tokens"].tolist() for i in range(200))
 
 
@@ -103,8 +103,8 @@ def test_per_split_data_paths(tmp_path):
     tok = build_tokenizer("NullTokenizer", vocab_size=eod)
     a = _corpus(tmp_path / "a", 1000, 20, eod)
     b = _corpus(tmp_path / "b", 3000, 20, eod)
-    cfg = DataConfig(train_data_path=[a, b], valid_data_path=[b], seq_length=8)
-    train, valid, test = build_gpt_datasets(cfg, tok, (40, 10, 10))
+    cfg = DataConfig(train_data_path=[a, b], valid_data_path=[b])
+    train, valid, test = build_gpt_datasets(cfg, tok, (40, 10, 10), seq_length=8, seed=1234)
     assert test is None and len(train) == 40
     # valid uses all of b's documents (no split applied)
     assert sorted(set(valid.document_index.tolist())) == list(range(20))

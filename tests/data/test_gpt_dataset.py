@@ -13,7 +13,6 @@ from megamoe.data import (
     GPTDataset,
     IndexedDataset,
     IndexedDatasetBuilder,
-    build_gpt_datasets,
     build_tokenizer,
 )
 from megamoe.data.builder import parse_split, split_document_ranges
@@ -121,8 +120,16 @@ def test_split_is_by_documents():
         parse_split("a,b")
 
 
-def _config(prefix, **kw):
-    return DataConfig(data_path=[prefix], seq_length=kw.pop("seq_length", 8), **kw)
+def _config(prefix, seq_length=8, seed=1234, **kw):
+    """(DataConfig, the sample shape and seed build_gpt_datasets takes beside it)."""
+    return DataConfig(data_path=[prefix], **kw), dict(seq_length=seq_length, seed=seed)
+
+
+def build_gpt_datasets(config_and_shape, tok, num_samples):
+    from megamoe.data import build_gpt_datasets as build
+
+    config, shape = config_and_shape
+    return build(config, tok, num_samples, **shape)
 
 
 def test_build_splits_documents_disjointly(tmp_path):

@@ -26,10 +26,10 @@ def test_documents_are_progressions_ending_in_eod():
 
 def test_mock_datasets_any_size_and_deterministic():
     tok = build_tokenizer("NullTokenizer", vocab_size=97)
-    cfg = DataConfig(mock_data=True, seq_length=16, seed=5, eod_mask_loss=True)
-    train, valid, test = build_gpt_datasets(cfg, tok, (50_000, 64, 0))
+    cfg = DataConfig(mock_data=True, eod_mask_loss=True)
+    train, valid, test = build_gpt_datasets(cfg, tok, (50_000, 64, 0), seq_length=16, seed=5)
     assert len(train) >= 50_000 and len(valid) >= 64 and test is None
-    again = build_gpt_datasets(cfg, tok, (50_000, 64, 0))[0]
+    again = build_gpt_datasets(cfg, tok, (50_000, 64, 0), seq_length=16, seed=5)[0]
     for i in (0, 1, 49_999):
         a, b = train[i], again[i]
         assert all(a[k].tolist() == b[k].tolist() for k in a)

@@ -25,7 +25,7 @@ MOE = [
 
 def _config(kw: dict, moe: bool = False) -> ModelConfig:
     base = dict(num_layers=3, hidden_size=48, ffn_hidden_size=80, num_attention_heads=4,
-                vocab_size=300, max_position_embeddings=32)
+                vocab_size=300, seq_length=32, max_position_embeddings=32)
     if moe:
         base["moe"] = MoEConfig(num_experts=5, topk=2, ffn_hidden_size=36)
     base.update(kw)
@@ -76,7 +76,8 @@ def test_flops_per_token_by_hand():
     # L=2, H=64, 4 heads of 16, 2 kv groups, swiglu, layer 0 dense (F=128),
     # layer 1 MoE (E=8, k=2, F=32), S=256, vocab 1000 (padded 1024: padding not counted).
     c = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                    num_query_groups=2, seq_length=256, vocab_size=1000, swiglu=True,
+                    num_query_groups=2, seq_length=256, max_position_embeddings=256,
+                    vocab_size=1000, swiglu=True,
                     add_bias_linear=False, moe=MoEConfig(num_experts=8, topk=2,
                                                          ffn_hidden_size=32),
                     moe_layer_pattern=[0, 1])

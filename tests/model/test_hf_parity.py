@@ -8,13 +8,14 @@ import torch
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model import GPTModel
 from megamoe.model.hf_mapping import hf_to_megamoe
+from megamoe.moe.experts import use_grouped_gemm
 
 transformers = pytest.importorskip("transformers")
 
 H, LAYERS, HEADS, KV, FFN, VOCAB = 64, 2, 4, 2, 96, 128
 
 
-def _ours(moe: bool, grouped_gemm: bool = False) -> ModelConfig:
+def _ours(moe: bool) -> ModelConfig:
     return ModelConfig(
         num_layers=LAYERS, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=KV, seq_length=16, max_position_embeddings=64, vocab_size=VOCAB,
@@ -22,8 +23,7 @@ def _ours(moe: bool, grouped_gemm: bool = False) -> ModelConfig:
         position_embedding_type="rope", rotary_base=10000.0, swiglu=True,
         add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
         attention_dropout=0.0,
-        moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=FFN,
-                      grouped_gemm=grouped_gemm) if moe else None)
+        moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=FFN) if moe else None)
 
 
 def _hf_common() -> dict:
@@ -44,10 +44,11 @@ def randomize_hf_weights(model) -> None:
                 p.normal_(0.0, 0.2)
 
 
-def _check_parity(hf_model, config: ModelConfig, state_dict=None):
+def _check_parity(hf_model, config: ModelConfig, state_dict=None, grouped_gemm=False):
     hf_model = hf_model.float().eval()
     torch.manual_seed(1)
     ours = GPTModel(config).eval()
+    use_grouped_gemm(ours, grouped_gemm)
     ours.load_state_dict(hf_to_megamoe(state_dict or hf_model.state_dict(), config),
                          strict=True)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -71,7 +72,7 @@ def _mixtral():
 
 @pytest.mark.parametrize("grouped_gemm", [False, True])
 def test_mixtral_logits_match(grouped_gemm):
-    _check_parity(_mixtral(), _ours(moe=True, grouped_gemm=grouped_gemm))
+    _check_parity(_mixtral(), _ours(moe=True), grouped_gemm=grouped_gemm)
 
 
 def test_mixtral_on_disk_expert_layout_matches():

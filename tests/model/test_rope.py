@@ -56,5 +56,8 @@ def test_rope_position_ids():
 
 
 def test_rotary_dim_rejects_odd():
-    with pytest.raises(ValueError):
-        rotary_dim(6, 0.5)
+    from megamoe.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="rotary dim 3"):
+        ModelConfig(hidden_size=24, num_attention_heads=4, position_embedding_type="rope",
+                    rotary_percent=0.5)

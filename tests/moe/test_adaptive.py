@@ -24,10 +24,9 @@ E, H, FF, T = 4, 8, 8, 12
 
 def _layer(dispatcher: str, world: int) -> MoELayer:
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, grouped_gemm=True,
-                    load_balancing_types=["aux_loss"], aux_loss_coeffs=[0.1], z_loss_coeff=0.01,
-                    token_dispatcher_type=dispatcher)
-    full = MoELayer(cfg, H, init_method_std=0.3)
+    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF,
+                    load_balancing_types=["aux_loss"], aux_loss_coeffs=[0.1], z_loss_coeff=0.01)
+    full = MoELayer(cfg, H, init_method_std=0.3, grouped_gemm=True)
     layer = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, dispatcher)
     enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
     return layer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.mapping import args_to_configs
+from megamoe.cli.mapping import run_config_from_args
 from megamoe.moe.router import TopKRouter
 from megamoe.training.pretrain import pretrain
 
@@ -59,21 +59,22 @@ def test_pretrain_trains_with_router_option(name):
 
 
 def test_flags_map_to_config():
-    moe = args_to_configs(_args(
+    run = run_config_from_args(_args(
         "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.1 0.2 "
         "--moe-router-enable-expert-bias --moe-router-bias-update-rate 0.5 "
         "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity "
         "--moe-token-drop-policy position --moe-input-jitter-eps 0.02 "
         "--moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate "
-        "--ffn-hidden-size 48 --moe-use-upcycling --train-iters 1"), 97).model.moe
+        "--ffn-hidden-size 48 --moe-use-upcycling --train-iters 1"), 97)
+    moe = run.model.moe
     assert moe.load_balancing_types == ["aux_loss", "seq_aux_loss"]
     assert moe.aux_loss_coeff("seq_aux_loss") == 0.2
     assert moe.enable_expert_bias and moe.bias_update_rate == 0.5
     assert (moe.capacity_factor, moe.pad_to_capacity, moe.token_drop_policy) == \
         (1.5, True, "position")
-    assert moe.input_jitter_eps == 0.02 and moe.use_upcycling
+    assert moe.input_jitter_eps == 0.02 and run.moe_training.use_upcycling
     assert (moe.shared_expert_intermediate_size, moe.shared_expert_gate) == (16, True)
-    old = args_to_configs(_args("--moe-token-dropping --train-iters 1"), 97).model.moe
+    old = run_config_from_args(_args("--moe-token-dropping --train-iters 1"), 97).model.moe
     assert old.capacity_factor == 1.0  # the old spelling means capacity factor 1
 
 

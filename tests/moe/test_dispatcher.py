@@ -147,9 +147,8 @@ def _layer_worker(rank: int, world: int, dispatcher_type: str):
     MoELossTracker.clear()
     set_aux_loss_backward_scale(1.0)
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, grouped_gemm=True,
-                    aux_loss_coeffs=[0.0], token_dispatcher_type=dispatcher_type)
-    full = MoELayer(cfg, H, init_method_std=0.3)
+    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, aux_loss_coeffs=[0.0])
+    full = MoELayer(cfg, H, init_method_std=0.3, grouped_gemm=True)
     ep = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, dispatcher_type)
     assert ep.experts.fc1_weight.shape[0] == E // world
     assert all(p.expert_parallel for p in ep.experts.parameters())

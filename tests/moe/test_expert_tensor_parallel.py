@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, ParallelConfig
 from megamoe.moe.dispatcher import apply_expert_parallel
 from megamoe.moe.expert_tensor_parallel import build_moe_tensor_parallel
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
 from megamoe.parallel.comm import gather_from_sequence
-from megamoe.parallel.mesh import ParallelSizes, build_mesh
+from megamoe.parallel.mesh import build_mesh
 from tests.distributed import run_distributed
 
 E, H, FF, S, B = 4, 8, 6, 8, 2
@@ -24,11 +24,10 @@ E, H, FF, S, B = 4, 8, 6, 8, 2
 
 def _full_layer(dispatcher: str) -> MoELayer:
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, grouped_gemm=True,
+    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF,
                     load_balancing_types=["aux_loss"], aux_loss_coeffs=[0.1], z_loss_coeff=0.01,
-                    token_dispatcher_type=dispatcher, shared_expert_intermediate_size=4,
-                    shared_expert_gate=True)
-    layer = MoELayer(cfg, H, init_method_std=0.3, add_bias_linear=True)
+                    shared_expert_intermediate_size=4, shared_expert_gate=True)
+    layer = MoELayer(cfg, H, init_method_std=0.3, add_bias_linear=True, grouped_gemm=True)
     with torch.no_grad():  # non-zero biases so a bias counted twice would show
         layer.experts.fc1_bias.normal_(0.0, 0.5)
         layer.experts.fc2_bias.normal_(0.0, 0.5)
@@ -50,7 +49,7 @@ def _run_layer(layer: MoELayer, x_SBH: torch.Tensor, grad_SBH: torch.Tensor) -> 
 def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) -> bool:
     MoELossTracker.clear()
     set_aux_loss_backward_scale(1.0)
-    mesh = build_mesh(ParallelSizes(tp=tp, ep=ep, etp=etp), "gloo")
+    mesh = build_mesh(ParallelConfig.layout(world, tp=tp, ep=ep, etp=etp), "gloo")
     full = _full_layer(dispatcher)
     layer = apply_expert_parallel(copy.deepcopy(full), mesh.group("ep"), dispatcher,
                                   tp_group=mesh.group("tp"), etp_group=mesh.group("etp"))

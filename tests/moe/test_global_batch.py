@@ -17,6 +17,7 @@ import torch
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
+from megamoe.moe.experts import use_grouped_gemm
 from megamoe.moe.router import TopKRouter
 from megamoe.training.schedules.local import forward_backward_no_pipelining, forward_step
 
@@ -26,13 +27,14 @@ E, K, S, B = 4, 2, 8, 2
 def _model(types, coeffs, z=None, **moe_kw) -> GPTModel:
     torch.manual_seed(0)
     moe = MoEConfig(num_experts=E, topk=K, ffn_hidden_size=16, load_balancing_types=types,
-                    aux_loss_coeffs=coeffs, z_loss_coeff=z, grouped_gemm=True, **moe_kw)
+                    aux_loss_coeffs=coeffs, z_loss_coeff=z, **moe_kw)
     cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                       seq_length=S, max_position_embeddings=S, vocab_size=50,
                       hidden_dropout=0.0, attention_dropout=0.0, swiglu=True,
                       add_bias_linear=False, normalization="RMSNorm",
                       position_embedding_type="rope", moe=moe)
     model = GPTModel(cfg)
+    use_grouped_gemm(model, True)
     with torch.no_grad():  # sharper routers: the losses are far from their minimum
         for r in model.modules():
             if isinstance(r, TopKRouter):
@@ -59,8 +61,8 @@ def _reference_grads(model, batches, types, coeffs, z=None):
     routers = [m for m in ref.modules() if isinstance(m, TopKRouter)]
     logits_seen = []
     for r in routers:
-        r.config = dataclasses.replace(r.config, aux_loss_coeffs=[0.0] * len(types),
-                                       z_loss_coeff=None)
+        r.config = dataclasses.replace(r.config, load_balancing_types=list(types),
+                                       aux_loss_coeffs=[0.0] * len(types), z_loss_coeff=None)
         orig = r.gating
         r.gating = (lambda o: (lambda x: logits_seen.append(o(x)) or logits_seen[-1]))(orig)
     n = len(batches)

@@ -18,10 +18,10 @@ ZERO_EXPERTS = {4: [2], 8: [0, 5], 6: [3]}
 
 def _build(E, k, H, F_, *, swiglu, bias, grouped, aux=0.0, z=None, seed=0):
     torch.manual_seed(seed)
-    cfg = MoEConfig(num_experts=E, topk=k, ffn_hidden_size=F_, grouped_gemm=grouped,
-                    aux_loss_coeffs=[aux], z_loss_coeff=z)
+    cfg = MoEConfig(num_experts=E, topk=k, ffn_hidden_size=F_, aux_loss_coeffs=[aux],
+                    z_loss_coeff=z)
     layer = MoELayer(cfg, H, layer_number=0, num_layers=2, init_method_std=0.3,
-                     add_bias_linear=bias, swiglu=swiglu)
+                     add_bias_linear=bias, swiglu=swiglu, grouped_gemm=grouped)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 1.0)
         layer.router.weight[ZERO_EXPERTS[E], 0] = -20.0  # with x[..., 0] = 3: never chosen
@@ -208,9 +208,9 @@ def test_layer_capacity_drops_and_padding(policy, pad):
     from megamoe.moe.stats import routing_stats
 
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8, grouped_gemm=True,
-                    capacity_factor=0.75, token_drop_policy=policy, pad_to_capacity=pad)
-    layer = MoELayer(cfg, 16, init_method_std=0.3, swiglu=True)
+    cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8, capacity_factor=0.75,
+                    token_drop_policy=policy, pad_to_capacity=pad)
+    layer = MoELayer(cfg, 16, init_method_std=0.3, swiglu=True, grouped_gemm=True)
     with torch.no_grad():
         layer.router.weight[1] += 0.5  # unbalanced: drops happen
     x = torch.randn(6, 4, 16, requires_grad=True)
@@ -325,8 +325,8 @@ def test_seq_aux_loss_follows_sequence_dim():
 def test_layer_expert_choice():
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8, router_type="expert_choice",
-                    aux_loss_coeffs=[0.0], capacity_factor=1.0, grouped_gemm=True)
-    layer = MoELayer(cfg, 16, init_method_std=0.3)
+                    aux_loss_coeffs=[0.0], capacity_factor=1.0)
+    layer = MoELayer(cfg, 16, init_method_std=0.3, grouped_gemm=True)
     x = torch.randn(10, 16)
     out = layer(x)
     probs, rmap, _ = layer.router.route(x)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from megamoe.parallel.mesh import MeshError, ParallelSizes, build_mesh, rank_groups
+from megamoe.config import ConfigError, ParallelConfig
+from megamoe.parallel.mesh import build_mesh, rank_groups
 from tests.distributed import run_distributed
 
 
 def test_tp2_pp2_dp2_ep2_etp1_matches_megatron_layout():
-    g = rank_groups(8, ParallelSizes(tp=2, pp=2, ep=2, etp=1))
+    g = rank_groups(ParallelConfig.layout(8, tp=2, pp=2, ep=2, etp=1))
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -25,38 +26,40 @@ def test_tp2_pp2_dp2_ep2_etp1_matches_megatron_layout():
 
 
 def test_every_group_kind_partitions_the_world():
-    for sizes in (ParallelSizes(tp=2, cp=2, pp=2), ParallelSizes(tp=4, ep=4, etp=1),
-                  ParallelSizes(tp=2, ep=2, etp=2, pp=2), ParallelSizes()):
-        for name, lists in rank_groups(16, sizes).items():
+    for sizes in (dict(tp=2, cp=2, pp=2), dict(tp=4, ep=4, etp=1),
+                  dict(tp=2, ep=2, etp=2, pp=2), dict()):
+        for name, lists in rank_groups(ParallelConfig.layout(16, **sizes)).items():
             flat = sorted(r for lst in lists for r in lst)
             assert flat == list(range(16)), (sizes, name)
             assert len({len(lst) for lst in lists}) == 1, (sizes, name)
 
 
 def test_cp_sits_between_tp_and_dp_and_etp_defaults_to_tp():
-    g = rank_groups(8, ParallelSizes(tp=2, cp=2))
+    g = rank_groups(ParallelConfig.layout(8, tp=2, cp=2))
     assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert g["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert g["etp"] == g["tp"]
-    assert ParallelSizes(tp=2, ep=2).resolved(8)["edp"] == 2
+    assert ParallelConfig.layout(8, tp=2, ep=2).sizes()["edp"] == 2
 
 
 @pytest.mark.parametrize("sizes, message", [
-    (ParallelSizes(tp=3), "world size 8 is not divisible by tensor (3) x context (1) x "
-                          "pipeline (1)"),
-    (ParallelSizes(tp=2, pp=2, ep=4), "world size 8 is not divisible by expert tensor (2) x "
-                                      "expert (4) x pipeline (2)"),
-    (ParallelSizes(tp=0), "tp size must be >= 1, got 0"),
+    (dict(tp=3), "world size 8 is not divisible by --tensor-model-parallel-size (3) x "
+                 "--pipeline-model-parallel-size (1) x --context-parallel-size (1)"),
+    (dict(tp=2, pp=2, ep=4), "world size 8 is not divisible by --expert-tensor-parallel-size "
+                             "(2) x --expert-model-parallel-size (4) x "
+                             "--pipeline-model-parallel-size (2)"),
+    (dict(tp=0), "--tensor-model-parallel-size must be positive, got 0"),
 ])
 def test_bad_layout_names_the_sizes(sizes, message):
-    with pytest.raises(MeshError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        rank_groups(8, sizes)
+    """The layout is validated once, by ParallelConfig, before any group exists."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelConfig.layout(8, **sizes)
 
 
 def _mesh_worker(rank: int, world_size: int) -> dict:
-    mesh = build_mesh(ParallelSizes(tp=2, ep=2, etp=1), "gloo")
+    mesh = build_mesh(ParallelConfig.layout(2, tp=2, ep=2, etp=1), "gloo")
     members = {n: dist.get_process_group_ranks(g) for n, g in mesh.groups.items()
                if g is not None}
     for name, dims in (("device_mesh", ("pp", "dp", "cp", "tp")),
@@ -70,7 +73,7 @@ def _mesh_worker(rank: int, world_size: int) -> dict:
 
 def test_build_mesh_creates_the_groups_of_the_pure_layout():
     out = run_distributed(_mesh_worker, 2, 60)
-    expected = rank_groups(2, ParallelSizes(tp=2, ep=2, etp=1))
+    expected = rank_groups(ParallelConfig.layout(2, tp=2, ep=2, etp=1))
     for rank, o in enumerate(out):
         assert o["sizes"] == {"tp": 2, "cp": 1, "pp": 1, "ep": 2, "etp": 1, "dp": 1, "edp": 1}
         assert set(o["members"]) == {"tp", "tp_cp", "tp_dp_cp", "mp", "ep", "tp_ep"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megamoe.model.pipeline_stage import pipeline_layer_ranges
+from megamoe.config import pipeline_layer_ranges
 from megamoe.training.schedules.pipeline import one_f_one_b_order
 
 

@@ -35,8 +35,8 @@ def test_moe_saves_at_most_1_3x_dense_activations():
 
     for E, k, H, F_ in ((16, 4, 128, 32), (8, 2, 128, 256)):
         torch.manual_seed(0)
-        cfg = MoEConfig(num_experts=E, topk=k, ffn_hidden_size=F_, grouped_gemm=True)
-        layer = MoELayer(cfg, H, init_method_std=0.02, swiglu=True)
+        cfg = MoEConfig(num_experts=E, topk=k, ffn_hidden_size=F_)
+        layer = MoELayer(cfg, H, init_method_std=0.02, swiglu=True, grouped_gemm=True)
         dense = bench.DenseSwiGLU(H, k * F_, torch.float32)
         x = torch.randn(512, H)
         moe_b = bench.saved_activation_bytes(layer, x)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plan_parallel as pl  # noqa: E402
 
 from megamoe.cli.arguments import parse_args  # noqa: E402
-from megamoe.cli.mapping import args_to_configs  # noqa: E402
+from megamoe.cli.mapping import run_config_from_args  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -62,7 +62,7 @@ def measure_static_bytes(model: torch.nn.Module, optimizer, step) -> dict[str, f
 def _run_config(flags: str, world_size: int):
     args = parse_args(shlex.split(f"--config {TINY} --mock-data --train-iters 1 --lr 1e-3 "
                                   f"--micro-batch-size 2 {flags}"), world_size=world_size)
-    return args, args_to_configs(args, VOCAB)
+    return args, run_config_from_args(args, VOCAB)
 
 
 def _layout(args) -> pl.Layout:
@@ -78,7 +78,7 @@ def _measure_layout(flags: str, world_size: int) -> tuple[dict[str, float], int]
     one process), run one global batch forward/backward and one optimizer step; returns
     the measured bytes and this rank's pipeline stage."""
     from megamoe.moe.losses import MoELossTracker
-    from megamoe.parallel.mesh import ParallelSizes, build_mesh
+    from megamoe.parallel.mesh import build_mesh
     from megamoe.training.optim.mixed_precision import build_optimizer
     from megamoe.training.pretrain import build_model
     from megamoe.training.schedules.local import forward_backward
@@ -86,10 +86,7 @@ def _measure_layout(flags: str, world_size: int) -> tuple[dict[str, float], int]
     args, run = _run_config(flags, world_size)
     mesh = None
     if world_size > 1:
-        mesh = build_mesh(ParallelSizes(tp=args.tensor_model_parallel_size,
-                                        pp=args.pipeline_model_parallel_size,
-                                        ep=args.expert_model_parallel_size,
-                                        etp=args.expert_tensor_parallel_size), "gloo")
+        mesh = build_mesh(run.parallel, "gloo")
     model = build_model(run, args.bf16, mesh)
     opt = build_optimizer(model, run.optim, mesh=mesh,
                           distributed=run.parallel.use_distributed_optimizer)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.mapping import args_to_configs
+from megamoe.cli.mapping import run_config_from_args
 from megamoe.inference import from_checkpoint
 from megamoe.parallel.mesh import init_mesh
 from megamoe.training.checkpoint.dist import (
@@ -49,10 +49,8 @@ def _resave_then_resume(rank: int, world_size: int, layout: str, src: str,
     """Load `src` under `layout`, save it again to `dst` untouched, then resume training."""
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {layout}"),
                       world_size=world_size)
-    mesh = init_mesh("gloo", tp=args.tensor_model_parallel_size,
-                     pp=args.pipeline_model_parallel_size,
-                     ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
-    run = args_to_configs(args, build_tokenizer_from_args(args).vocab_size)
+    run = run_config_from_args(args, build_tokenizer_from_args(args).vocab_size)
+    mesh = init_mesh(run.parallel)
     model = build_model(run, False, mesh)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
                                 distributed=run.parallel.use_distributed_optimizer)
@@ -176,7 +174,7 @@ def test_wrong_shape_names_the_tensor(tmp_path):
     found = checkpoint_file(str(save))
     common = dict(read_common(found), model_config=None)
     args = parse_args(shlex.split(f"{TINY_MOE} --num-experts 8 --train-iters 1"), world_size=1)
-    model = build_model(args_to_configs(args, 98), False)
+    model = build_model(run_config_from_args(args, 98), False)
     with pytest.raises(CheckpointError, match=r"iter_0000001: does not match the model \("
                        r"model.decoder.layers.0.mlp.router.weight has shape \[4, 32\] in the "
                        r"checkpoint, \[8, 32\] in this model\)"):

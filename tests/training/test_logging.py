@@ -80,12 +80,12 @@ def test_per_layer_losses_average_to_the_console_value(logged_run):
 
 
 def test_mfu_is_model_flops_over_peak(logged_run):
-    from megamoe.cli.mapping import args_to_configs
+    from megamoe.cli.mapping import run_config_from_args
     from megamoe.model.flops import flops_per_token
 
     out, _, _ = logged_run
     acc = _events(str(out / "tb"))
-    run = args_to_configs(parse_args(shlex.split(TINY_MOE + " --train-iters 1"),
+    run = run_config_from_args(parse_args(shlex.split(TINY_MOE + " --train-iters 1"),
                                      world_size=1), 98)
     tokens_per_iter = 8 * 16
     for mfu, ms in zip(acc.Scalars("mfu"), acc.Scalars("iteration_time_ms")):

@@ -61,14 +61,14 @@ def _dry_run_memory(extra: str, world_size: int) -> dict:
 
 
 def test_dry_run_reports_per_rank_memory_of_the_layout():
-    from megamoe.cli.mapping import args_to_configs
+    from megamoe.cli.mapping import run_config_from_args
     from megamoe.planning.memory import Layout, model_bytes
 
     single = _dry_run_memory("", 1)
     split = _dry_run_memory("--tensor-model-parallel-size 2 --sequence-parallel "
                             "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 "
                             "--use-distributed-optimizer --global-batch-size 4", 8)
-    cfg = args_to_configs(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1"),
+    cfg = run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1"),
                                      world_size=1), 98).model
     lay = Layout(tp=2, pp=2, vpp=1, ep=2, etp=2, dp=2, cp=1, distributed_optimizer=True,
                  recompute="none", micro_batch_size=2)

@@ -6,19 +6,22 @@ import torch
 
 from megamoe.config import ModelConfig, MoEConfig
 from megamoe.model.gpt_model import GPTModel
+from megamoe.moe.experts import use_grouped_gemm
 from megamoe.training.schedules.local import forward_backward_no_pipelining
 
 
 def _model() -> GPTModel:
     torch.manual_seed(0)
     moe = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32, aux_loss_coeffs=[0.1],
-                    z_loss_coeff=0.01, grouped_gemm=True)
+                    z_loss_coeff=0.01)
     cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                       seq_length=8, max_position_embeddings=8, vocab_size=50,
                       hidden_dropout=0.0, attention_dropout=0.0, swiglu=True,
                       add_bias_linear=False, normalization="RMSNorm",
                       position_embedding_type="rope", moe=moe)
-    return GPTModel(cfg)
+    model = GPTModel(cfg)
+    use_grouped_gemm(model, True)
+    return model
 
 
 def _batch(seed: int) -> dict[str, torch.Tensor]:

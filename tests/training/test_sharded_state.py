@@ -10,7 +10,7 @@ import shlex
 import torch
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.mapping import args_to_configs
+from megamoe.cli.mapping import run_config_from_args
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.pipeline_stage import build_pipeline_model
 from megamoe.training.checkpoint.sharded_state import model_entries
@@ -19,7 +19,7 @@ from tests.training.test_pretrain import TINY_MOE
 
 def _config(extra: str = ""):
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}"), world_size=1)
-    return args_to_configs(args, 98).model
+    return run_config_from_args(args, 98).model
 
 
 def _parts_by_name(model) -> dict[str, list]:

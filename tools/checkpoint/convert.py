@@ -28,10 +28,9 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megamoe.cli.arguments import build_parser  # noqa: E402
-from megamoe.cli.mapping import args_to_configs  # noqa: E402
+from megamoe.cli.mapping import run_config_from_args  # noqa: E402
 from megamoe.cli.rules import ArgumentError, finalize_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
-from megamoe.inference import model_config_from_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
 from megamoe.model.hf_mapping import hf_to_megamoe, megamoe_to_hf  # noqa: E402
 from megamoe.training.checkpoint.dist import save_dist_checkpoint  # noqa: E402
@@ -164,7 +163,7 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
         args = _build_args(hf_model_flags(cfg), config_path)
     except KeyError as e:
         raise ConvertError(f"{config_path}: missing field {e}") from None
-    config = args_to_configs(args, cfg["vocab_size"]).model
+    config = run_config_from_args(args, cfg["vocab_size"]).model
     hf_sd = read_safetensors(hf_dir)
     try:
         sd = hf_to_megamoe(hf_sd, config)
@@ -282,7 +281,7 @@ def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_B
     if not state.get("model_config"):
         raise ConvertError(f"{file}: holds no model config (saved by an older megamoe); "
                            f"load it with pretrain_gpt.py and save it again")
-    config = model_config_from_dict(state["model_config"])
+    config = ModelConfig.from_dict(state["model_config"])
     why = _exportable(config)
     if why is not None:
         raise ConvertError(f"{file}: cannot export to MixtralForCausalLM: {why}")

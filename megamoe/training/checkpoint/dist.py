@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megamoe.config import ModelConfig
 from megamoe.training.checkpoint.safe_load import (
     SafeFileSystemReader,
     TensorOnlyLoadPlanner,
@@ -351,13 +352,12 @@ def _saved_dtype(meta: dict) -> torch.dtype:
 def build_single_process_model(ckpt_dir: str) -> tuple[nn.Module, dict]:
     """A single-process GPTModel (saved dtype) with the weights of a torch_dist checkpoint
     of any layout, and the checkpoint's common state."""
-    from megamoe.inference import model_config_from_dict
     from megamoe.model.gpt_model import GPTModel
 
     common = read_common(ckpt_dir)
     if not common.get("model_config"):
         raise CheckpointError(f"{os.path.join(ckpt_dir, COMMON)}: holds no model config")
-    model = GPTModel(model_config_from_dict(common["model_config"]))
+    model = GPTModel(ModelConfig.from_dict(common["model_config"]))
     model = model.to(_saved_dtype(read_metadata(ckpt_dir)))
     load_single_process_model(ckpt_dir, model)
     return model, common

@@ -158,14 +158,18 @@ def _parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
     if isinstance(module, VocabParallelEmbedding):
         return _split(key, shape, 0, [None], [("tp", 0)], meshes)
     if isinstance(module, GroupedExperts):
-        etp = "etp" if getattr(module, "etp_size", 1) > 1 else "_none"
+        split_f = getattr(module, "etp_size", 1) > 1  # hidden dimension split over etp
+
+        def over(dim: int) -> list[tuple[str, int]]:
+            return [("ep", 0)] + ([("etp", dim)] if split_f else [])
+
         names = ["gate", "up"] if module.swiglu else [None]
         if pname == "fc1_weight":
-            return _split(key, shape, 2, names, [("ep", 0), (etp, 2)], meshes)
+            return _split(key, shape, 2, names, over(2), meshes)
         if pname == "fc1_bias":
-            return _split(key, shape, 1, names, [("ep", 0), (etp, 1)], meshes)
+            return _split(key, shape, 1, names, over(1), meshes)
         if pname == "fc2_weight":
-            return _split(key, shape, 1, [None], [("ep", 0), (etp, 1)], meshes)
+            return _split(key, shape, 1, [None], over(1), meshes)
         return _split(key, shape, 0, [None], [("ep", 0)], meshes)  # fc2_bias
     return [Part(key, shape)]
 

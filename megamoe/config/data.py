@@ -1,0 +1,59 @@
+"""Where the tokens come from: data paths, splits, tokenizer, loader options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megamoe.config.fields import check_positive, flag, require
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
+                   "GPT2BPETokenizer", "NullTokenizer")
+# The files each tokenizer type reads (its flags).
+TOKENIZER_FILES = {
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "Llama2Tokenizer": ("--tokenizer-model",),
+    "HuggingFaceTokenizer": ("--tokenizer-model",),
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    "NullTokenizer": ("--vocab-size",),
+}
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list[str]] = flag("--data-path", None)  # [p1, p2] or [w1, p1, ...]
+    train_data_path: Optional[list[str]] = flag("--train-data-path", None)
+    valid_data_path: Optional[list[str]] = flag("--valid-data-path", None)
+    test_data_path: Optional[list[str]] = flag("--test-data-path", None)
+    split: str = flag("--split", "969,30,1")
+    mock_data: bool = flag("--mock-data", False)
+    data_cache_path: Optional[str] = flag("--data-cache-path", None)
+    tokenizer_type: Optional[str] = flag("--tokenizer-type", None)
+    tokenizer_model: Optional[str] = flag("--tokenizer-model", None)
+    vocab_file: Optional[str] = flag("--vocab-file", None)
+    merge_file: Optional[str] = flag("--merge-file", None)
+    vocab_size: Optional[int] = flag("--vocab-size", None)  # NullTokenizer
+    num_workers: int = flag("--num-workers", 0)
+    reset_position_ids: bool = flag("--reset-position-ids", False)
+    reset_attention_mask: bool = flag("--reset-attention-mask", False)
+    eod_mask_loss: bool = flag("--eod-mask-loss", False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive(self, "vocab_size")
+        check_positive(self, "num_workers", allow_zero=True)
+        has_paths = bool(self.data_path) or bool(self.train_data_path)
+        require(not (has_paths and self.mock_data),
+                "--mock-data cannot be combined with --data-path")
+        require(not (self.data_path and self.train_data_path),
+                "--data-path and --train-data-path are mutually exclusive")
+        kind = self.tokenizer_type
+        if kind is None:  # library use may hand build_gpt_datasets a tokenizer object
+            return
+        require(kind in TOKENIZER_TYPES, f"--tokenizer-type must be one of "
+                                         f"{', '.join(TOKENIZER_TYPES)}, got {kind!r}")
+        for needed in TOKENIZER_FILES[kind]:
+            require(getattr(self, needed[2:].replace("-", "_")) is not None,
+                    f"--tokenizer-type {kind} needs {needed}")

@@ -1,0 +1,107 @@
+"""The GPT decoder's shape and options (Megatron names, minus the `--`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megamoe.config.fields import check_positive, derived, flag, known_fields, require
+from megamoe.config.moe import MoEConfig
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+@dataclass
+class ModelConfig:
+    """GPT decoder shape and options; what a checkpoint stores to rebuild its model."""
+
+    num_layers: int = flag("--num-layers", 2)
+    hidden_size: int = flag("--hidden-size", 128)
+    ffn_hidden_size: int = flag("--ffn-hidden-size", 512)
+    num_attention_heads: int = flag("--num-attention-heads", 4)
+    num_query_groups: Optional[int] = flag("--num-query-groups", None)  # None = MHA
+    kv_channels: Optional[int] = flag("--kv-channels", None)  # head dim; None = H / heads
+    seq_length: int = flag("--seq-length", 128)
+    max_position_embeddings: int = flag("--max-position-embeddings", 128)
+    vocab_size: int = derived("the tokenizer's vocabulary size", 512)
+    make_vocab_size_divisible_by: int = flag("--make-vocab-size-divisible-by", 128)
+    normalization: str = flag("--normalization", "LayerNorm")
+    norm_epsilon: float = flag("--norm-epsilon", 1e-5)
+    position_embedding_type: str = flag("--position-embedding-type", "learned_absolute")
+    rotary_base: float = flag("--rotary-base", 10000.0)
+    rotary_percent: float = flag("--rotary-percent", 1.0)
+    swiglu: bool = flag("--swiglu", False)
+    add_bias_linear: bool = flag("--disable-bias-linear", True, dest="add_bias_linear")
+    untie_embeddings_and_output_weights: bool = flag(
+        "--untie-embeddings-and-output-weights", False)
+    hidden_dropout: float = flag("--hidden-dropout", 0.1)
+    attention_dropout: float = flag("--attention-dropout", 0.1)
+    init_method_std: float = flag("--init-method-std", 0.02)
+    # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
+    moe: Optional[MoEConfig] = derived("--num-experts and the other --moe-* flags", None)
+    moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.moe is not None and self.moe_layer_pattern is None:
+            self.moe_layer_pattern = [1] * self.num_layers
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive(self, "num_layers", "hidden_size", "num_attention_heads",
+                       "ffn_hidden_size", "seq_length", "num_query_groups", "kv_channels",
+                       "vocab_size", "make_vocab_size_divisible_by")
+        require(self.hidden_size % self.num_attention_heads == 0,
+                f"--hidden-size ({self.hidden_size}) must be divisible by "
+                f"--num-attention-heads ({self.num_attention_heads})")
+        require(self.num_attention_heads % self.num_query_groups == 0,
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--num-query-groups ({self.num_query_groups})")
+        require(self.normalization in NORMALIZATIONS,
+                f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
+                f"got {self.normalization!r}")
+        require(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+                f"--position-embedding-type must be one of "
+                f"{', '.join(POSITION_EMBEDDING_TYPES)}, got {self.position_embedding_type!r}")
+        require(self.position_embedding_type != "learned_absolute"
+                or self.seq_length <= self.max_position_embeddings,
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.max_position_embeddings})")
+        if self.position_embedding_type == "rope":
+            dim = int(self.kv_channels * self.rotary_percent)
+            require(dim > 0 and dim % 2 == 0,
+                    f"rotary dim {dim} (--kv-channels {self.kv_channels} x --rotary-percent "
+                    f"{self.rotary_percent}) must be positive and even")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            require(0.0 <= value < 1.0,
+                    f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+        if self.moe_layer_pattern is not None:
+            require(len(self.moe_layer_pattern) == self.num_layers,
+                    f"--moe-layer-freq pattern has {len(self.moe_layer_pattern)} entries "
+                    f"but --num-layers is {self.num_layers}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up for GEMM-friendly shapes; never depends on the layout.
+
+        The extra rows are masked out of the softmax, so padding never changes the loss.
+        """
+        m = self.make_vocab_size_divisible_by
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        return self.moe is not None and bool(self.moe_layer_pattern[layer_number])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """The inverse of to_dict (derived fields are recomputed). Accepts the dicts of
+        older checkpoints too: unknown keys (such as the MoE execution settings they kept
+        inside "moe") are ignored."""
+        fields = known_fields(cls, d)
+        moe = fields.pop("moe", None)
+        return cls(**fields, moe=MoEConfig(**known_fields(MoEConfig, moe)) if moe else None)

@@ -1,0 +1,47 @@
+"""The optimizer and its learning-rate schedule (Megatron's OptimizerParamScheduler)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megamoe.config.fields import flag, require
+
+OPTIMIZERS = ("adam", "sgd")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = flag("--optimizer", "adam")
+    lr: float = flag("--lr", 1e-4)
+    min_lr: float = flag("--min-lr", 0.0)
+    weight_decay: float = flag("--weight-decay", 0.01)
+    adam_beta1: float = flag("--adam-beta1", 0.9)
+    adam_beta2: float = flag("--adam-beta2", 0.999)
+    adam_eps: float = flag("--adam-eps", 1e-8)
+    sgd_momentum: float = flag("--sgd-momentum", 0.9)
+    clip_grad: float = flag("--clip-grad", 1.0)
+    bf16: bool = flag("--bf16", False)
+    fp16: bool = flag("--fp16", False)
+    # LR schedule.
+    lr_warmup_iters: int = flag("--lr-warmup-iters", 0)
+    lr_warmup_fraction: Optional[float] = flag("--lr-warmup-fraction", None)
+    lr_warmup_init: float = flag("--lr-warmup-init", 0.0)
+    lr_decay_iters: Optional[int] = flag("--lr-decay-iters", None)
+    lr_decay_style: str = flag("--lr-decay-style", "linear")
+    lr_wsd_decay_iters: Optional[int] = flag("--lr-wsd-decay-iters", None)
+    lr_wsd_decay_style: str = flag("--lr-wsd-decay-style", "exponential")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for value, allowed, name in ((self.optimizer, OPTIMIZERS, "--optimizer"),
+                                     (self.lr_decay_style, LR_DECAY_STYLES, "--lr-decay-style"),
+                                     (self.lr_wsd_decay_style, WSD_DECAY_STYLES,
+                                      "--lr-wsd-decay-style")):
+            require(value in allowed,
+                    f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")

@@ -1,0 +1,130 @@
+"""Everything one training run needs, grouped by feature, and the rules that span features
+(a parallel layout must fit the model, the batch, the MoE settings and the checkpoint
+format). Each part validates itself first; `RunConfig.validate` adds the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megamoe.config.data import DataConfig
+from megamoe.config.fields import ConfigError, derived, require
+from megamoe.config.model import ModelConfig
+from megamoe.config.moe import MoEExecutionConfig, MoETrainingConfig
+from megamoe.config.optim import OptimizerConfig
+from megamoe.config.parallel import ParallelConfig
+from megamoe.config.train import CheckpointConfig, LoggingConfig, TrainConfig
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe_execution: MoEExecutionConfig = field(default_factory=MoEExecutionConfig)
+    moe_training: MoETrainingConfig = field(default_factory=MoETrainingConfig)
+    # The flags as given (plain values), kept with checkpoints and sent to W&B.
+    command_line: dict = derived("the command line", default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.train
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    def validate(self) -> None:
+        self._validate_tensor_parallel()
+        self._validate_pipeline_and_batch()
+        if self.model.moe is not None:
+            self._validate_moe()
+        else:
+            require(self.parallel.expert_model_parallel_size == 1,
+                    "--expert-model-parallel-size > 1 needs --num-experts")
+        self._validate_checkpoint()
+
+    def _validate_tensor_parallel(self) -> None:
+        """Every tensor-parallel split must be even; the vocabulary padding must not depend
+        on TP (so it is the padding multiple, not the padded size, that TP must divide)."""
+        tp = self.parallel.tensor_model_parallel_size
+        if tp == 1:
+            return
+        m = self.model
+        for name, value in (("--num-attention-heads", m.num_attention_heads),
+                            ("--num-query-groups", m.num_query_groups),
+                            ("--ffn-hidden-size", m.ffn_hidden_size),
+                            ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
+            require(value % tp == 0,
+                    f"{name} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
+        require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,
+                f"--seq-length ({m.seq_length}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+
+    def _validate_pipeline_and_batch(self) -> None:
+        """Layers split over the (virtual) stages; interleaving needs the micro-batches in
+        multiples of the pipeline size; the global batch splits into micro-batches."""
+        p, t = self.parallel, self.train
+        self.parallel.layer_ranges(self.model.num_layers)  # raises on a bad split
+        dp = p.data_parallel_size
+        require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--global-batch-size ({t.global_batch_size}) must be divisible by "
+                f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
+        pp = p.pipeline_model_parallel_size
+        require(p.num_layers_per_virtual_pipeline_stage is None
+                or self.num_microbatches % pp == 0,
+                f"--num-layers-per-virtual-pipeline-stage needs the number of micro-batches "
+                f"({self.num_microbatches}) to be divisible by --pipeline-model-parallel-size "
+                f"({pp})")
+
+    def _validate_moe(self) -> None:
+        moe, p, exe = self.model.moe, self.parallel, self.moe_execution
+        tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.etp
+        require(moe.num_experts % ep == 0,
+                f"--num-experts ({moe.num_experts}) must be divisible by "
+                f"--expert-model-parallel-size ({ep})")
+        require(tp == 1 or p.sequence_parallel,
+                "MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel")
+        require(etp == 1 or moe.ffn_hidden_size % etp == 0,
+                f"--moe-ffn-hidden-size ({moe.ffn_hidden_size}) must be divisible by "
+                f"--expert-tensor-parallel-size ({etp})")
+        require(ep == 1 or not (moe.pad_to_capacity or moe.capacity_factor == 0),
+                "not supported yet: --moe-pad-expert-input-to-capacity with "
+                "--expert-model-parallel-size > 1")
+        require(exe.a2a_overlap_degree == 1 or (exe.token_dispatcher_type == "alltoall"
+                                                and ep > 1),
+                "--moe-a2a-overlap-degree > 1 needs --moe-token-dispatcher-type alltoall and "
+                "--expert-model-parallel-size > 1")
+        if exe.adaptive_parallelism:
+            require(ep > 1, "--moe-adaptive-parallelism needs --expert-model-parallel-size > 1 "
+                            "(it switches how the expert-parallel ranks share work)")
+            require(etp == 1, "not supported yet: --moe-adaptive-parallelism with "
+                              "--expert-tensor-parallel-size > 1 (set it to 1)")
+            require(not self.model.add_bias_linear, "not supported yet: --moe-adaptive-"
+                    "parallelism with expert biases (add --disable-bias-linear)")
+        if self.moe_training.use_upcycling:
+            require(moe.ffn_hidden_size == self.model.ffn_hidden_size,
+                    f"--moe-use-upcycling copies the dense MLP into each expert: "
+                    f"--moe-ffn-hidden-size ({moe.ffn_hidden_size}) must equal "
+                    f"--ffn-hidden-size ({self.model.ffn_hidden_size})")
+            require(tp == 1, "not supported yet: --moe-use-upcycling with "
+                             "--tensor-model-parallel-size > 1")
+
+    def _validate_checkpoint(self) -> None:
+        """The single-file format holds rank 0's tensors: only layouts where rank 0 has
+        them all can save it."""
+        c, p = self.checkpoint, self.parallel
+        if c.ckpt_format != "torch" or c.save is None:
+            return
+        for name, size in (("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+                           ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+                           ("--expert-model-parallel-size", p.expert_model_parallel_size)):
+            if size > 1:
+                raise ConfigError(f"--ckpt-format torch (single file) cannot save with "
+                                  f"{name} > 1: use --ckpt-format torch_dist")
+        require(not (p.use_distributed_optimizer and p.data_parallel_size > 1),
+                "--ckpt-format torch (single file) cannot save with --use-distributed-"
+                "optimizer and data-parallel size > 1: use --ckpt-format torch_dist")

@@ -1,0 +1,78 @@
+"""The training run: batches and iterations, checkpointing, logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megamoe.config.fields import check_positive, flag, require
+
+CKPT_FORMATS = ("torch", "torch_dist")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = flag("--micro-batch-size", 1)
+    global_batch_size: int = flag("--global-batch-size", 1)
+    train_iters: int = flag("--train-iters", 10)
+    seed: int = flag("--seed", 1234)
+    eval_interval: int = flag("--eval-interval", 1000)
+    eval_iters: int = flag("--eval-iters", 10)
+    skip_train: bool = flag("--skip-train", False)
+    exit_interval: Optional[int] = flag("--exit-interval", None)
+    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", None)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive(self, "micro_batch_size", "global_batch_size", "eval_interval",
+                       "exit_interval")
+        check_positive(self, "train_iters", "eval_iters", allow_zero=True)
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = flag("--save", None)
+    load: Optional[str] = flag("--load", None)
+    save_interval: Optional[int] = flag("--save-interval", None)
+    no_load_optim: bool = flag("--no-load-optim", False)
+    no_load_rng: bool = flag("--no-load-rng", False)
+    no_save_optim: bool = flag("--no-save-optim", False)
+    no_save_rng: bool = flag("--no-save-rng", False)
+    finetune: bool = flag("--finetune", False)
+    async_save: bool = flag("--async-save", False)
+    ckpt_keep_last: Optional[int] = flag("--ckpt-keep-last", None)  # None = keep all
+    ckpt_format: str = flag("--ckpt-format", "torch_dist")  # loading detects the format
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive(self, "save_interval", "ckpt_keep_last")
+        require(self.ckpt_format in CKPT_FORMATS,
+                f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, "
+                f"got {self.ckpt_format!r}")
+        for name, value in (("--save-interval", self.save_interval),
+                            ("--ckpt-keep-last", self.ckpt_keep_last),
+                            ("--async-save", self.async_save or None)):
+            require(value is None or self.save is not None, f"{name} needs --save")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = flag("--log-interval", 100)
+    tensorboard_dir: Optional[str] = flag("--tensorboard-dir", None)
+    tensorboard_log_interval: int = flag("--tensorboard-log-interval", 1)
+    wandb_project: Optional[str] = flag("--wandb-project", None)
+    wandb_exp_name: Optional[str] = flag("--wandb-exp-name", None)
+    wandb_save_dir: Optional[str] = flag("--wandb-save-dir", None)
+    log_throughput: bool = flag("--log-throughput", False)
+    peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: measure
+    timing_log_level: int = flag("--timing-log-level", 0)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive(self, "log_interval", "tensorboard_log_interval", "peak_tflops")
