@@ -8,7 +8,7 @@ Runs with plain `python` for one process. See README.md and scripts/.
 
 import sys
 
-from megamoe.training.pretrain import main
+from megamoe.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,15 +10,18 @@ tools/checkpoint/convert.py), so no command line is needed:
 
 from __future__ import annotations
 
-import argparse
 from typing import Optional
 
 import torch
 
-from megamoe.config import ModelConfig
+from megamoe.cli.arguments import build_parser
+from megamoe.cli.mapping import config_from_args, run_config_from_args
+from megamoe.config import DataConfig, ModelConfig
+from megamoe.data import tokenizer_for
 from megamoe.model.gpt_model import GPTModel
-from megamoe.training.checkpoint.single_file import (
+from megamoe.training.checkpoint import (
     CheckpointError,
+    build_single_process_model,
     checkpoint_file,
     is_dist_checkpoint,
     read_checkpoint,
@@ -27,15 +30,11 @@ from megamoe.training.checkpoint.single_file import (
 
 def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
     """Older checkpoints without a model config: rebuild it from the saved flags."""
-    from megamoe.cli.arguments import build_parser
-    from megamoe.cli.mapping import run_config_from_args
-    from megamoe.training.pretrain import build_tokenizer_from_args
-
     ns = build_parser().parse_args([])
     for k, v in saved_args.items():
         setattr(ns, k, v)
     try:
-        vocab_size = build_tokenizer_from_args(argparse.Namespace(**vars(ns))).vocab_size
+        vocab_size = tokenizer_for(config_from_args(DataConfig, ns)).vocab_size
     except Exception as e:
         raise CheckpointError(f"{file}: holds no model config and its tokenizer cannot be "
                               f"loaded to find the vocabulary size ({e})") from None
@@ -51,8 +50,6 @@ def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
     """
     found = checkpoint_file(path)
     if found is not None and is_dist_checkpoint(found):
-        from megamoe.training.checkpoint.dist import build_single_process_model
-
         model, _ = build_single_process_model(found)
         return (model if dtype is None else model.to(dtype)).eval()
     state = read_checkpoint(path)
@@ -70,4 +67,3 @@ def from_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> GPTModel:
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
-

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from megamoe.cli.arguments import parse_args
-from megamoe.training.pretrain import pretrain
+from megamoe.cli.main import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

@@ -10,8 +10,8 @@ import torch
 
 import megamoe
 from megamoe.cli.arguments import parse_args
-from megamoe.training.checkpoint.single_file import CheckpointError
-from megamoe.training.pretrain import pretrain
+from megamoe.cli.main import pretrain
+from megamoe.training.checkpoint import CheckpointError
 from tests.training.test_pretrain import TINY_MOE
 
 

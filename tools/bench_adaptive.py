@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megamoe.config import MoEConfig  # noqa: E402
-from megamoe.moe.adaptive import PARALLEL_MODES, enable_adaptive_parallelism  # noqa: E402
+from megamoe.config import MoEConfig, MoEExecutionConfig  # noqa: E402
 from megamoe.moe.cost_model import CollectiveCosts, predict_mode_seconds  # noqa: E402
-from megamoe.moe.dispatcher import apply_expert_parallel  # noqa: E402
+from megamoe.moe.dispatchers import PARALLEL_MODES  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
+from megamoe.parallelize import enable_adaptive_parallelism, parallelize_moe  # noqa: E402
 from tools.gloo_ranks import run_gloo_ranks  # noqa: E402
 
 
@@ -66,17 +66,20 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         layer = MoELayer(MoEConfig(num_experts=args.num_experts, topk=args.topk,
                                    ffn_hidden_size=ffn),
                          args.hidden_size, init_method_std=0.02, grouped_gemm=True)
-        apply_expert_parallel(layer, dist.group.WORLD, "alltoall")
+        parallelize_moe(layer, ep_group=dist.group.WORLD,
+                        execution=MoEExecutionConfig(token_dispatcher_type="alltoall",
+                                                     grouped_gemm=True))
         (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
         executor.costs, executor.calibrate = costs, True  # as measure=True, costs shared
         x = torch.randn(tokens, args.hidden_size,
                         generator=torch.Generator().manual_seed(1 + rank))
         ms, outs = _time_modes(layer, x, args.repeats)
-        auto_mode = executor.choose(layer, tokens)
+        shape = (layer.experts, tokens, args.hidden_size, args.num_experts)
+        auto_mode = executor.choose(*shape)
         diff = torch.tensor([max(float((outs[m] - outs["ep"]).abs().max())
                                  for m in PARALLEL_MODES)])
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        predicted = predict_mode_seconds(executor.costs, executor.cost_inputs(layer, tokens))
+        predicted = predict_mode_seconds(executor.costs, executor.cost_inputs(*shape))
         fixed = {m: ms[m] for m in PARALLEL_MODES}
         best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
         rows.append({

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megamoe.config import MoEConfig  # noqa: E402
-from megamoe.moe.dispatcher import apply_expert_parallel  # noqa: E402
+from megamoe.config import MoEConfig, MoEExecutionConfig  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
+from megamoe.parallelize import parallelize_moe  # noqa: E402
 from tools.gloo_ranks import run_gloo_ranks  # noqa: E402
 
 CONFIGS = (("allgather", 1), ("alltoall", 1), ("alltoall", 2))
@@ -233,8 +233,9 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> tuple[list, 
     layers: list = []
     for dispatcher, overlap in CONFIGS:
         layer = copy.deepcopy(base)
-        layers.append(apply_expert_parallel(layer, dist.group.WORLD, dispatcher,
-                                            overlap_degree=overlap))
+        execution = MoEExecutionConfig(token_dispatcher_type=dispatcher,
+                                       a2a_overlap_degree=overlap, grouped_gemm=True)
+        layers.append(parallelize_moe(layer, ep_group=dist.group.WORLD, execution=execution))
     peer, peer_row = _build_deepspeed(base, args)
     if peer is not None:
         layers.append(lambda xi: peer(xi)[0])  # MoE returns (out, l_aux, exp_counts)

@@ -26,17 +26,15 @@ world size and global batch).
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
 import sys
-from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megamoe.cli.arguments import OneLineArgumentParser, config_file_to_argv, parse_args  # noqa: E402
+from megamoe.cli.mapping import run_config_from_args  # noqa: E402
 from megamoe.config import ModelConfig  # noqa: E402
-from megamoe.model.flops import flops_per_token  # noqa: E402
 from megamoe.planning.memory import (  # noqa: E402
     Layout,
     activation_bytes,
@@ -44,146 +42,13 @@ from megamoe.planning.memory import (  # noqa: E402
     stage_bytes,
     stage_parameters,
 )
+from megamoe.planning.planner import Hardware, legal_layouts, plan  # noqa: E402
 
-__all__ = ["Layout", "activation_bytes", "model_bytes", "stage_bytes", "stage_parameters"]
-
-GB = 1e9
-
-
-@dataclass
-class Hardware:
-    gpus: int
-    gpu_memory_gb: float
-    gpus_per_node: int = 8
-    intra_node_gbps: float = 450.0  # GB/s per GPU (NVLink 4: 450 GB/s each way)
-    inter_node_gbps: float = 50.0  # GB/s per GPU (one 400 Gb/s NIC per GPU)
-    peak_tflops: float = 989.0  # H100 SXM dense bf16
-    gemm_efficiency: float = 0.6  # fraction of peak large bf16 GEMMs reach
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
-              global_batch_size: int) -> dict[str, float]:
-    """Seconds per global batch, by component."""
-    tokens = global_batch_size * seq_length
-    flops = flops_per_token(model) * tokens / hw.gpus
-    if lay.recompute == "full":
-        flops *= 4 / 3  # one more forward
-    # Sharded GEMMs are smaller and run further from peak: ~5% per doubling of TP / ETP.
-    eff = hw.gemm_efficiency * (1 - 0.05 * math.log2(lay.tp)) * (1 - 0.03 * math.log2(lay.etp))
-    compute = flops / (hw.peak_tflops * 1e12 * eff)
-
-    def bw(group_span: int) -> float:  # collectives reach ~70% of the link's bandwidth
-        link = hw.intra_node_gbps if group_span <= hw.gpus_per_node else hw.inter_node_gbps
-        return 0.7 * link * GB
-
-    h = model.hidden_size
-    local_tokens = tokens / (lay.dp * lay.cp)  # tokens through one model replica's ranks
-    layers_local = model.num_layers / lay.pp
-    tp_comm = 0.0
-    if lay.tp > 1:  # SP: all-gather + reduce-scatter around attention and MLP, fwd and bwd
-        vol = 8 * local_tokens * h * 2 * (lay.tp - 1) / lay.tp / lay.tp
-        tp_comm = vol * layers_local / bw(lay.tp)
-    a2a = 0.0
-    if model.moe is not None and lay.ep > 1:
-        moe_local = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / lay.pp
-        # dispatch + combine, forward and backward: 4 all-to-alls of k copies of each token
-        vol = 4 * model.moe.topk * local_tokens / lay.tp * h * 2 * (lay.ep - 1) / lay.ep
-        a2a = vol * moe_local / bw(lay.ep * lay.etp)
-    cp_comm = 0.0
-    if lay.cp > 1:  # ring attention: K and V pass around the ring, forward and backward
-        kv = 2 * model.num_query_groups * model.kv_channels
-        cp_comm = 3 * local_tokens * kv * 2 * (lay.cp - 1) / lay.cp * layers_local / lay.tp \
-            / bw(lay.tp * lay.cp)
-    m = global_batch_size // (lay.micro_batch_size * lay.dp)
-    bubble = (lay.pp - 1) / (lay.vpp * m) if lay.pp > 1 else 0.0
-    p2p = 0.0
-    if lay.pp > 1:
-        p2p = 2 * m * lay.vpp * (seq_length / lay.cp * lay.micro_batch_size * h * 2 / lay.tp) \
-            / bw(hw.gpus_per_node + 1)
-    mem = model_bytes(model, lay)
-    dp_comm = 0.0
-    if lay.dp * lay.cp > 1:  # fp32 gradient reduce (+ bf16 param gather): not overlapped
-        grad_bytes = mem["gradients"] * (1.25 if lay.distributed_optimizer else 1.0)
-        dp_comm = 2 * grad_bytes * (lay.dp * lay.cp - 1) / (lay.dp * lay.cp) / bw(
-            lay.tp * lay.pp * lay.dp * lay.cp)
-    busy = compute + tp_comm + a2a + cp_comm
-    total = busy * (1 + bubble) + dp_comm + p2p
-    return {"total": total, "compute": compute, "tp_comm": tp_comm, "all_to_all": a2a,
-            "cp_comm": cp_comm, "bubble": busy * bubble, "dp_comm": dp_comm, "p2p": p2p}
-
-
-def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_length: int,
-                  gpus_per_node: int) -> list[Layout]:
-    """Every layout megamoe's argument rules accept for this model and world size."""
-    out = []
-    experts = model.moe.num_experts if model.moe else 1
-    heads, groups = model.num_attention_heads, model.num_query_groups
-    for tp, pp, cp in itertools.product(divisors(gpus_per_node), divisors(model.num_layers),
-                                        (1, 2, 4)):
-        if heads % tp or groups % tp or gpus % (tp * pp * cp) or seq_length % (2 * cp):
-            continue
-        dp = gpus // (tp * pp * cp)
-        for vpp in (1, 2, 4):
-            if vpp > 1 and (pp == 1 or model.num_layers % (pp * vpp)):
-                continue
-            for ep, etp in itertools.product(divisors(experts), sorted({1, tp})):
-                if model.moe is None and (ep > 1 or etp != tp):
-                    continue
-                if (gpus // pp) % (ep * etp):  # expert-data-parallel size must be whole
-                    continue
-                for mbs, dist_opt, rec in itertools.product((1, 2, 4), (False, True),
-                                                            ("none", "full")):
-                    if global_batch_size % (mbs * dp) or (dist_opt and dp * cp == 1):
-                        continue
-                    out.append(Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs))
-    return out
-
-
-def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: int,
-         top: int = 5) -> list[dict]:
-    """Layouts that fit, fastest first, each with its memory, time and a one-line reason."""
-    results = []
-    flops = flops_per_token(model) * global_batch_size * seq_length
-    for lay in legal_layouts(model, hw.gpus, global_batch_size, seq_length, hw.gpus_per_node):
-        mem = model_bytes(model, lay)
-        act = activation_bytes(model, lay, seq_length)
-        total_mem = mem["weights"] + mem["gradients"] + mem["optimizer"] + act
-        if total_mem > 0.9 * hw.gpu_memory_gb * GB:  # keep 10% for allocator/NCCL buffers
-            continue
-        t = step_time(model, lay, hw, seq_length, global_batch_size)
-        results.append({"layout": asdict(lay), "memory_gb": {
-            "weights": mem["weights"] / GB, "gradients": mem["gradients"] / GB,
-            "optimizer": mem["optimizer"] / GB, "activations": act / GB,
-            "total": total_mem / GB},
-            "step_time_s": t, "tflops_per_gpu": flops / t["total"] / hw.gpus / 1e12,
-            "mfu": flops / t["total"] / hw.gpus / (hw.peak_tflops * 1e12)})
-    results.sort(key=lambda r: (r["step_time_s"]["total"], r["memory_gb"]["total"]))
-    for r in results[:top]:
-        r["explanation"] = explain(r, hw)
-    return results[:top]
-
-
-def explain(r: dict, hw: Hardware) -> str:
-    lay, t = r["layout"], r["step_time_s"]
-    parts = sorted(((k, v) for k, v in t.items() if k != "total" and v > 0),
-                   key=lambda kv: -kv[1])
-    shares = ", ".join(f"{k} {100 * v / t['total']:.0f}%" for k, v in parts[:3])
-    return (f"TP{lay['tp']} PP{lay['pp']} VPP{lay['vpp']} EP{lay['ep']} ETP{lay['etp']} "
-            f"DP{lay['dp']} CP{lay['cp']} mbs{lay['micro_batch_size']}"
-            f"{' distopt' if lay['distributed_optimizer'] else ''}"
-            f"{' recompute' if lay['recompute'] == 'full' else ''}: "
-            f"{r['memory_gb']['total']:.1f}/{hw.gpu_memory_gb:.0f} GB, "
-            f"{t['total']:.2f} s/step, {r['tflops_per_gpu']:.0f} TFLOP/s/GPU ({shares})")
+__all__ = ["Hardware", "Layout", "activation_bytes", "legal_layouts", "model_bytes", "plan",
+           "stage_bytes", "stage_parameters"]
 
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:
-    from megamoe.cli.arguments import config_file_to_argv, parse_args
-    from megamoe.cli.mapping import run_config_from_args
-
     argv = config_file_to_argv(config_path) + ["--dry-run"]
     if seq_length:
         argv += ["--seq-length", str(seq_length)]
@@ -194,8 +59,6 @@ def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> Mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megamoe.cli.arguments import OneLineArgumentParser
-
     p = OneLineArgumentParser(prog="plan_parallel.py", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="a preset, e.g. configs/mixtral-8x7b.yaml")
     p.add_argument("--gpus", type=int, required=True)

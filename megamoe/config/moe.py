@@ -91,6 +91,17 @@ class MoEConfig:
         require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
                 "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
 
+    def check_expert_parallel(self, ep: int) -> None:
+        """What expert parallelism of size `ep` needs of the layer (the command line checks
+        it before any process group exists, the parallelize step for library users)."""
+        if ep == 1:
+            return
+        require(self.router_type == "topk",
+                "expert parallelism needs the token-choice (topk) router")
+        require(not (self.pad_to_capacity or self.capacity_factor == 0),
+                "not supported yet: --moe-pad-expert-input-to-capacity with "
+                "--expert-model-parallel-size > 1")
+
     def _validate_groups(self) -> None:
         groups, group_topk = self.num_groups, self.group_topk
         require((groups is None) == (group_topk is None),
@@ -146,6 +157,22 @@ class MoEExecutionConfig:
         require(kind != "flex", "not supported yet: --moe-token-dispatcher-type flex")
         overlap = self.a2a_overlap_degree
         require(overlap >= 1, f"--moe-a2a-overlap-degree must be >= 1, got {overlap}")
+
+    def check_layout(self, ep: int, etp: int, expert_biases: bool) -> None:
+        """What the layout and the experts must be for these settings (called by the
+        command line before any process group exists, and by the parallelize step)."""
+        require(self.a2a_overlap_degree == 1 or (self.token_dispatcher_type == "alltoall"
+                                                 and ep > 1),
+                "--moe-a2a-overlap-degree > 1 needs --moe-token-dispatcher-type alltoall and "
+                "--expert-model-parallel-size > 1")
+        if not self.adaptive_parallelism:
+            return
+        require(ep > 1, "--moe-adaptive-parallelism needs --expert-model-parallel-size > 1 "
+                        "(it switches how the expert-parallel ranks share work)")
+        require(etp == 1, "not supported yet: --moe-adaptive-parallelism with "
+                          "--expert-tensor-parallel-size > 1 (set it to 1)")
+        require(not expert_biases, "not supported yet: --moe-adaptive-parallelism with "
+                                   "expert biases (add --disable-bias-linear)")
 
 
 @dataclass

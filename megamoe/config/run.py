@@ -91,20 +91,8 @@ class RunConfig:
         require(etp == 1 or moe.ffn_hidden_size % etp == 0,
                 f"--moe-ffn-hidden-size ({moe.ffn_hidden_size}) must be divisible by "
                 f"--expert-tensor-parallel-size ({etp})")
-        require(ep == 1 or not (moe.pad_to_capacity or moe.capacity_factor == 0),
-                "not supported yet: --moe-pad-expert-input-to-capacity with "
-                "--expert-model-parallel-size > 1")
-        require(exe.a2a_overlap_degree == 1 or (exe.token_dispatcher_type == "alltoall"
-                                                and ep > 1),
-                "--moe-a2a-overlap-degree > 1 needs --moe-token-dispatcher-type alltoall and "
-                "--expert-model-parallel-size > 1")
-        if exe.adaptive_parallelism:
-            require(ep > 1, "--moe-adaptive-parallelism needs --expert-model-parallel-size > 1 "
-                            "(it switches how the expert-parallel ranks share work)")
-            require(etp == 1, "not supported yet: --moe-adaptive-parallelism with "
-                              "--expert-tensor-parallel-size > 1 (set it to 1)")
-            require(not self.model.add_bias_linear, "not supported yet: --moe-adaptive-"
-                    "parallelism with expert biases (add --disable-bias-linear)")
+        moe.check_expert_parallel(ep)
+        exe.check_layout(ep, etp, expert_biases=self.model.add_bias_linear)
         if self.moe_training.use_upcycling:
             require(moe.ffn_hidden_size == self.model.ffn_hidden_size,
                     f"--moe-use-upcycling copies the dense MLP into each expert: "

@@ -19,6 +19,8 @@ _EXPORTS = {
     "PretrainingSampler": "megamoe.data.samplers",
     "build_gpt_datasets": "megamoe.data.builder",
     "build_tokenizer": "megamoe.data.tokenizers",
+    "make_iterator": "megamoe.data.loaders",
+    "tokenizer_for": "megamoe.data.loaders",
     "optimal_dtype": "megamoe.data.indexed_dataset",
 }
 __all__ = [
@@ -31,7 +33,9 @@ __all__ = [
     "PretrainingSampler",
     "build_gpt_datasets",
     "build_tokenizer",
+    "make_iterator",
     "optimal_dtype",
+    "tokenizer_for",
 ]
 
 if TYPE_CHECKING:
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     from megamoe.data.errors import DataError
     from megamoe.data.gpt_dataset import GPTDataset
     from megamoe.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
+    from megamoe.data.loaders import make_iterator, tokenizer_for
     from megamoe.data.mock_dataset import MockIndexedDataset
     from megamoe.data.samplers import PretrainingSampler
     from megamoe.data.tokenizers import build_tokenizer

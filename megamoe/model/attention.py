@@ -29,30 +29,24 @@ from megamoe.parallel.tensor_parallel import (
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+    """Under tensor parallelism (set by the parallelize step) this rank runs the heads of
+    its q/k/v rows: the local head counts follow from linear_qkv's local blocks."""
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
         heads, groups = config.num_attention_heads, config.num_query_groups
         self.head_dim = config.kv_channels
-        if heads % groups:
-            raise ValueError(f"num_attention_heads {heads} must be a multiple of "
-                             f"num_query_groups {groups}")
-        if groups % tp.size:
-            raise ValueError(f"num_query_groups {groups} must be divisible by the "
-                             f"tensor-parallel size {tp.size}")
-        self.num_heads, self.num_groups = heads // tp.size, groups // tp.size  # local
-        self.tp = tp
+        self.tp: TensorParallel = SINGLE
         self.attention_dropout = config.attention_dropout
         q_size = heads * self.head_dim
         kv_size = groups * self.head_dim
-        self.split_sizes = (self.num_heads * self.head_dim, self.num_groups * self.head_dim,
-                            self.num_groups * self.head_dim)
         std = config.init_method_std
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, q_size + 2 * kv_size, bias=config.add_bias_linear,
-            init_std=std, tp=tp, blocks=(q_size, kv_size, kv_size))
+            init_std=std, blocks=(q_size, kv_size, kv_size))
         self.linear_proj = RowParallelLinear(
             q_size, config.hidden_size, bias=config.add_bias_linear,
-            init_std=std / math.sqrt(2.0 * config.num_layers), tp=tp)
+            init_std=std / math.sqrt(2.0 * config.num_layers))
 
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -60,10 +54,11 @@ class SelfAttention(nn.Module):
         (cos, sin) from `rope.rotary_cos_sin` for the full sequence."""
         qkv = self.linear_qkv(x_SBH)  # [S, B, local q + 2 kv]: the full sequence
         s, b, _ = qkv.shape
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q_SBND = q.view(s, b, self.num_heads, self.head_dim)
-        k_SBGD = k.view(s, b, self.num_groups, self.head_dim)
-        v_SBGD = v.view(s, b, self.num_groups, self.head_dim)
+        q, k, v = qkv.split(self.linear_qkv.local_blocks, dim=-1)
+        q_SBND = q.view(s, b, -1, self.head_dim)
+        k_SBGD = k.view(s, b, -1, self.head_dim)
+        v_SBGD = v.view(s, b, -1, self.head_dim)
+        num_heads, num_groups = q_SBND.shape[2], k_SBGD.shape[2]
         if rotary is not None:
             q_SBND = apply_rotary(q_SBND, *rotary)
             k_SBGD = apply_rotary(k_SBGD, *rotary)
@@ -73,8 +68,8 @@ class SelfAttention(nn.Module):
             o_BNSD = F.scaled_dot_product_attention(
                 q_BNSD, k_BGSD, v_BGSD, is_causal=True,
                 dropout_p=self.attention_dropout if self.training else 0.0,
-                enable_gqa=self.num_groups != self.num_heads)
-        o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+                enable_gqa=num_groups != num_heads)
+        o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, num_heads * self.head_dim)
         return self.linear_proj(o_SBX)
 
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
-from megamoe.model.linear import Embedding
 from megamoe.model.rope import rotary_cos_sin, rotary_dim
 from megamoe.model.transformer_block import TransformerBlock
 from megamoe.parallel.comm import (
@@ -30,12 +29,12 @@ from megamoe.parallel.comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+from megamoe.parallel.linear import Embedding
 from megamoe.parallel.tensor_parallel import (
     SINGLE,
     TensorParallel,
     VocabParallelEmbedding,
     gather_vocab_logits,
-    mark_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
 
@@ -44,17 +43,16 @@ class GPTEmbedding(nn.Module):
     """Word (+ learned absolute position) embedding, dropout; [B, S] -> [S, B, H]
     ([S/TP, B, H] with sequence parallelism)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.tp = tp
+        self.tp: TensorParallel = SINGLE
         std = config.init_method_std
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
-                                                      config.hidden_size, init_std=std, tp=tp)
-        self.position_embeddings = None
+                                                      config.hidden_size, init_std=std)
+        self.position_embeddings = None  # under SP: a partial gradient (parallelize marks it)
         if config.position_embedding_type == "learned_absolute":
-            # With SP each rank looks up only its own positions: a partial gradient.
-            self.position_embeddings = mark_sequence_parallel(
-                Embedding(config.max_position_embeddings, config.hidden_size, init_std=std), tp)
+            self.position_embeddings = Embedding(config.max_position_embeddings,
+                                                 config.hidden_size, init_std=std)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens_BS: torch.Tensor,
@@ -83,18 +81,20 @@ class GPTEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: Optional[TensorParallel] = None):
+    """The single-process model; megamoe.parallelize turns it into this rank's part."""
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.tp = tp = tp or SINGLE
-        self.embedding = GPTEmbedding(config, tp)
-        self.decoder = TransformerBlock(config, tp)
+        self.tp: TensorParallel = SINGLE
+        self.embedding = GPTEmbedding(config)
+        self.decoder = TransformerBlock(config)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             # Same draws as Linear(H, padded_vocab); rows split like the word embedding.
             self.output_layer = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size,
-                init_std=config.init_method_std, tp=tp)
+                init_std=config.init_method_std)
 
     def output_weight(self) -> torch.Tensor:
         """[padded_vocab (/ TP), H] matrix of the output layer (the word embedding when tied)."""

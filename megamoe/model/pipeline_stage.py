@@ -1,12 +1,12 @@
 """GPT split into pipeline stages (and virtual stages, for the interleaved schedule).
 
 Layout-independent init: the full `GPTModel` is built once with the seed (the same RNG
-draws as one process), then each rank keeps only its layers, so a stage's weights are
-exactly the single-process weights of those layers. The first virtual stage owns the
-embedding; the last owns the final norm, output layer and loss. With tied embeddings the
-last stage keeps a copy of the word embedding; both copies are marked `shared_embedding`
-(their gradients are summed over the embedding group, so they stay equal) and the copy is
-marked `shared_copy` (the grad norm counts it once).
+draws as one process; on the meta device it costs nothing), then each rank keeps only its
+layers, so a stage's weights are exactly the single-process weights of those layers. The
+first virtual stage owns the embedding; the last owns the final norm, output layer and
+loss. With tied embeddings the last stage keeps a copy of the word embedding; both copies
+are marked `shared_embedding` (their gradients are summed over the embedding group, so
+they stay equal) and the copy is marked `shared_copy` (the grad norm counts it once).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megamoe.config import ModelConfig, pipeline_layer_ranges
+from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel, lm_head, rotary_for
 from megamoe.parallel.tensor_parallel import TensorParallel
 
@@ -86,15 +86,11 @@ class PipelineModel(nn.Module):
         return self.chunks[0].config
 
 
-def build_pipeline_model(config: ModelConfig, tp: Optional[TensorParallel], pp_rank: int,
-                         pp_size: int, pp_group, pp_ranks: list[int],
-                         layers_per_virtual_stage: Optional[int] = None,
-                         first: Optional[int] = None, last: Optional[int] = None
-                         ) -> PipelineModel:
-    """Build the full model with the current RNG state, keep this rank's chunks."""
-    ranges = pipeline_layer_ranges(config.num_layers, pp_size, layers_per_virtual_stage,
-                                   first, last)
-    full = GPTModel(config, tp)
+def split_pipeline(full: GPTModel, ranges: list[list[tuple[int, int]]], pp_rank: int,
+                   pp_group, pp_ranks: list[int]) -> PipelineModel:
+    """Keep rank `pp_rank`'s chunks of the (built, possibly tensor-parallel) model; `ranges`
+    is the layout's [rank][chunk] -> (first layer, end layer) (ParallelConfig.layer_ranges)."""
+    pp_size = len(ranges)
     mine = ranges[pp_rank]
     num_chunks = len(mine)
     chunks = []

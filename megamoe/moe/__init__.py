@@ -1,4 +1,5 @@
-"""Mixture-of-Experts hot path: router, balancing losses, permutation, grouped GEMM, layer."""
+"""Mixture-of-Experts hot path: router, balancing losses, capacity, permutation, grouped
+GEMM, experts, token dispatchers, the layer."""
 
 from megamoe.moe.capacity import apply_capacity, expert_capacity
 from megamoe.moe.experts import GroupedExperts, SequentialExperts, SharedExpertMLP
@@ -14,7 +15,6 @@ from megamoe.moe.losses import (
     switch_load_balancing_loss,
     z_loss,
 )
-from megamoe.moe.moefy import moefy, upcycle_mlp, upcycle_model
 from megamoe.moe.permute import permute, permute_probs, unpermute
 from megamoe.moe.router import (
     TopKRouter,
@@ -29,8 +29,8 @@ __all__ = [
     "GroupedExperts", "MoELayer", "MoELossTracker", "SequentialExperts", "SharedExpertMLP",
     "TopKRouter", "apply_capacity", "attach_aux_loss", "available_backends",
     "expert_capacity", "expert_choice_routing", "global_load_balancing_loss", "grouped_mm",
-    "moefy", "permute", "permute_probs", "routing_stats", "sequence_load_balancing_loss",
+    "permute", "permute_probs", "routing_stats", "sequence_load_balancing_loss",
     "set_aux_loss_backward_scale", "sinkhorn", "sinkhorn_routing", "start_global_batch",
     "switch_load_balancing_loss", "topk_routing", "unpermute", "update_expert_biases",
-    "upcycle_mlp", "upcycle_model", "z_loss",
+    "z_loss",
 ]

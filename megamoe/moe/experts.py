@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megamoe.moe.grouped_gemm import gather_grouped_mm, grouped_mm
 from megamoe.moe.swiglu import swiglu
+from megamoe.parallel.linear import Linear
 
 
 def _rows_bias(bias_EM: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
@@ -26,7 +27,17 @@ def _rows_bias(bias_EM: Optional[torch.Tensor], tokens_per_expert_E: torch.Tenso
 
 
 class GroupedExperts(nn.Module):
-    """num_local_experts MLPs: fc1 [E, H, F or 2F] -> act -> fc2 [E, F, H]."""
+    """num_local_experts MLPs: fc1 [E, H, F or 2F] -> act -> fc2 [E, F, H].
+
+    `fuses_gather`: the first GEMM can take the [T, H] tokens plus the row -> token
+    indices instead of gathered rows. `combine_in_experts`: the experts are linear after
+    the activation, so the combine weights can scale the [N, F] activation instead of the
+    [N, H] output: with SwiGLU the fused op (swiglu.py) applies them for free and keeps only
+    fc1's output; otherwise it pays when F <= H (the multiply and what autograd keeps are F
+    wide, not H).
+    """
+
+    fuses_gather = True
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  swiglu: bool, add_bias: bool, init_method_std: float, output_init_std: float,
@@ -39,6 +50,7 @@ class GroupedExperts(nn.Module):
         self.etp_size, self.etp_rank = 1, 0
         self.fc2_bias_scale = 1.0  # 1 / ETP: each etp rank adds its share of the fc2 bias
         self.swiglu = swiglu
+        self.combine_in_experts = swiglu or ffn_hidden_size <= hidden_size
         self.backend = "auto" if grouped_gemm else "loop"
         fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
         # Swiglu fc1 columns: [:F] = gate (HF w1), [F:] = up (HF w3).
@@ -134,8 +146,6 @@ class SharedExpertMLP(nn.Module):
                  add_bias: bool, gate: bool, init_method_std: float,
                  output_init_std: float) -> None:
         super().__init__()
-        from megamoe.model.linear import Linear
-
         self.swiglu = swiglu
         self.linear_fc1 = Linear(hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size,
                                  bias=add_bias, init_std=init_method_std)

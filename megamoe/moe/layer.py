@@ -1,15 +1,18 @@
-"""MoELayer: router -> capacity -> dispatch (permute) -> experts -> combine -> aux loss.
+"""MoELayer: route -> capacity -> dispatch -> experts -> combine (+ shared experts, aux loss).
 
-Dispatch, compute and combine are separate methods with no communication inside, so an
-expert-parallel token dispatcher can wrap dispatch/combine later without touching the math.
-The layer also works standalone (Tutel's `moe_layer`, FastMoE's `FMoE`): any [..., H]
-input, built from keyword arguments, with stacked grouped experts or any list of modules.
+The layer holds exactly one token dispatcher (moe/dispatchers/): a local one as built,
+replaced by the parallelize step with the expert-parallel, tensor-parallel or adaptive one
+the layout needs. The forward has one path whatever the layout; how tokens reach the
+experts is the dispatcher's business. The layer also works standalone (Tutel's
+`moe_layer`, FastMoE's `FMoE`): any [..., H] input, built from keyword arguments, with
+stacked grouped experts or any list of modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,21 +20,10 @@ import torch.nn as nn
 
 from megamoe.config import MoEConfig
 from megamoe.moe.capacity import apply_capacity, expert_capacity
+from megamoe.moe.dispatchers import LocalDispatcher, TokenDispatcher
 from megamoe.moe.experts import GroupedExperts, SequentialExperts, SharedExpertMLP
 from megamoe.moe.losses import attach_aux_loss
-from megamoe.moe.permute import pad_groups, permute, permute_probs, unpermute
 from megamoe.moe.router import TopKRouter
-
-
-class Dispatched(NamedTuple):
-    x_NH: torch.Tensor  # token copies grouped by expert (+ zero padding rows), or with
-    # `gathered=False` the [T(+1), H] tokens that token_indices_N select (fused gather)
-    probs_N: torch.Tensor  # combine weight of each copy (0 for padding)
-    token_indices_N: torch.Tensor  # source token of each copy (num_tokens for padding)
-    tokens_per_expert_E: torch.Tensor  # rows per expert group (capacity when padded)
-    num_tokens: int
-    padded: bool
-    gathered: bool = True
 
 
 class MoELayer(nn.Module):
@@ -55,21 +47,7 @@ class MoELayer(nn.Module):
                  grad_average_size: int = 1, grouped_gemm: bool = False,
                  **config_kwargs) -> None:
         super().__init__()
-        if hidden_size is None:
-            raise ValueError("MoELayer needs hidden_size")
-        if config is None:
-            if experts is not None:
-                config_kwargs.setdefault("num_experts", len(experts))
-            config = MoEConfig(**config_kwargs)
-        elif config_kwargs:
-            raise ValueError(f"pass either a MoEConfig or keyword options, not both "
-                             f"({', '.join(config_kwargs)})")
-        if experts is not None and len(experts) != config.num_experts:
-            raise ValueError(f"{len(experts)} expert modules for num_experts="
-                             f"{config.num_experts}")
-        if sequence_dim not in (0, 1):
-            raise ValueError(f"sequence_dim must be 0 ([S, B, H]) or 1 ([B, S, H]), "
-                             f"got {sequence_dim}")
+        config = _config(config, hidden_size, experts, sequence_dim, config_kwargs)
         self.config = config
         self.hidden_size = hidden_size
         self.layer_number = layer_number
@@ -85,38 +63,28 @@ class MoELayer(nn.Module):
                 config.num_experts, hidden_size, config.ffn_hidden_size, swiglu=swiglu,
                 add_bias=add_bias_linear, init_method_std=init_method_std,
                 output_init_std=output_std, grouped_gemm=grouped_gemm)
-        # Grouped experts are linear after the activation, so the combine weights can scale
-        # the [N, F] activation instead of the [N, H] output: with SwiGLU the fused op
-        # (moe/swiglu.py) applies them for free and keeps only fc1's output, otherwise it
-        # pays when F <= H (the multiply and the tensor autograd keeps are F wide, not H).
-        self.probs_in_experts = (isinstance(self.experts, GroupedExperts)
-                                 and (swiglu or config.ffn_hidden_size <= hidden_size))
         self.shared_experts = None
         if config.shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(
                 hidden_size, config.shared_expert_intermediate_size, swiglu=swiglu,
                 add_bias=add_bias_linear, gate=config.shared_expert_gate,
                 init_method_std=init_method_std, output_init_std=output_std)
-        # Set by apply_expert_parallel (moe/dispatcher.py) when experts span ranks; with
-        # `tensor_parallel` the input is the TP-gathered sequence and the output this rank's
-        # sequence shard (moe/expert_tensor_parallel.py).
-        self.token_dispatcher = None
-        self.tensor_parallel = None
-        self.adaptive = None  # switchable ep / dp / tp execution (moe/adaptive.py)
-        num_experts = config.num_experts
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long),
-                             persistent=False)
-        # Routing statistics accumulated over training forwards until read (stats.py).
-        self.register_buffer("stat_routed_per_expert",
-                             torch.zeros(num_experts, dtype=torch.long), persistent=False)
-        self.register_buffer("stat_kept_per_expert",
-                             torch.zeros(num_experts, dtype=torch.long), persistent=False)
+        self.dispatcher: TokenDispatcher = LocalDispatcher.for_experts(self.experts)
+        self._register_statistics(config.num_experts)
+
+    def _register_statistics(self, num_experts: int) -> None:
+        """Kept assignments of the last call, and routing statistics accumulated over the
+        training forwards until read (stats.py)."""
+        for name in ("tokens_per_expert", "stat_routed_per_expert", "stat_kept_per_expert"):
+            self.register_buffer(name, torch.zeros(num_experts, dtype=torch.long),
+                                 persistent=False)
         self.register_buffer("stat_num_tokens", torch.zeros((), dtype=torch.long),
                              persistent=False)
 
     def _sequence_ids(self, shape: torch.Size) -> tuple[Optional[torch.Tensor], int]:
         """Token -> sequence index for seq_aux_loss, in the flattening order of `shape`."""
-        if self.router.config.aux_loss_coeff("seq_aux_loss") <= 0 or len(shape) == 2:
+        if (not self.training or self.router.config.aux_loss_coeff("seq_aux_loss") <= 0
+                or len(shape) == 2):
             return None, 1
         if len(shape) != 3:
             raise ValueError(f"seq_aux_loss needs a [S, B, H] or [B, S, H] input, got "
@@ -126,48 +94,6 @@ class MoELayer(nn.Module):
         if self.sequence_dim == 0:  # [S, B, H]: token s * B + b belongs to sequence b
             return token_T % shape[1], shape[1]
         return token_T // shape[1], shape[0]  # [B, S, H]
-
-    def dispatch(self, x_TH: torch.Tensor, probs_TE: torch.Tensor,
-                 routing_map_TE: torch.Tensor, pad_capacity: Optional[int] = None
-                 ) -> Dispatched:
-        """Group token copies by expert. Grouped experts gather inside fc1 (the copies are
-        then never stored), so here x_NH stays the token tensor (`gathered=False`)."""
-        num_tokens = x_TH.shape[0]
-        fuse = isinstance(self.experts, GroupedExperts)
-        x_NH, token_indices_N, tokens_per_expert_E = permute(x_TH, routing_map_TE,
-                                                             gather=not fuse)
-        probs_N = permute_probs(probs_TE, routing_map_TE)
-        if pad_capacity is None:
-            return Dispatched(x_NH, probs_N, token_indices_N, tokens_per_expert_E, num_tokens,
-                              False, not fuse)
-        token_indices_P, probs_P = pad_groups(token_indices_N, probs_N, tokens_per_expert_E,
-                                              pad_capacity, pad_index=num_tokens)
-        x_ext_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])  # row T = padding
-        sizes_E = torch.full_like(tokens_per_expert_E, pad_capacity)
-        x_P = x_ext_TH if fuse else x_ext_TH.index_select(0, token_indices_P)
-        return Dispatched(x_P, probs_P, token_indices_P, sizes_E, num_tokens, True, not fuse)
-
-    def compute(self, d: Dispatched, params: Optional[dict[str, torch.Tensor]] = None
-                ) -> torch.Tensor:
-        """Expert outputs; grouped experts already weight them by the combine probs.
-        `params` replaces the experts' parameters for this call (adaptive.py runs them
-        with gathered or re-sliced weights)."""
-        def experts(*args):
-            if params is None:
-                return self.experts(*args)
-            return torch.func.functional_call(self.experts, params, args)
-
-        if not d.gathered:
-            probs_N = d.probs_N if self.probs_in_experts else None
-            return experts(d.x_NH, d.tokens_per_expert_E, probs_N, d.token_indices_N)
-        return experts(d.x_NH, d.tokens_per_expert_E)
-
-    def combine(self, y_NH: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        probs_N = None if self.probs_in_experts else d.probs_N
-        if d.padded:  # padding rows land in an extra row that is dropped
-            return unpermute(y_NH, d.token_indices_N, probs_N, d.num_tokens + 1
-                             )[: d.num_tokens]
-        return unpermute(y_NH, d.token_indices_N, probs_N, d.num_tokens)
 
     def apply_capacity(self, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, Optional[int]]:
@@ -182,48 +108,56 @@ class MoELayer(nn.Module):
         pad = capacity if (cfg.pad_to_capacity or cf == 0) else None
         return probs_TE, routing_map_TE, pad
 
-    def forward(self, hidden: torch.Tensor, parallel_mode: Optional[str] = None,
-                adaptive_r: Optional[int] = None) -> torch.Tensor:
-        """[..., H] -> [..., H] (typically [S, B, H]). With expert parallelism,
-        `parallel_mode` ("ep" | "dp" | "tp") or Tutel's `adaptive_r` (0 | 1 | EP) picks how
-        this call runs the experts (moe/adaptive.py); by default the layer's policy does."""
-        if parallel_mode is not None or adaptive_r is not None:
-            if self.adaptive is None:
-                raise ValueError("parallel_mode / adaptive_r need an expert-parallel layer with "
-                                 "adaptive parallelism enabled (enable_adaptive_parallelism)")
-            if adaptive_r is not None:
-                from megamoe.moe.adaptive import mode_from_adaptive_r
-
-                parallel_mode = mode_from_adaptive_r(adaptive_r, self.adaptive.size)
-        shape = hidden.shape
-        x_TH = hidden.reshape(-1, self.hidden_size)
-        seq_ids_T, num_seqs = (self._sequence_ids(shape) if self.training
-                               else (None, 1))
-        probs_TE, routing_map_TE, aux_loss = self.router.route(x_TH, seq_ids_T, num_seqs)
-        routed_E = routing_map_TE.sum(dim=0)
-        probs_TE, routing_map_TE, pad = self.apply_capacity(probs_TE, routing_map_TE)
-        kept_E = routing_map_TE.sum(dim=0)
+    def _count(self, routed_E: torch.Tensor, kept_E: torch.Tensor, num_tokens: int) -> None:
         self.tokens_per_expert = kept_E.detach()
         if self.training:
             self.stat_routed_per_expert += routed_E
             self.stat_kept_per_expert += kept_E
-            self.stat_num_tokens += x_TH.shape[0]
-        tp = self.tensor_parallel
-        x_in, probs_in, map_in = ((x_TH, probs_TE, routing_map_TE) if tp is None
-                                  else tp.enter(x_TH, probs_TE, routing_map_TE))
-        if self.adaptive is not None:  # switchable parallelism (moe/adaptive.py)
-            out_TH = self.adaptive.forward(self, x_in, probs_in, map_in, parallel_mode)
-        elif self.token_dispatcher is not None:  # expert parallel (moe/dispatcher.py)
-            out_TH = self.token_dispatcher.forward(x_in, probs_in, map_in, self.experts)
-        else:
-            d = self.dispatch(x_in, probs_in, map_in, pad)
-            out_TH = self.combine(self.compute(d), d)
-        if tp is not None:  # -> this rank's sequence shard
-            out_TH = tp.exit(out_TH)
-            shape = (shape[0] // tp.tp_size, *shape[1:])
+            self.stat_num_tokens += num_tokens
+
+    def forward(self, hidden: torch.Tensor, parallel_mode: Optional[str] = None,
+                adaptive_r: Optional[int] = None) -> torch.Tensor:
+        """[..., H] -> [..., H] of the same shape (typically [S, B, H]; under sequence
+        parallelism this rank's [S/TP, B, H] shard). With adaptive parallelism,
+        `parallel_mode` ("ep" | "dp" | "tp") or Tutel's `adaptive_r` (0 | 1 | EP) picks how
+        this call runs the experts; by default the layer's measured choice does."""
+        mode = self.dispatcher.mode_for(parallel_mode, adaptive_r)
+        full = self.dispatcher.gather_sequence(hidden)  # the tokens this rank routes
+        x_TH = full.reshape(-1, self.hidden_size)
+        probs_TE, routing_map_TE, aux_loss = self.router.route(
+            x_TH, *self._sequence_ids(full.shape))
+        routed_E = routing_map_TE.sum(dim=0)
+        probs_TE, routing_map_TE, pad = self.apply_capacity(probs_TE, routing_map_TE)
+        self._count(routed_E, routing_map_TE.sum(dim=0), x_TH.shape[0])
+        out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode)
         if self.shared_experts is not None:
             shared_TH = self.shared_experts(x_TH).to(out_TH.dtype)
-            out_TH = out_TH + (shared_TH if tp is None else tp.shard(shared_TH))
+            out_TH = out_TH + self.dispatcher.scatter_sequence(shared_TH)
         if aux_loss is not None:
             out_TH = attach_aux_loss(out_TH, aux_loss)
-        return out_TH.reshape(shape)
+        return out_TH.reshape(hidden.shape)
+
+
+def _config(config: Optional[MoEConfig], hidden_size: Optional[int],
+            experts: Optional[Sequence[nn.Module]], sequence_dim: int,
+            config_kwargs: dict) -> MoEConfig:
+    """The layer's MoEConfig from either a config or keyword options (checked)."""
+    if hidden_size is None:
+        raise ValueError("MoELayer needs hidden_size")
+    if config is None:
+        if experts is not None:
+            config_kwargs.setdefault("num_experts", len(experts))
+        unknown = set(config_kwargs) - {f.name for f in dataclasses.fields(MoEConfig)}
+        if unknown:
+            raise TypeError(f"MoELayer got unknown options {sorted(unknown)}")
+        config = MoEConfig(**config_kwargs)
+    elif config_kwargs:
+        raise ValueError(f"pass either a MoEConfig or keyword options, not both "
+                         f"({', '.join(config_kwargs)})")
+    if experts is not None and len(experts) != config.num_experts:
+        raise ValueError(f"{len(experts)} expert modules for num_experts="
+                         f"{config.num_experts}")
+    if sequence_dim not in (0, 1):
+        raise ValueError(f"sequence_dim must be 0 ([S, B, H]) or 1 ([B, S, H]), "
+                         f"got {sequence_dim}")
+    return config

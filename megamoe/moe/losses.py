@@ -19,10 +19,6 @@ def set_aux_loss_backward_scale(scale: float) -> None:
     _AUX_LOSS_BACKWARD_SCALE = float(scale)
 
 
-def get_aux_loss_backward_scale() -> float:
-    return _AUX_LOSS_BACKWARD_SCALE
-
-
 class _AuxLossAutoScaler(torch.autograd.Function):
     """Identity on `output` whose backward also feeds `scale` into the aux loss's graph."""
 

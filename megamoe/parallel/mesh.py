@@ -128,7 +128,8 @@ class Mesh:
             dist.barrier()
 
 
-def _single_process_mesh() -> Mesh:
+def single_process_mesh() -> Mesh:
+    """The mesh of one process: every size 1, no group."""
     names = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
     groups = (*GROUP_DIMS, "embd")
     return Mesh(rank=0, world_size=1, backend=None, sizes={n: 1 for n in names},
@@ -181,7 +182,7 @@ def init_mesh(parallel: ParallelConfig) -> Mesh:
     an error instead of blocking forever.
     """
     if parallel.world_size == 1 and not dist.is_initialized():
-        return _single_process_mesh()
+        return single_process_mesh()
     backend = parallel.distributed_backend
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -2,7 +2,7 @@
 vocab-parallel cross entropy.
 
 Layout-independent initialisation: every layer draws the *full* weight with exactly the
-RNG calls the single-process layer (`megamoe.model.linear`) makes, then keeps its slice.
+RNG calls the single-process layer (`megamoe.parallel.linear`) makes, then keeps its slice.
 So for one seed, the shards of any TP layout are slices of the single-process weights and
 the RNG stream stays aligned for the layers built afterwards.
 
@@ -90,7 +90,7 @@ def shard_rows(full: torch.Tensor, blocks: Sequence[int], size: int, rank: int) 
 
 def _full_normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
     full = torch.empty(shape)
-    nn.init.normal_(full, mean=0.0, std=std)  # the same draw as megamoe.model.linear
+    nn.init.normal_(full, mean=0.0, std=std)  # the same draw as megamoe.parallel.linear
     return full
 
 
@@ -100,21 +100,36 @@ class ColumnParallelLinear(nn.Module):
     `blocks` partitions the output rows (e.g. q/k/v or gate/up); each block is split
     separately, so rank r holds head-group / gate-up slices r of every block. The input
     enters the TP region: all-gathered from sequence shards with SP, else replicated.
+    Built whole (the single-process layer's draws); `shard(tp)` keeps this rank's rows.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float,
                  tp: TensorParallel = SINGLE, blocks: Optional[Sequence[int]] = None):
         super().__init__()
-        self.tp = tp
+        self.tp = SINGLE
         self.blocks = list(blocks) if blocks is not None else [out_features]
         if sum(self.blocks) != out_features:
             raise ValueError(f"blocks {self.blocks} do not add up to {out_features}")
         self.in_features, self.out_features = in_features, out_features
-        full = _full_normal((out_features, in_features), init_std)
-        self.weight = nn.Parameter(shard_rows(full, self.blocks, tp.size, tp.rank))
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(self.weight.shape[0]))
+        self.weight = nn.Parameter(_full_normal((out_features, in_features), init_std))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.shard(tp)
+
+    @property
+    def local_blocks(self) -> list[int]:
+        """This rank's rows of each block (the split of its output features)."""
+        return [b // self.tp.size for b in self.blocks]
+
+    @torch.no_grad()
+    def shard(self, tp: TensorParallel) -> None:
+        """Keep this TP rank's rows of every block (the layer must still be whole)."""
+        if self.tp.size != 1:
+            raise ValueError("ColumnParallelLinear is already sharded")
+        self.tp = tp
+        if tp.size > 1:
+            self.weight = nn.Parameter(shard_rows(self.weight, self.blocks, tp.size, tp.rank))
+            if self.bias is not None:
+                self.bias = nn.Parameter(shard_rows(self.bias, self.blocks, tp.size, tp.rank))
         for p in self.parameters():
             p.tensor_model_parallel = tp.size > 1
 
@@ -138,15 +153,25 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        self.tp = tp
+        self.tp = SINGLE
         self.in_features, self.out_features = in_features, out_features
-        full = _full_normal((out_features, in_features), init_std)
-        if in_features % tp.size:
-            raise ValueError(f"input features {in_features} are not divisible by the "
-                             f"tensor-parallel size {tp.size}")
-        self.weight = nn.Parameter(full.chunk(tp.size, dim=1)[tp.rank].contiguous())
-        self.weight.tensor_model_parallel = tp.size > 1
+        self.weight = nn.Parameter(_full_normal((out_features, in_features), init_std))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.shard(tp)
+
+    @torch.no_grad()
+    def shard(self, tp: TensorParallel) -> None:
+        """Keep this TP rank's input columns (the layer must still be whole)."""
+        if self.tp.size != 1:
+            raise ValueError("RowParallelLinear is already sharded")
+        if self.in_features % tp.size:
+            raise ValueError(f"input features {self.in_features} are not divisible by the "
+                             f"tensor-parallel size {tp.size}")
+        self.tp = tp
+        if tp.size > 1:
+            self.weight = nn.Parameter(
+                self.weight.chunk(tp.size, dim=1)[tp.rank].contiguous())
+        self.weight.tensor_model_parallel = tp.size > 1
         if self.bias is not None and tp.sp:
             self.bias.sequence_parallel = True
 
@@ -168,16 +193,26 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        self.tp = tp
-        if num_embeddings % tp.size:
-            raise ValueError(f"padded vocabulary {num_embeddings} is not divisible by the "
-                             f"tensor-parallel size {tp.size}")
+        self.tp = SINGLE
         self.num_embeddings = num_embeddings
-        self.per_rank = num_embeddings // tp.size
+        self.per_rank, self.vocab_start = num_embeddings, 0
+        self.weight = nn.Parameter(_full_normal((num_embeddings, embedding_dim), init_std))
+        self.shard(tp)
+
+    @torch.no_grad()
+    def shard(self, tp: TensorParallel) -> None:
+        """Keep this TP rank's range of rows (the table must still be whole)."""
+        if self.tp.size != 1:
+            raise ValueError("VocabParallelEmbedding is already sharded")
+        if self.num_embeddings % tp.size:
+            raise ValueError(f"padded vocabulary {self.num_embeddings} is not divisible by "
+                             f"the tensor-parallel size {tp.size}")
+        self.tp = tp
+        self.per_rank = self.num_embeddings // tp.size
         self.vocab_start = tp.rank * self.per_rank
-        full = _full_normal((num_embeddings, embedding_dim), init_std)
-        self.weight = nn.Parameter(full[self.vocab_start:self.vocab_start + self.per_rank]
-                                   .contiguous())
+        if tp.size > 1:  # a copy: the whole table must not stay alive behind a view
+            rows = slice(self.vocab_start, self.vocab_start + self.per_rank)
+            self.weight = nn.Parameter(self.weight[rows].clone())
         self.weight.tensor_model_parallel = tp.size > 1
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

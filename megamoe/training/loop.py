@@ -24,7 +24,7 @@ from megamoe.training.metrics import (
     format_log_line,
     moe_layer_numbers,
 )
-from megamoe.training.schedules.local import Batch, forward_backward
+from megamoe.training.schedules import Batch, forward_backward
 
 
 @dataclass

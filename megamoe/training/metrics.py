@@ -12,6 +12,7 @@ because a heatmap shows a collapsing router faster than a table.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Optional
 
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from megamoe.config import RunConfig
 from megamoe.model.flops import flops_per_token
+from megamoe.moe.dispatchers import PARALLEL_MODES
+from megamoe.moe.stats import mode_counts, routing_stats
 
 
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
@@ -97,8 +100,6 @@ def reduced_routing_stats(model: torch.nn.Module,
     """{layer: kept [E], routed [E] assignment counts} of this step, summed over `group`
     (the data-parallel ranks see different tokens). Resets the layers' counters. Every
     rank of `group` must call it (it is a collective)."""
-    from megamoe.moe.stats import routing_stats
-
     stats = routing_stats(model, reset=True)
     layers = sorted(stats)
     if not layers:
@@ -195,8 +196,6 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
             rss_pages = int(f.read().split()[1])
         return {"memory/rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
     except OSError:
-        import resource
-
         return {"memory/rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -225,8 +224,6 @@ class TrainingObserver:
             self._load_LE[layer] = self._load_LE.get(layer, 0.0) + s["kept"]
         out = expert_load_scalars(stats, self.per_layer)
         if self.run.model.moe is not None and self.run.moe_execution.adaptive_parallelism:
-            from megamoe.moe.adaptive import PARALLEL_MODES, mode_counts
-
             counts = mode_counts(self.model)  # MoE layer calls this step, per mode
             out.update({f"moe_mode/{m}_calls": float(counts[m]) for m in PARALLEL_MODES})
         return out

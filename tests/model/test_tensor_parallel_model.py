@@ -15,8 +15,8 @@ from megamoe.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     shard_rows,
 )
-from megamoe.training.optim.grads import reduce_gradients
-from megamoe.training.optim.mixed_precision import local_grad_norm, model_parallel_grad_norm
+from megamoe.parallelize import apply_tensor_parallel, parallelize_moe
+from megamoe.training.optim.grads import local_grad_norm, model_parallel_grad_norm, reduce_gradients
 from tests.distributed import run_distributed
 
 DENSE = dict(num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4,
@@ -58,7 +58,10 @@ def _model_worker(rank: int, world_size: int, kwargs: dict, sp: bool) -> dict:
     torch.manual_seed(5)
     dense = GPTModel(config)
     torch.manual_seed(5)
-    par = GPTModel(config, TensorParallel(group, sequence_parallel=sp))
+    par = apply_tensor_parallel(GPTModel(config), TensorParallel(group, sequence_parallel=sp))
+    # MoE layers: whole experts, the routed tokens split over the TP ranks (ETP = 1); their
+    # gradients are then summed over the expert-data-parallel group, here the TP ranks.
+    parallelize_moe(par, tp_group=group)
     modules = dict(par.named_modules())
     dense_params = dict(dense.named_parameters())
     ref_loss = _run(dense, tokens, labels)
@@ -66,7 +69,7 @@ def _model_worker(rank: int, world_size: int, kwargs: dict, sp: bool) -> dict:
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     params = list(par.parameters())
     grads = [p.grad for p in params]
-    reduce_gradients(grads, params, group, None)
+    reduce_gradients(grads, params, group, None, edp_group=group)
     checked = 0
     for name, p in par.named_parameters():
         module = modules[name.rsplit(".", 1)[0]]

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.config import MoEConfig
-from megamoe.moe.adaptive import enable_adaptive_parallelism, mode_from_adaptive_r
+from megamoe.config import MoEConfig, MoEExecutionConfig
 from megamoe.moe.cost_model import CollectiveCosts, LinkCost, ModeCostInputs, predict_mode_seconds
-from megamoe.moe.dispatcher import apply_expert_parallel
+from megamoe.moe.dispatchers.adaptive import mode_from_adaptive_r
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from megamoe.parallelize import enable_adaptive_parallelism, parallelize_moe
 from tests.distributed import run_distributed
 
 E, H, FF, T = 4, 8, 8, 12
@@ -27,7 +27,8 @@ def _layer(dispatcher: str, world: int) -> MoELayer:
     cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF,
                     load_balancing_types=["aux_loss"], aux_loss_coeffs=[0.1], z_loss_coeff=0.01)
     full = MoELayer(cfg, H, init_method_std=0.3, grouped_gemm=True)
-    layer = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, dispatcher)
+    layer = parallelize_moe(copy.deepcopy(full), ep_group=dist.group.WORLD,
+                            execution=MoEExecutionConfig(token_dispatcher_type=dispatcher))
     enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
     return layer
 
@@ -51,12 +52,12 @@ def _modes_worker(rank: int, world: int, dispatcher: str) -> bool:
     set_aux_loss_backward_scale(1.0)
     layer = _layer(dispatcher, world)
     want = _grads(layer, "ep")
-    assert layer.adaptive.last_mode == "ep"
+    assert layer.dispatcher.last_mode == "ep"
     for mode, r in (("dp", None), ("tp", None), (None, 0), (None, world), (None, 1)):
         got = _grads(layer, mode, r)
         for a, b in zip(got, want):
             assert (a - b).abs().max() <= 1e-5, (mode, r)
-    assert layer.adaptive.last_mode == "ep"
+    assert layer.dispatcher.last_mode == "ep"
     return True
 
 
@@ -97,7 +98,7 @@ def _switching_worker(rank: int, world: int) -> bool:
     fixed_losses, fixed_w = _train(_layer("alltoall", world), ["ep"] * 6)
     layer = _layer("alltoall", world)
     losses, weights = _train(layer, ["dp", "tp", "ep", "tp", "dp", "ep"])
-    assert layer.adaptive.mode_counts == {"dp": 2, "tp": 2, "ep": 2}
+    assert layer.dispatcher.mode_counts == {"dp": 2, "tp": 2, "ep": 2}
     for a, b in zip(losses, fixed_losses):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, fixed_losses)
     for a, b in zip(weights, fixed_w):
@@ -107,7 +108,7 @@ def _switching_worker(rank: int, world: int) -> bool:
     calibrated = _layer("alltoall", world)
     (executor,) = enable_adaptive_parallelism(calibrated, dist.group.WORLD, measure=True)
     before = [p.detach().clone() for p in calibrated.parameters()]
-    mode = executor.choose(calibrated, T)
+    mode = executor.choose(calibrated.experts, T, H, E)
     assert set(executor.timings[T]) == {"ep", "dp", "tp"} and mode in executor.timings[T]
     assert executor.timings[T][mode] == min(executor.timings[T].values())
     assert all(p.grad is None for p in calibrated.parameters())
@@ -142,7 +143,7 @@ def _pretrain_worker(rank: int, world: int, extra: str) -> list[dict]:
     import shlex
 
     from megamoe.cli.arguments import parse_args
-    from megamoe.training.pretrain import pretrain
+    from megamoe.cli.main import pretrain
     from tests.training.test_pretrain import TINY_MOE
 
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {extra}"),
@@ -182,16 +183,16 @@ def test_adaptive_flag_rules_fail_in_one_line(capsys, extra, world, message):
 def _pin_to_ep() -> None:
     """Let the calibration time every mode as usual, then run "ep": the training must then
     be bitwise the fixed expert-parallel run (the probes ran on the real weights)."""
-    from megamoe.moe import adaptive
+    from megamoe.moe.dispatchers import adaptive
 
-    timed = adaptive.AdaptiveExpertParallel._timed_choice
+    timed = adaptive.AdaptiveDispatcher._timed_choice
 
-    def pinned(self, layer, num_tokens, repeats=2):
-        timed(self, layer, num_tokens, repeats)
-        assert self.timings[num_tokens]  # the probes did run
+    def pinned(self, *args, **kwargs):
+        timed(self, *args, **kwargs)
+        assert self.timings  # the probes did run
         return "ep"
 
-    adaptive.AdaptiveExpertParallel._timed_choice = pinned
+    adaptive.AdaptiveDispatcher._timed_choice = pinned
 
 
 def _history_worker(rank: int, world: int, extra: str, pin: bool) -> list[tuple[float, float]]:
@@ -246,7 +247,8 @@ def _untouched_worker(rank: int, world: int, dtype_name: str, distributed: bool)
             opt.step()
     before = _grad_state(layer, opt)
     weights = [p.detach().clone() for p in layer.parameters()]
-    executor._timed_choice(layer, 2 * T)  # another token count: every mode runs fwd + bwd
+    # another token count: every mode runs forward and backward
+    executor._timed_choice(layer.experts, 2 * T, H, E)
     assert set(executor.timings[2 * T]) == {"ep", "dp", "tp"}
     after = _grad_state(layer, opt)
     assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
+from megamoe.cli.main import pretrain
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.moe.router import TopKRouter
-from megamoe.training.pretrain import pretrain
 
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

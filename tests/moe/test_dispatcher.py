@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megamoe.config import MoEConfig
-from megamoe.moe.dispatcher import apply_expert_parallel, build_dispatcher
+from megamoe.config import MoEConfig, MoEExecutionConfig
+from megamoe.moe.dispatchers import AllGatherDispatcher, AllToAllDispatcher
 from megamoe.moe.experts import GroupedExperts
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from megamoe.parallelize import parallelize_moe
 from tests.distributed import run_distributed
 
 E, H, FF, T = 4, 8, 6, 6
@@ -77,7 +78,8 @@ def _dispatch_worker(rank: int, world: int, dispatcher_type: str, routing: str, 
     # Expert parallel: this rank's tokens, this rank's experts.
     layer_experts = copy.deepcopy(full)
     layer_experts.zero_grad()
-    d = build_dispatcher(dispatcher_type, E, dist.group.WORLD, overlap)
+    d = (AllToAllDispatcher(E, dist.group.WORLD, overlap) if dispatcher_type == "alltoall"
+         else AllGatherDispatcher(E, dist.group.WORLD))
     n = d.num_local_experts
     with torch.no_grad():
         for name in ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"):
@@ -119,7 +121,7 @@ def _cases_worker(rank: int, world: int) -> list[bool]:
 def test_dispatchers_match_naive_loop():
     """Both dispatchers, random and skewed routing (rank 0 sends nothing to rank 1, expert 0
     receives nothing), with and without expert biases, on 2 ranks; then a whole MoELayer
-    sharded by apply_expert_parallel against the single-process layer."""
+    sharded by parallelize_moe against the single-process layer."""
     assert run_distributed(_cases_worker, 2, 120) == [[True] * (len(CASES) + 3)] * 2
 
 
@@ -142,14 +144,15 @@ def _forward_backward_both(full, ep, rank: int, world: int) -> None:
 
 
 def _layer_worker(rank: int, world: int, dispatcher_type: str):
-    """A whole MoELayer (router, aux losses off) sharded with apply_expert_parallel equals
+    """A whole MoELayer (router, aux losses off) sharded with parallelize_moe equals
     the single-process layer on the concatenated tokens."""
     MoELossTracker.clear()
     set_aux_loss_backward_scale(1.0)
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FF, aux_loss_coeffs=[0.0])
     full = MoELayer(cfg, H, init_method_std=0.3, grouped_gemm=True)
-    ep = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, dispatcher_type)
+    ep = parallelize_moe(copy.deepcopy(full), ep_group=dist.group.WORLD,
+                         execution=MoEExecutionConfig(token_dispatcher_type=dispatcher_type))
     assert ep.experts.fc1_weight.shape[0] == E // world
     assert all(p.expert_parallel for p in ep.experts.parameters())
     _forward_backward_both(full, ep, rank, world)
@@ -170,7 +173,8 @@ def _module_experts_worker(rank: int, world: int) -> bool:
     modules = [torch.nn.Sequential(torch.nn.Linear(H, FF), torch.nn.GELU(),
                                    torch.nn.Linear(FF, H)) for _ in range(E)]
     full = MoELayer(hidden_size=H, experts=modules, topk=2, aux_loss_coeffs=[0.0])
-    ep = apply_expert_parallel(copy.deepcopy(full), dist.group.WORLD, "alltoall")
+    ep = parallelize_moe(copy.deepcopy(full), ep_group=dist.group.WORLD,
+                         execution=MoEExecutionConfig(token_dispatcher_type="alltoall"))
     assert len(ep.experts.local_experts) == E // world
     _forward_backward_both(full, ep, rank, world)
     lo = rank * (E // world)

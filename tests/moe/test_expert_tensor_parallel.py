@@ -10,13 +10,12 @@ import copy
 import pytest
 import torch
 
-from megamoe.config import MoEConfig, ParallelConfig
-from megamoe.moe.dispatcher import apply_expert_parallel
-from megamoe.moe.expert_tensor_parallel import build_moe_tensor_parallel
+from megamoe.config import ConfigError, MoEConfig, MoEExecutionConfig, ParallelConfig
+from megamoe.moe.dispatchers import TensorParallelDispatcher
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
-from megamoe.parallel.comm import gather_from_sequence
 from megamoe.parallel.mesh import build_mesh
+from megamoe.parallelize import parallelize_moe
 from tests.distributed import run_distributed
 
 E, H, FF, S, B = 4, 8, 6, 8, 2
@@ -51,9 +50,10 @@ def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) 
     set_aux_loss_backward_scale(1.0)
     mesh = build_mesh(ParallelConfig.layout(world, tp=tp, ep=ep, etp=etp), "gloo")
     full = _full_layer(dispatcher)
-    layer = apply_expert_parallel(copy.deepcopy(full), mesh.group("ep"), dispatcher,
-                                  tp_group=mesh.group("tp"), etp_group=mesh.group("etp"))
-    assert layer.tensor_parallel is not None
+    layer = parallelize_moe(copy.deepcopy(full), ep_group=mesh.group("ep"),
+                            tp_group=mesh.group("tp"), etp_group=mesh.group("etp"),
+                            execution=MoEExecutionConfig(token_dispatcher_type=dispatcher))
+    assert isinstance(layer.dispatcher, TensorParallelDispatcher)
     local_experts = E // ep
     assert layer.experts.fc1_weight.shape == (local_experts, H, 2 * FF // etp)
     # Single-process references, one per data-parallel replica (gradients kept apart).
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) 
     t, shard = mesh.local_rank_in("tp"), S // tp
     own = slice(t * shard, (t + 1) * shard)
     x_local = x[own].clone().requires_grad_(True)
-    out = layer(gather_from_sequence(x_local, mesh.group("tp"), reduce_grad=False))
+    out = layer(x_local)  # this rank's sequence shard in, its shard out
     (out * grad[own]).sum().backward()
     ref, ref_out, ref_xgrad = refs[mesh.local_rank_in("dp")]
     tol = dict(rtol=1e-5, atol=1e-6)
@@ -106,8 +106,6 @@ def test_tp2_x_ep2_layer_matches_single_process(etp, dispatcher):
     assert all(run_distributed(_worker, 4, 180, 2, 2, etp, dispatcher))
 
 
-def test_etp_other_than_one_or_tp_is_refused(monkeypatch):
-    sizes = {"tp": 4, "etp": 2}
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: sizes[group])
-    with pytest.raises(ValueError, match="not supported yet: --expert-tensor-parallel-size 2"):
-        build_moe_tensor_parallel("tp", "etp")
+def test_etp_other_than_one_or_tp_is_refused():
+    with pytest.raises(ConfigError, match="not supported yet: --expert-tensor-parallel-size 2"):
+        ParallelConfig.layout(8, tp=4, etp=2)

@@ -231,15 +231,17 @@ def test_layer_capacity_drops_and_padding(policy, pad):
     lost = ~keep.any(1)
     assert got[0].reshape(-1, 16)[lost].abs().max() == 0 if lost.any() else True
     # padding: every group has `cap` rows, padding rows are zero inputs with weight 0
-    d = layer.dispatch(x_TH, kept_probs, keep, cap if pad else None)
+    # (the grouped experts take the [T(+1), H] tokens and gather them inside fc1)
+    (x_in, tokens_per_expert_E, _, token_indices_N), state = layer.dispatcher.dispatch(
+        x_TH, kept_probs, keep, cap if pad else None)
     if pad:
-        assert d.tokens_per_expert_E.tolist() == [cap] * 4
-        is_pad = d.token_indices_N == x_TH.shape[0]
+        assert tokens_per_expert_E.tolist() == [cap] * 4
+        is_pad = token_indices_N == x_TH.shape[0]
         assert int(is_pad.sum()) == 4 * cap - int(keep.sum())
-        rows = d.x_NH if d.gathered else d.x_NH.index_select(0, d.token_indices_N)
-        assert rows[is_pad].abs().max() == 0 and d.probs_N[is_pad].abs().max() == 0
+        rows = x_in.index_select(0, token_indices_N)
+        assert rows[is_pad].abs().max() == 0 and state.probs_N[is_pad].abs().max() == 0
     else:
-        assert int(d.tokens_per_expert_E.sum()) == int(keep.sum())
+        assert int(tokens_per_expert_E.sum()) == int(keep.sum())
     stats = routing_stats(layer)[0]
     dropped = (int(rmap.sum()) - int(keep.sum())) / int(rmap.sum())
     assert stats["dropped_fraction"] == pytest.approx(dropped)

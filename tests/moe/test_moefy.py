@@ -99,7 +99,7 @@ def test_moefy_any_model_with_predicate():
 
 def test_pretrain_moe_use_upcycling_first_loss_equals_dense():
     from megamoe.cli.arguments import parse_args
-    from megamoe.training.pretrain import pretrain
+    from megamoe.cli.main import pretrain
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--max-position-embeddings 16 --normalization RMSNorm --position-embedding-type "

@@ -7,7 +7,7 @@ import math
 import torch
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.optim.mixed_precision import build_optimizer
+from megamoe.training.optim import build_optimizer
 
 
 def _model(dtype=torch.float32) -> torch.nn.Module:

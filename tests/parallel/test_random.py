@@ -10,6 +10,7 @@ from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
 from megamoe.parallel.rng import RNGTracker
 from megamoe.parallel.tensor_parallel import TensorParallel
+from megamoe.parallelize import apply_tensor_parallel
 from tests.distributed import run_distributed
 
 
@@ -41,7 +42,7 @@ def _dropout_worker(rank: int, world_size: int) -> None:
     def run(sp: bool) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(3)
         tp = TensorParallel(group, sp, RNGTracker(100 + rank))
-        model = GPTModel(config, tp).train()
+        model = apply_tensor_parallel(GPTModel(config), tp).train()
         torch.manual_seed(4)
         h = model.decoder(model.embedding(tokens))
         return h.detach(), model(tokens, labels=tokens).detach()

@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megamoe.model.linear import Embedding, Linear
 from megamoe.parallel.comm import (
     copy_to_tp,
     gather_from_sequence,
@@ -15,6 +14,7 @@ from megamoe.parallel.comm import (
     reduce_scatter_to_sequence,
     scatter_to_sequence,
 )
+from megamoe.parallel.linear import Embedding, Linear
 from megamoe.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

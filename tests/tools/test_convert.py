@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 import megamoe
 from megamoe.cli.arguments import parse_args
-from megamoe.training.checkpoint.single_file import read_checkpoint, write_checkpoint
-from megamoe.training.pretrain import pretrain
+from megamoe.cli.main import pretrain
+from megamoe.training.checkpoint import read_checkpoint, write_checkpoint
 from tools.checkpoint.convert import main as convert
 
 transformers = pytest.importorskip("transformers")

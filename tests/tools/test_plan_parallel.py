@@ -79,15 +79,15 @@ def _measure_layout(flags: str, world_size: int) -> tuple[dict[str, float], int]
     the measured bytes and this rank's pipeline stage."""
     from megamoe.moe.losses import MoELossTracker
     from megamoe.parallel.mesh import build_mesh
-    from megamoe.training.optim.mixed_precision import build_optimizer
-    from megamoe.training.pretrain import build_model
-    from megamoe.training.schedules.local import forward_backward
+    from megamoe.training.build import build_model
+    from megamoe.training.optim import build_optimizer
+    from megamoe.training.schedules import forward_backward
 
     args, run = _run_config(flags, world_size)
     mesh = None
     if world_size > 1:
         mesh = build_mesh(run.parallel, "gloo")
-    model = build_model(run, args.bf16, mesh)
+    model = build_model(run, mesh)
     opt = build_optimizer(model, run.optim, mesh=mesh,
                           distributed=run.parallel.use_distributed_optimizer)
     dp_rank, dp = (0, 1) if mesh is None else (mesh.dp_rank, mesh.dp_size)
@@ -191,10 +191,10 @@ def test_activation_memory_single_process_within_25_percent():
     """The activation model (fp32, one process, micro batch 8) against autograd's saved
     tensors: measured 4,529,260 bytes, predicted 3,809,280 (-16%) on the tiny preset; the
     model leaves out small per-token tensors (masks, routing indices, norm statistics)."""
-    from megamoe.training.pretrain import build_model
+    from megamoe.training.build import build_model
 
     args, run = _run_config("--micro-batch-size 8", 1)
-    model = build_model(run, False, None)
+    model = build_model(run)
     tokens = torch.randint(0, VOCAB, (8, run.model.seq_length),
                            generator=torch.Generator().manual_seed(0))
     measured = measure_saved_activation_bytes(model, tokens)

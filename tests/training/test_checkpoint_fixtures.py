@@ -18,7 +18,7 @@ import torch
 
 from megamoe import from_checkpoint
 from megamoe.cli.arguments import parse_args
-from megamoe.training.pretrain import pretrain
+from megamoe.cli.main import pretrain
 from tests.training.test_pretrain import TINY_MOE
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",

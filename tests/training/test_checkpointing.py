@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.checkpoint.single_file import (
+from megamoe.training.checkpoint import (
     TRACKER,
     CheckpointError,
     iteration_dir,
     load_checkpoint,
     save_checkpoint,
 )
-from megamoe.training.optim.mixed_precision import build_optimizer
+from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules.lr import LRScheduler
 
 
@@ -100,7 +100,7 @@ def test_finetune_loads_weights_only(tmp_path):
 
 
 def test_keep_last_n_retention(tmp_path):
-    from megamoe.training.checkpoint.single_file import list_checkpoints
+    from megamoe.training.checkpoint import list_checkpoints
 
     model, opt, sched = _setup()
     for it in range(1, 6):
@@ -112,7 +112,7 @@ def test_keep_last_n_retention(tmp_path):
 def test_retention_never_deletes_the_checkpoint_the_pointer_names(tmp_path):
     """A crash after publishing iter 5 but before the pointer moved: iter 3 is still the
     newest complete checkpoint, and keep-last 1 must keep it (as well as the newest dir)."""
-    from megamoe.training.checkpoint.single_file import list_checkpoints, prune_checkpoints
+    from megamoe.training.checkpoint import list_checkpoints, prune_checkpoints
 
     model, opt, sched = _setup()
     for it in (1, 2, 3):
@@ -140,7 +140,7 @@ def test_interrupted_resave_falls_back_to_the_old_copy(tmp_path):
 
 
 def test_async_save_writes_a_snapshot_and_reports_errors(tmp_path):
-    from megamoe.training.checkpoint.single_file import AsyncCheckpointWriter, build_state
+    from megamoe.training.checkpoint import AsyncCheckpointWriter, build_state
 
     model, opt, sched = _setup()
     _train(model, opt, sched, 1)
@@ -169,8 +169,8 @@ def test_async_save_does_not_block_the_caller(tmp_path, monkeypatch):
     does not delay `save`; `finalize` waits for it."""
     import threading
 
+    from megamoe.training.checkpoint import AsyncCheckpointWriter, build_state
     from megamoe.training.checkpoint import single_file as checkpointing
-    from megamoe.training.checkpoint.single_file import AsyncCheckpointWriter, build_state
 
     release, entered = threading.Event(), threading.Event()
     real_write = checkpointing.write_checkpoint

@@ -24,15 +24,15 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
+from megamoe.cli.main import pretrain
 from megamoe.data import IndexedDatasetBuilder
-from megamoe.training.checkpoint.dist import read_dist_tensors
-from megamoe.training.checkpoint.single_file import (
+from megamoe.training.checkpoint import (
     PAUSE_ENV,
     TRACKER,
     read_checkpoint,
+    read_dist_tensors,
     read_tracker,
 )
-from megamoe.training.pretrain import pretrain
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
 SAVE_EVERY = "--train-iters 4 --save-interval 1 --ckpt-keep-last 2"
@@ -242,7 +242,7 @@ def _one_line(code: int, err: str, needles: list[str]) -> None:
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_bad_load_is_one_line_and_leaves_save_untouched(tmp_path, capsys, fmt):
-    from megamoe.training.pretrain import main
+    from megamoe.cli.main import main
 
     f = f"--ckpt-format {fmt}"
     good = str(tmp_path / "good")

@@ -13,17 +13,20 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.mapping import run_config_from_args
+from megamoe.cli.main import pretrain
+from megamoe.cli.mapping import config_from_args, run_config_from_args
+from megamoe.config import DataConfig
+from megamoe.data import tokenizer_for
 from megamoe.inference import from_checkpoint
 from megamoe.parallel.mesh import init_mesh
-from megamoe.training.checkpoint.dist import (
+from megamoe.training.build import build_model
+from megamoe.training.checkpoint import (
+    checkpoint_file,
     load_dist_checkpoint,
     read_dist_tensors,
     save_dist_checkpoint,
 )
-from megamoe.training.checkpoint.single_file import checkpoint_file
-from megamoe.training.optim.mixed_precision import build_optimizer
-from megamoe.training.pretrain import build_model, build_tokenizer_from_args, pretrain
+from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
 from tests.training.test_pretrain import TINY_MOE
@@ -49,9 +52,9 @@ def _resave_then_resume(rank: int, world_size: int, layout: str, src: str,
     """Load `src` under `layout`, save it again to `dst` untouched, then resume training."""
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {layout}"),
                       world_size=world_size)
-    run = run_config_from_args(args, build_tokenizer_from_args(args).vocab_size)
+    run = run_config_from_args(args, tokenizer_for(config_from_args(DataConfig, args)).vocab_size)
     mesh = init_mesh(run.parallel)
-    model = build_model(run, False, mesh)
+    model = build_model(run, mesh)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
                                 distributed=run.parallel.use_distributed_optimizer)
     scheduler = LRScheduler(optimizer, run.optim, run.train.train_iters)
@@ -166,15 +169,14 @@ def test_torch_dist_from_checkpoint_path_forms_and_bf16_resume(tmp_path):
 
 def test_wrong_shape_names_the_tensor(tmp_path):
     """Without a saved model config to compare flags with, DCP's own index catches it."""
-    from megamoe.training.checkpoint.dist import read_common
-    from megamoe.training.checkpoint.single_file import CheckpointError
+    from megamoe.training.checkpoint import CheckpointError, read_common
 
     save = tmp_path / "run"
     _losses(f"--train-iters 1 --save {save}", 1)
     found = checkpoint_file(str(save))
     common = dict(read_common(found), model_config=None)
     args = parse_args(shlex.split(f"{TINY_MOE} --num-experts 8 --train-iters 1"), world_size=1)
-    model = build_model(run_config_from_args(args, 98), False)
+    model = build_model(run_config_from_args(args, 98))
     with pytest.raises(CheckpointError, match=r"iter_0000001: does not match the model \("
                        r"model.decoder.layers.0.mlp.router.weight has shape \[4, 32\] in the "
                        r"checkpoint, \[8, 32\] in this model\)"):

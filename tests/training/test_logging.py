@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
+from megamoe.cli.main import pretrain
 from megamoe.training.metrics import (
     colormap,
     expert_load_heatmap,
@@ -20,7 +21,6 @@ from megamoe.training.metrics import (
     measure_peak_tflops,
     memory_scalars,
 )
-from megamoe.training.pretrain import pretrain
 from tests.training.test_pretrain import TINY_MOE
 
 

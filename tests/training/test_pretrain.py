@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megamoe.cli.arguments import parse_args
-from megamoe.training.pretrain import pretrain
+from megamoe.cli.main import pretrain
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

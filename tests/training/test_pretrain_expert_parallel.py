@@ -13,8 +13,8 @@ import torch
 
 import megamoe.training.pretrain as pretrain_module
 from megamoe.cli.arguments import parse_args
+from megamoe.cli.main import pretrain
 from megamoe.moe.losses import MoELossTracker
-from megamoe.training.pretrain import pretrain
 from tests.distributed import run_distributed
 from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE

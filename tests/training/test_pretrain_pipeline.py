@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megamoe.cli.arguments import parse_args
-from megamoe.training.pretrain import pretrain
+from megamoe.cli.main import pretrain
 from tests.distributed import run_distributed
 from tests.training.test_pretrain import TINY_MOE
 

@@ -88,7 +88,7 @@ def _one_line_refusal(code: int, err: str, target: str) -> None:
 @pytest.mark.parametrize("where", ["single", "common", "metadata"])
 def test_crafted_checkpoint_is_refused_by_every_reader(checkpoints, tmp_path, capsys, where):
     from megamoe import from_checkpoint
-    from megamoe.training.pretrain import main
+    from megamoe.cli.main import main
 
     root, target, marker = _crafted(checkpoints, tmp_path, where)
     for extra in ("", "--finetune"):
@@ -132,7 +132,7 @@ def test_dcp_byte_items_are_never_unpickled(tmp_path):
                  planner=TensorOnlyLoadPlanner())
     assert "refused a pickled" in repr(getattr(e.value, "failures", e.value))
     assert not os.path.exists(marker)
-    from megamoe.training.checkpoint.dist import read_dist_tensors
+    from megamoe.training.checkpoint import read_dist_tensors
 
     assert list(read_dist_tensors(ckpt)) == ["w"]  # tensors only, the pickle is not read
     assert not os.path.exists(marker)

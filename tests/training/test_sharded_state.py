@@ -11,8 +11,9 @@ import torch
 
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import run_config_from_args
+from megamoe.config import pipeline_layer_ranges
 from megamoe.model.gpt_model import GPTModel
-from megamoe.model.pipeline_stage import build_pipeline_model
+from megamoe.model.pipeline_stage import split_pipeline
 from megamoe.training.checkpoint.sharded_state import model_entries
 from tests.training.test_pretrain import TINY_MOE
 
@@ -58,8 +59,8 @@ def test_pipeline_stages_use_the_single_process_names():
         saved, loaded = set(), set()
         for rank in range(2):
             torch.manual_seed(0)
-            stage = build_pipeline_model(config, None, rank, 2, None, [0, 1],
-                                         per_virtual_stage)
+            ranges = pipeline_layer_ranges(config.num_layers, 2, per_virtual_stage)
+            stage = split_pipeline(GPTModel(config), ranges, rank, None, [0, 1])
             for e in model_entries(stage):
                 for p in e.parts:
                     assert p.global_shape == single[p.key].global_shape, p.key

@@ -33,11 +33,11 @@ from megamoe.cli.rules import ArgumentError, finalize_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
 from megamoe.model.hf_mapping import hf_to_megamoe, megamoe_to_hf  # noqa: E402
-from megamoe.training.checkpoint.dist import save_dist_checkpoint  # noqa: E402
-from megamoe.training.checkpoint.single_file import (  # noqa: E402
+from megamoe.training.checkpoint import (  # noqa: E402
     TRACKER,
     CheckpointError,
     read_checkpoint,
+    save_dist_checkpoint,  # noqa: E402
     write_checkpoint,
 )
 

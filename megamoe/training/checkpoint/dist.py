@@ -25,11 +25,9 @@ shards on a background thread; the next save or the end of training publishes th
 from __future__ import annotations
 
 import os
-import random
 import warnings
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,24 +36,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megamoe.config import ModelConfig
+from megamoe.model.gpt_model import GPTModel
+from megamoe.training.checkpoint.config_check import check_model_config
+from megamoe.training.checkpoint.publish import (
+    COMMON,
+    fsync_dir,
+    pause_point,
+    prepare_tmp,
+    publish_tmp,
+)
+from megamoe.training.checkpoint.rng_state import rng_state, set_rng_state
 from megamoe.training.checkpoint.safe_load import (
+    CheckpointError,
     SafeFileSystemReader,
     TensorOnlyLoadPlanner,
     load_torch_file,
     read_dcp_metadata,
 )
 from megamoe.training.checkpoint.sharded_state import Entry, model_entries
-from megamoe.training.checkpoint.single_file import (
-    COMMON,
-    CheckpointError,
-    _check_model_config,
-    _fsync_dir,
-    _pause_point,
-    _rng_state,
-    _set_rng_state,
-    prepare_tmp,
-    publish_tmp,
-)
 
 FORMAT_VERSION = 1
 
@@ -115,7 +113,7 @@ def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: boo
 def _common(iteration: int, consumed_samples: int, args: dict, model_config, scheduler,
             optim_common, save_rng: bool, mesh, rank: int, world: int, extra) -> dict:
     """Rank 0's non-tensor state (None on other ranks); gathers every rank's RNG states."""
-    rngs = [_rng_state()] if save_rng else None
+    rngs = [rng_state()] if save_rng else None
     if save_rng and world > 1:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(rngs[0], gathered, dst=0)
@@ -138,7 +136,7 @@ def _prepare(root: str, iteration: int, rank: int, world: int) -> str:
         dist.broadcast_object_list(box, src=0)
         tmp = box[0]
     if rank == 0:
-        _pause_point("before_write", iteration)
+        pause_point("before_write", iteration)
     return tmp
 
 
@@ -150,12 +148,12 @@ def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
             torch.save(common, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     if world > 1:
         dist.barrier()
     final = tmp
     if rank == 0:
-        _pause_point("after_write", iteration)
+        pause_point("after_write", iteration)
         final = publish_tmp(root, iteration, tmp, keep_last)
     if world > 1:
         dist.barrier()
@@ -272,7 +270,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     "rng_restored" says whether this rank's RNG states were set."""
     rank, world = _world(single)
     common = read_common(ckpt_dir) if common is None else common
-    _check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))
+    check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))
     meta = read_metadata(ckpt_dir)
     entries = model_entries(model, mesh if world > 1 else None)
     request: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -313,7 +311,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
         same_layout = (common.get("world_size") == world and common.get("layout")
                        == dict(getattr(mesh, "sizes", {}) or {}))
         if load_rng and rngs and same_layout:
-            _set_rng_state(rngs[rank])
+            set_rng_state(rngs[rank])
             common["rng_restored"] = True
     return common
 
@@ -333,15 +331,6 @@ def load_single_process_model(ckpt_dir: str, model: nn.Module) -> dict:
                                 load_rng=False, finetune=True, single=True)
 
 
-def reseed(seed: int, iteration: int, stream: int = 0) -> None:
-    """After a layout change (RNG states not restorable): a fresh stream per resumed run
-    (and pipeline stage, `stream`) that does not replay the first iterations' draws."""
-    s = seed + iteration + stream
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
-
-
 def _saved_dtype(meta: dict) -> torch.dtype:
     for key, m in meta.items():
         if key.startswith("model.") and hasattr(m, "properties"):
@@ -352,8 +341,6 @@ def _saved_dtype(meta: dict) -> torch.dtype:
 def build_single_process_model(ckpt_dir: str) -> tuple[nn.Module, dict]:
     """A single-process GPTModel (saved dtype) with the weights of a torch_dist checkpoint
     of any layout, and the checkpoint's common state."""
-    from megamoe.model.gpt_model import GPTModel
-
     common = read_common(ckpt_dir)
     if not common.get("model_config"):
         raise CheckpointError(f"{os.path.join(ckpt_dir, COMMON)}: holds no model config")

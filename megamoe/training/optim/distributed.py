@@ -27,12 +27,8 @@ import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_rank, group_size
-from megamoe.training.optim.grads import _sum_marked
-from megamoe.training.optim.mixed_precision import (
-    _param_groups,
-    build_inner_optimizer,
-    fp32_accumulate_hook,
-)
+from megamoe.training.optim.common import build_inner_optimizer, fp32_accumulate_hook, param_groups
+from megamoe.training.optim.grads import sum_marked
 
 Group = Optional[dist.ProcessGroup]
 # torch >= 2.10 names (the *_tensor spellings are deprecated aliases).
@@ -118,7 +114,7 @@ class DistributedOptimizer:
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.embd_group, self.ep_group, self.edp_group = embd_group, ep_group, edp_group
         self.etp_group = etp_group
-        groups = _param_groups(model, config.weight_decay)
+        groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_grads = any(p.dtype != torch.float32 for p in self.model_params)
         if self.separate_grads:  # bf16 model: accumulate gradients in fp32 (see optimizer.py)
@@ -196,8 +192,8 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
         grads = self._full_grads()
-        _sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
-        _sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
+        sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
+        sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
         dp_size = group_size(self.dp_group)
         shards = []
         for buf in self.buffers:

@@ -53,7 +53,7 @@ def allreduce_gradients(grads: list[torch.Tensor], group: Optional[dist.ProcessG
             g.copy_(reduced)
 
 
-def _sum_marked(grads: list[torch.Tensor], params: list[torch.nn.Parameter], attr: str,
+def sum_marked(grads: list[torch.Tensor], params: list[torch.nn.Parameter], attr: str,
                 group: Optional[dist.ProcessGroup], bucket_numel: int) -> None:
     if group is None:
         return
@@ -86,8 +86,8 @@ def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter]
        remaining replicas, so sum / DP is the global-batch mean, as for dense parameters
        (Megatron's edp / dp scaling of an edp average).
     """
-    _sum_marked(grads, params, "sequence_parallel", tp_group, bucket_numel)
-    _sum_marked(grads, params, "shared_embedding", embd_group, bucket_numel)
+    sum_marked(grads, params, "sequence_parallel", tp_group, bucket_numel)
+    sum_marked(grads, params, "shared_embedding", embd_group, bucket_numel)
     is_expert = [getattr(p, "expert_parallel", False) for p in params]
     dense = [g for g, e in zip(grads, is_expert) if not e]
     expert = [g for g, e in zip(grads, is_expert) if e]
@@ -95,3 +95,42 @@ def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter]
     if expert:
         dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         allreduce_gradients(expert, edp_group, bucket_numel, divisor=dp_size)
+
+
+def local_grad_norm(grads: list[torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+
+
+def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
+                             tp_group: Optional[dist.ProcessGroup],
+                             pp_group: Optional[dist.ProcessGroup],
+                             ep_group: Optional[dist.ProcessGroup] = None,
+                             etp_group: Optional[dist.ProcessGroup] = None) -> float:
+    """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
+    parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
+    from this rank (identical on every TP rank after reduction), routed experts
+    (`param.expert_parallel`: each ep rank holds different experts) summed over EP, and
+    the ones split over the expert-tensor-parallel group (`param.etp_sharded`) over ETP
+    first, stages summed over PP. DP / EDP replicas hold identical reduced gradients, so
+    they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is
+    not counted."""
+    sq = torch.zeros(4, dtype=torch.float32)  # [tp-sharded, replicated, expert,
+    for g, p in zip(grads, params):           #  etp-sharded expert] squares
+        if getattr(p, "shared_copy", False):
+            continue
+        if getattr(p, "expert_parallel", False):
+            i = 3 if getattr(p, "etp_sharded", False) else 2
+        else:
+            i = 0 if getattr(p, "tensor_model_parallel", False) else 1
+        sq[i] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    if tp_group is not None:
+        dist.all_reduce(sq[:1], group=tp_group)
+    if etp_group is not None:
+        dist.all_reduce(sq[3:], group=etp_group)
+    if ep_group is not None:
+        dist.all_reduce(sq[2:], group=ep_group)
+    total = sq.sum().reshape(1)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return float(total.sqrt())

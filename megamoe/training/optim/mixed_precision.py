@@ -14,91 +14,16 @@ optimizer and copies the result back to the model parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.optim.grads import reduce_gradients
-
-if TYPE_CHECKING:
-    from megamoe.parallel.mesh import Mesh
+from megamoe.training.optim.common import build_inner_optimizer, fp32_accumulate_hook, param_groups
+from megamoe.training.optim.grads import local_grad_norm
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
 GradNormFn = Callable[[list[torch.Tensor]], float]
-
-
-def local_grad_norm(grads: list[torch.Tensor]) -> float:
-    return float(torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
-
-
-def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
-                             tp_group: Optional[dist.ProcessGroup],
-                             pp_group: Optional[dist.ProcessGroup],
-                             ep_group: Optional[dist.ProcessGroup] = None,
-                             etp_group: Optional[dist.ProcessGroup] = None) -> float:
-    """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
-    parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
-    from this rank (identical on every TP rank after reduction), routed experts
-    (`param.expert_parallel`: each ep rank holds different experts) summed over EP, and
-    the ones split over the expert-tensor-parallel group (`param.etp_sharded`) over ETP
-    first, stages summed over PP. DP / EDP replicas hold identical reduced gradients, so
-    they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is
-    not counted."""
-    sq = torch.zeros(4, dtype=torch.float32)  # [tp-sharded, replicated, expert,
-    for g, p in zip(grads, params):           #  etp-sharded expert] squares
-        if getattr(p, "shared_copy", False):
-            continue
-        if getattr(p, "expert_parallel", False):
-            i = 3 if getattr(p, "etp_sharded", False) else 2
-        else:
-            i = 0 if getattr(p, "tensor_model_parallel", False) else 1
-        sq[i] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-    if tp_group is not None:
-        dist.all_reduce(sq[:1], group=tp_group)
-    if etp_group is not None:
-        dist.all_reduce(sq[3:], group=etp_group)
-    if ep_group is not None:
-        dist.all_reduce(sq[2:], group=ep_group)
-    total = sq.sum().reshape(1)
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
-    return float(total.sqrt())
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's rule: no weight decay on biases and on 1-D parameters (norm weights)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return [g for g in groups if g["params"]]
-
-
-def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
-                          ) -> torch.optim.Optimizer:
-    """The torch optimizer that updates the fp32 main parameters (--optimizer)."""
-    if config.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1,
-                                                              config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay)
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
-                           weight_decay=config.weight_decay)
-
-
-def fp32_accumulate_hook(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """Post-accumulate-grad hook: add the parameter's gradient to the fp32 `buf` and free
-    it, so accumulation across micro-batches never rounds in the model dtype."""
-    def hook(param: torch.Tensor) -> None:
-        buf.add_(param.grad.float())
-        param.grad = None
-    return hook
 
 
 class MixedPrecisionOptimizer:
@@ -110,7 +35,7 @@ class MixedPrecisionOptimizer:
         self.config = config
         self.reduce_grads_fn = reduce_grads_fn
         self.grad_norm_fn = grad_norm_fn or local_grad_norm
-        groups = _param_groups(model, config.weight_decay)
+        groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
         if self.separate_main:
@@ -224,33 +149,3 @@ class MixedPrecisionOptimizer:
         if self.separate_main:
             for p, main in zip(self.model_params, self.main_params):
                 main.copy_(p.float())
-
-
-def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
-                    reduce_grads_fn: Optional[ReduceGradsFn] = None,
-                    mesh: Optional[Mesh] = None, distributed: bool = False):
-    """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP,
-    DP and EDP groups and the grad norm counts every parameter once across TP, EP and PP.
-    `distributed` (--use-distributed-optimizer) shards main params and states over DP /
-    EDP (distributed_optimizer.py); with one rank in both it is this same optimizer."""
-    if distributed and mesh is not None and reduce_grads_fn is None and (
-            mesh.dp_size > 1 or mesh.edp_size > 1):
-        from megamoe.training.optim.distributed import DistributedOptimizer
-
-        return DistributedOptimizer(
-            model, config, tp_group=mesh.group("tp"), dp_group=mesh.group("dp"),
-            pp_group=mesh.group("pp"), embd_group=mesh.group("embd"),
-            ep_group=mesh.group("ep"), edp_group=mesh.group("edp"),
-            etp_group=mesh.group("etp"))
-    opt = MixedPrecisionOptimizer(model, config, reduce_grads_fn)
-    if mesh is not None and reduce_grads_fn is None:
-        params = opt.model_params  # aligned with the grads the hooks receive
-        tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
-        embd, edp, ep = mesh.group("embd"), mesh.group("edp"), mesh.group("ep")
-        etp = mesh.group("etp")
-        opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
-                                                             embd_group=embd, edp_group=edp)
-        if tp is not None or pp is not None or ep is not None:
-            opt.grad_norm_fn = lambda grads: model_parallel_grad_norm(grads, params, tp, pp,
-                                                                      ep, etp)
-    return opt

@@ -1,0 +1,28 @@
+"""Schedules: the micro-batches of one global batch without pipelining (local.py) or
+through the pipeline (pipeline.py: 1F1B and interleaved), and the learning rate over the
+iterations (lr.py)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from megamoe.model.pipeline_stage import PipelineModel
+from megamoe.training.schedules.local import Batch, forward_backward_no_pipelining
+from megamoe.training.schedules.lr import LRScheduler
+from megamoe.training.schedules.pipeline import forward_backward_pipelining
+
+
+def forward_backward(model: torch.nn.Module, data_iter: Iterator[Batch],
+                     num_microbatches: int, *, forward_only: bool = False) -> torch.Tensor:
+    """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel."""
+    if isinstance(model, PipelineModel):
+        return forward_backward_pipelining(model, data_iter, num_microbatches,
+                                           forward_only=forward_only)
+    return forward_backward_no_pipelining(model, data_iter, num_microbatches,
+                                          forward_only=forward_only)
+
+
+__all__ = ["Batch", "LRScheduler", "forward_backward", "forward_backward_no_pipelining",
+           "forward_backward_pipelining"]

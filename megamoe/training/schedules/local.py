@@ -15,14 +15,9 @@ import torch
 
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import set_aux_loss_backward_scale
+from megamoe.training.loss import masked_lm_loss
 
 Batch = dict[str, torch.Tensor]
-
-
-def masked_lm_loss(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
-    """Mean per-token loss over unmasked tokens (fp32)."""
-    mask = loss_mask_BS.to(torch.float32)
-    return (loss_BS.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def forward_step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -49,16 +44,3 @@ def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[B
             (loss / num_microbatches).backward()
         total += loss.detach()
     return total / num_microbatches
-
-
-def forward_backward(model: torch.nn.Module, data_iter: Iterator[Batch],
-                     num_microbatches: int, *, forward_only: bool = False) -> torch.Tensor:
-    """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel."""
-    from megamoe.model.pipeline_stage import PipelineModel
-    from megamoe.training.schedules.pipeline import forward_backward_pipelining
-
-    if isinstance(model, PipelineModel):
-        return forward_backward_pipelining(model, data_iter, num_microbatches,
-                                           forward_only=forward_only)
-    return forward_backward_no_pipelining(model, data_iter, num_microbatches,
-                                          forward_only=forward_only)

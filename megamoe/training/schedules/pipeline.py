@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megamoe.model.pipeline_stage import PipelineModel
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from megamoe.training.loss import masked_lm_loss
 
 Batch = dict[str, torch.Tensor]
 Task = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
@@ -137,8 +138,6 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
                                 ) -> torch.Tensor:
     """Run one global batch through the pipeline; returns the mean LM loss (fp32, on every
     rank of the pipeline group). Gradients accumulate in the chunks' parameters."""
-    from megamoe.training.schedules.local import masked_lm_loss  # the same loss definition
-
     m = num_microbatches
     batches = [next(data_iter) for _ in range(m)]  # every stage reads the same batches
     set_aux_loss_backward_scale(1.0 / m)

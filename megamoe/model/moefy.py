@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megamoe.config import MoEConfig
+from megamoe.model.mlp import MLP
 from megamoe.moe.experts import GroupedExperts
 from megamoe.moe.layer import MoELayer
 
@@ -71,8 +72,6 @@ def upcycle_model(dense: nn.Module, moe_model: nn.Module) -> None:
 
 
 def _is_megamoe_mlp(name: str, module: nn.Module) -> bool:
-    from megamoe.model.mlp import MLP
-
     return isinstance(module, MLP)
 
 

@@ -1,4 +1,7 @@
-"""Linear and embedding layers that initialise themselves once, Megatron style.
+"""Linear and embedding layers (one rank) that initialise themselves once, Megatron style.
+
+They are what tensor_parallel.py's layers are with a single rank, and draw the same
+numbers.
 
 `nn.Linear`/`nn.Embedding` run their own (kaiming / normal(0, 1)) init in the constructor
 and would then be re-initialised: that wastes RNG draws and time on big models. These

@@ -1,0 +1,56 @@
+"""`pretrain_gpt.py`: Megatron-style flags -> validated configs -> a pretraining run.
+
+Errors a user can cause (bad flags, missing or corrupt data, unusable checkpoints) end as
+one line on stderr and a non-zero exit; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import config_from_args, run_config_from_args
+from megamoe.config import DataConfig
+from megamoe.data import DataError, tokenizer_for
+from megamoe.planning.dry_run import dry_run
+from megamoe.training import pretrain as training
+from megamoe.training.checkpoint import CheckpointError
+from megamoe.training.loop import TrainState
+
+USER_ERRORS = (DataError, CheckpointError, FileNotFoundError)
+
+
+def _dry_run_vocab_size(data: DataConfig) -> int:
+    """The tokenizer's vocabulary. Under --dry-run, --vocab-size stands in for a tokenizer
+    file that exists only on the cluster, so a launch script can be checked anywhere."""
+    if data.vocab_size and data.tokenizer_model and not os.path.exists(data.tokenizer_model):
+        return data.vocab_size
+    return tokenizer_for(data).vocab_size
+
+
+def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> TrainState:
+    """Run what validated flags ask for: a dry run (shapes and sizes only: no process group,
+    no data) or training."""
+    data = config_from_args(DataConfig, args)
+    if args.dry_run:
+        dry_run(run_config_from_args(args, _dry_run_vocab_size(data)), print_fn)
+        return TrainState()
+    tokenizer = tokenizer_for(data)
+    return training.pretrain(run_config_from_args(args, tokenizer.vocab_size), tokenizer,
+                             print_fn)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        pretrain(args)
+    except USER_ERRORS as e:
+        sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("pretrain_gpt.py: interrupted\n")
+        return 130
+    return 0

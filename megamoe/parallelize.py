@@ -1,0 +1,192 @@
+"""One step that turns the single-process model into this rank's part of a parallel layout.
+
+The model is built as one process would build it (plain `GPTModel(config)`, on the CPU with
+the seed, or on the meta device), then `parallelize` applies, in this order:
+
+  1. tensor + sequence parallelism: attention, dense MLP, word embedding and output layer
+     keep this TP rank's rows/columns (the layers' `shard`), norms and position embeddings
+     fed by sequence shards are marked for the TP gradient sum, the modules that run TP
+     collectives get the TP context (group, SP, dropout stream);
+  2. pipeline parallelism: keep this rank's (virtual) stages of the TP-sharded model;
+  3. experts (`parallelize_moe`): keep this ep rank's experts, this etp rank's slice of
+     their hidden dimension, give every MoE layer the dispatcher of the layout (local,
+     alltoall or allgather, inside a tensor-parallel one under TP), mark the expert
+     parameters, and set the grouped-GEMM choice;
+  4. adaptive parallelism: wrap each MoE layer's expert-parallel dispatcher in an adaptive
+     one (times the collectives of the ep group once);
+  5. the balancing group of global_aux_loss (dp x cp);
+  6. the dropout streams: one per pipeline stage (and per TP rank for split activations);
+  7. the dtype (bf16: the routers' expert bias stays fp32).
+
+Every step only slices, marks or wraps: the values of a shard are the single-process
+values at the same global position, so every layout computes what one process computes.
+Steps 1-3 work on meta tensors too (shapes only).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megamoe.config import MoEExecutionConfig, ParallelConfig
+from megamoe.model.attention import SelfAttention
+from megamoe.model.gpt_model import GPTEmbedding, GPTModel
+from megamoe.model.pipeline_stage import split_pipeline
+from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
+from megamoe.moe.cost_model import CollectiveCosts
+from megamoe.moe.dispatchers import (
+    AdaptiveDispatcher,
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    ExpertParallelDispatcher,
+    LocalDispatcher,
+    TensorParallelDispatcher,
+)
+from megamoe.moe.experts import use_grouped_gemm
+from megamoe.moe.layer import MoELayer
+from megamoe.moe.router import TopKRouter
+from megamoe.moe.sharding import mark_expert_parallel, shard_expert_hidden, shard_experts
+from megamoe.parallel.comm import group_rank, group_size
+from megamoe.parallel.mesh import Mesh
+from megamoe.parallel.rng import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
+from megamoe.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    mark_sequence_parallel,
+)
+
+Group = Optional[dist.ProcessGroup]
+
+
+def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
+                moe: MoEExecutionConfig, *, seed: int,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """This rank's part of `model` (a GPTModel, or with PP a PipelineModel of its stages),
+    in the order of the module docstring. `seed` is --seed: the TP dropout stream and the
+    per-stage dropout streams derive from it."""
+    if mesh.tp_size > 1:
+        rng = RNGTracker(seed + MODEL_PARALLEL_SEED_OFFSET + mesh.tp_rank)
+        apply_tensor_parallel(model, TensorParallel(mesh.group("tp"), parallel.sequence_parallel,
+                                                    rng))
+    if mesh.pp_size > 1:
+        model = split_pipeline(model, parallel.layer_ranges(model.config.num_layers),
+                               mesh.pp_rank, mesh.group("pp"), mesh.group_ranks["pp"])
+    if model.config.moe is not None:
+        use_grouped_gemm(model, moe.grouped_gemm)
+        parallelize_moe(model, ep_group=mesh.group("ep"), tp_group=mesh.group("tp"),
+                        etp_group=mesh.group("etp"), execution=moe)
+        if moe.adaptive_parallelism:
+            enable_adaptive_parallelism(model, mesh.group("ep"))
+        if mesh.dp_size * mesh.cp_size > 1:
+            set_balancing_group(model, mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size)
+    if mesh.tp_size > 1 or mesh.pp_size > 1:  # this stage's dropout stream, every TP rank
+        torch.manual_seed(seed + PIPELINE_SEED_STRIDE * mesh.pp_rank)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Step 1, in place (returns `model`): shard the column/row-parallel linears and
+    vocab-parallel tables, hand `tp` to the modules that run TP collectives or dropout on
+    split activations, and (SP) mark the replicated parameters that see only this rank's
+    sequence shard."""
+    for m in list(model.modules()):
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            m.shard(tp)
+        elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention)):
+            m.tp = tp
+        if isinstance(m, TransformerLayer):
+            mark_sequence_parallel(m.input_layernorm, tp)
+            mark_sequence_parallel(m.pre_mlp_layernorm, tp)
+        elif isinstance(m, TransformerBlock):
+            mark_sequence_parallel(m.final_layernorm, tp)
+        elif isinstance(m, GPTEmbedding) and m.position_embeddings is not None:
+            mark_sequence_parallel(m.position_embeddings, tp)  # looks up its shard only
+    return model
+
+
+def _moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def _expert_parallel_dispatcher(kind: str, num_experts: int, ep_group: Group,
+                                overlap_degree: int) -> ExpertParallelDispatcher:
+    if kind == "alltoall":
+        return AllToAllDispatcher(num_experts, ep_group, overlap_degree)
+    return AllGatherDispatcher(num_experts, ep_group)
+
+
+def parallelize_moe(model: nn.Module, *, ep_group: Group = None, tp_group: Group = None,
+                    etp_group: Group = None,
+                    execution: Optional[MoEExecutionConfig] = None) -> nn.Module:
+    """Step 3, in place, for every MoELayer of `model` (a GPT model or any module holding
+    MoE layers, e.g. one standalone layer): keep this ep rank's experts and give the layer
+    the expert-parallel dispatcher; under TP (sequence parallel) split the experts' hidden
+    dimension over `etp_group` (ETP = TP) or the routed tokens over the TP ranks (ETP = 1)
+    around it (moe/dispatchers/tensor_parallel.py). Returns `model`."""
+    execution = execution or MoEExecutionConfig()
+    ep, tp, etp = group_size(ep_group), group_size(tp_group), group_size(etp_group)
+    for layer in _moe_layers(model):
+        dispatcher = layer.dispatcher
+        layer.config.check_expert_parallel(ep)
+        execution.check_layout(ep, etp, expert_biases=_has_biases(layer.experts))
+        if ep > 1:
+            dispatcher = _expert_parallel_dispatcher(
+                execution.token_dispatcher_type, layer.config.num_experts, ep_group,
+                execution.a2a_overlap_degree)
+            shard_experts(layer.experts, dispatcher.local_start, dispatcher.num_local_experts)
+        if tp > 1 or etp > 1:  # after the ep slice, which makes new parameters
+            shard_expert_hidden(layer.experts, etp, group_rank(etp_group))
+            dispatcher = TensorParallelDispatcher(dispatcher, tp_group,
+                                                  etp_group if etp > 1 else None)
+        mark_expert_parallel(layer.experts)
+        layer.dispatcher = dispatcher
+    return model
+
+
+def _has_biases(experts: nn.Module) -> bool:
+    return getattr(experts, "fc1_bias", None) is not None
+
+
+def enable_adaptive_parallelism(model: nn.Module, group: Group, *, measure: bool = True
+                                ) -> list[AdaptiveDispatcher]:
+    """Step 4: every expert-parallel MoE layer of `model` runs each call as ep, dp or tp
+    (moe/dispatchers/adaptive.py). With `measure`, the collectives of `group` are timed
+    once (the alpha-beta model, logged) and each layer times its modes at the first call
+    of every token count and keeps the fastest; otherwise the mode is "ep" unless a caller
+    passes `parallel_mode=` / `adaptive_r=`."""
+    costs = CollectiveCosts.measure(group) if measure else None
+    out = []
+    for layer in _moe_layers(model):
+        outer, inner = None, layer.dispatcher
+        if isinstance(inner, TensorParallelDispatcher):
+            outer, inner = inner, inner.inner
+        if isinstance(inner, AdaptiveDispatcher):  # enabled again: new measurements
+            inner = inner.inner
+        if not isinstance(inner, ExpertParallelDispatcher):
+            raise ValueError("--moe-adaptive-parallelism needs --expert-model-parallel-size > 1")
+        adaptive = AdaptiveDispatcher(inner, LocalDispatcher.for_experts(layer.experts),
+                                      layer.config.topk, layer.experts.fc2_weight.shape[1],
+                                      costs, calibrate=measure)
+        if outer is None:
+            layer.dispatcher = adaptive
+        else:
+            outer.inner = adaptive
+        out.append(adaptive)
+    return out
+
+
+def set_balancing_group(model: nn.Module, group: Group, grad_average_size: int) -> None:
+    """Step 5: global_aux_loss sums token counts over the data-parallel ranks (dp x cp). TP
+    ranks are left out: with sequence parallelism every TP rank routes the same gathered
+    tokens. Gradients are averaged over dp x cp, which the loss compensates for."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.balancing_group = group
+            module.grad_average_size = grad_average_size

@@ -1,0 +1,50 @@
+"""`pretrain_gpt.py --dry-run`: the model's size and the memory one rank of the launch's
+own layout needs, from the memory model the planner uses (memory.py), without a process
+group or data."""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import torch
+
+from megamoe.config import RunConfig
+from megamoe.model.flops import num_parameters
+from megamoe.model.gpt_model import GPTModel
+from megamoe.planning.memory import Layout, activation_bytes, model_bytes
+
+
+def launch_layout(run: RunConfig) -> Layout:
+    """The memory model's Layout of a run's flags (no recompute yet)."""
+    par = run.parallel
+    vpp = 1
+    if par.num_layers_per_virtual_pipeline_stage:
+        vpp = run.model.num_layers // (par.pipeline_model_parallel_size
+                                       * par.num_layers_per_virtual_pipeline_stage)
+    return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                  vpp=vpp, ep=par.expert_model_parallel_size, etp=par.etp,
+                  dp=par.data_parallel_size, cp=par.context_parallel_size,
+                  distributed_optimizer=par.use_distributed_optimizer, recompute="none",
+                  micro_batch_size=run.train.micro_batch_size)
+
+
+def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
+    """Build the model's shapes on the meta device; report (one JSON line) its size and the
+    memory one rank of this layout needs (the largest pipeline stage)."""
+    with torch.device("meta"):
+        model = GPTModel(run.model)
+    actual = sum(p.numel() for p in model.parameters())
+    total, active = num_parameters(run.model)
+    layout = launch_layout(run)
+    bytes_per = 2 if run.optim.bf16 else 4
+    static = model_bytes(run.model, layout, bytes_per)
+    memory = {k: int(static[k]) for k in ("weights", "gradients", "optimizer")}
+    memory["activations"] = int(activation_bytes(run.model, layout, run.model.seq_length,
+                                                 bytes_per))
+    memory["total"] = sum(memory.values())
+    report = {"parameters": actual, "parameters_formula": total,
+              "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
+              "per_rank_memory_gib": round(memory["total"] / 2**30, 3)}
+    print_fn(json.dumps(report))
+    return report

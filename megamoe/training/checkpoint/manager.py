@@ -1,0 +1,128 @@
+"""The one object training talks to about checkpoints: save, load, reseed, retention,
+background saves, whatever the format.
+
+`--ckpt-format torch_dist` (default): every rank writes its shards (dist.py); `torch`: one
+file written by rank 0 (single_file.py). Loading detects the format from the directory.
+Retention (--ckpt-keep-last) and the publish protocol are publish.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from megamoe.config import RunConfig, to_dict
+from megamoe.parallel.mesh import Mesh
+from megamoe.parallel.rng import PIPELINE_SEED_STRIDE
+from megamoe.training.checkpoint.dist import (
+    AsyncDistSaver,
+    load_dist_checkpoint,
+    save_dist_checkpoint,
+)
+from megamoe.training.checkpoint.publish import checkpoint_file, is_dist_checkpoint
+from megamoe.training.checkpoint.rng_state import reseed
+from megamoe.training.checkpoint.safe_load import CheckpointError
+from megamoe.training.checkpoint.single_file import (
+    AsyncCheckpointWriter,
+    build_state,
+    load_checkpoint,
+    write_checkpoint,
+)
+
+
+class CheckpointManager:
+    """Saves and loads this rank's `model`, `optimizer` and `scheduler` for `run`."""
+
+    def __init__(self, run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer,
+                 scheduler, log: Callable[[str], None] = print) -> None:
+        self.run, self.config = run, run.checkpoint
+        self.mesh, self.model = mesh, model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.log = log
+        self.dist_format = self.config.ckpt_format == "torch_dist"
+        self.writer = None
+        if self.config.async_save and self.dist_format:
+            self.writer = AsyncDistSaver()  # every rank writes its shards in the background
+        elif self.config.async_save and mesh.rank == 0:
+            self.writer = AsyncCheckpointWriter()
+
+    def save(self, iteration: int, consumed_samples: int) -> None:
+        """Write iteration `iteration` under --save (every rank calls it)."""
+        c = self.config
+        if self.dist_format:
+            save_fn = self.writer.save if self.writer is not None else save_dist_checkpoint
+            save_fn(c.save, iteration, self.model, self.optimizer, self.scheduler, self.mesh,
+                    consumed_samples, self.run.command_line,
+                    model_config=to_dict(self.run.model), save_optim=not c.no_save_optim,
+                    save_rng=not c.no_save_rng, keep_last=c.ckpt_keep_last)
+            how = "saving (in the background)" if self.writer is not None else "saved"
+            self._log(f"> {how} checkpoint at iteration {iteration} to {c.save}")
+            return
+        if self.mesh.rank == 0:
+            state = build_state(iteration, self.model, self.optimizer, self.scheduler,
+                                consumed_samples, self.run.command_line,
+                                save_optim=not c.no_save_optim, save_rng=not c.no_save_rng,
+                                model_config=to_dict(self.run.model))
+            if self.writer is not None:  # snapshot now, write in the background
+                self.writer.save(c.save, iteration, state, c.ckpt_keep_last)
+            else:
+                write_checkpoint(c.save, iteration, state, c.ckpt_keep_last)
+            self._log(f"> saved checkpoint at iteration {iteration} to {c.save}")
+        self.mesh.barrier()
+
+    def finalize(self) -> None:
+        """The last background save is complete (and published) when this returns."""
+        if self.writer is not None:
+            self.writer.finalize()
+
+    def load(self) -> tuple[int, int]:
+        """--load: (iteration, consumed samples) to resume from; (0, 0) when --load names a
+        directory without a checkpoint yet (it is also --save) or with --finetune."""
+        c = self.config
+        if c.load is None:
+            return 0, 0
+        found = checkpoint_file(c.load) if os.path.exists(c.load) else None
+        if found is None:
+            if c.load != c.save:
+                raise CheckpointError(f"--load {c.load}: no checkpoint found")
+            return 0, 0
+        iteration, consumed = (self._load_dist(found) if is_dist_checkpoint(found)
+                               else self._load_single_file(found))
+        if iteration:
+            self._log(f"> loaded checkpoint from {c.load} at iteration {iteration}")
+        return iteration, consumed
+
+    def _load_single_file(self, found: str) -> tuple[int, int]:
+        mesh, c = self.mesh, self.config
+        sharded = mesh.tp_size > 1 or mesh.pp_size > 1 or mesh.ep_size > 1 or (
+            self.run.parallel.use_distributed_optimizer and mesh.dp_size * mesh.edp_size > 1)
+        if sharded:
+            raise CheckpointError(f"{found}: a single-file (--ckpt-format torch) checkpoint "
+                                  "loads only without tensor/pipeline/expert parallelism and "
+                                  "the distributed optimizer; save it with torch_dist")
+        return load_checkpoint(c.load, self.model, self.optimizer, self.scheduler,
+                               load_optim=not c.no_load_optim, load_rng=not c.no_load_rng,
+                               finetune=c.finetune)
+
+    def _load_dist(self, found: str) -> tuple[int, int]:
+        """Any layout; RNG states come back only under the layout they were saved from,
+        otherwise the streams are reseeded from --seed and the iteration."""
+        c, seed = self.config, self.run.train.seed
+        common = load_dist_checkpoint(found, self.model, self.optimizer, self.scheduler,
+                                      self.mesh, load_optim=not c.no_load_optim,
+                                      load_rng=not c.no_load_rng, finetune=c.finetune)
+        if c.finetune:
+            return 0, 0
+        iteration = int(common["iteration"])
+        if not c.no_load_rng and common.get("rng") and not common["rng_restored"]:
+            self._log(f"> checkpoint saved under another layout ({common.get('layout')}): "
+                      f"RNG states reseeded from --seed {seed} and the iteration")
+            reseed(seed, iteration, PIPELINE_SEED_STRIDE * self.mesh.pp_rank)
+        return iteration, int(common["consumed_train_samples"])
+
+    def _log(self, msg: str) -> None:
+        if self.mesh.rank == 0:
+            self.log(msg)
+

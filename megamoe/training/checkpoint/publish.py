@@ -1,0 +1,203 @@
+"""Megatron's checkpoint directory layout and the crash-safe publish protocol that both
+formats share.
+
+    SAVE/iter_0000100/model_optim_rng.pt         --ckpt-format torch (single file)
+    SAVE/iter_0000100/{.metadata,*.distcp,common.pt}   --ckpt-format torch_dist (default;
+                                                 sharded, any layout: dist.py)
+    SAVE/latest_checkpointed_iteration.txt      ("100")
+
+Publish protocol (a process killed at any instant leaves the last complete checkpoint
+loadable and the pointer valid):
+  1. write + fsync `iter_N.tmp.PID/...`
+  2. rename it to `iter_N` (re-saving N: `iter_N` -> `iter_N.old.PID` first; readers fall
+     back to that copy while `iter_N` is missing)
+  3. replace the pointer file by rename
+  4. retention (--ckpt-keep-last): rename old `iter_M` to `iter_M.del.PID`, then delete;
+     never the one the pointer names
+Leftovers of a killed save (`*.tmp.*`, `*.old.*`, `*.del.*`) are cleaned by the next save.
+Loading detects the format from the directory's contents, whatever --ckpt-format says.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import time
+from typing import Optional
+
+from megamoe.training.checkpoint.safe_load import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILENAME = "model_optim_rng.pt"
+COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the shards
+# Test hook for the crash tests: "PHASE:ITERATION:MARKER" makes the writer create MARKER and
+# sleep when the save of ITERATION reaches PHASE, so a test can SIGKILL it at a known point
+# of the publish protocol.
+PAUSE_ENV = "MEGAMOE_CKPT_TEST_PAUSE"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def pause_point(phase: str, iteration: int) -> None:
+    spec = os.environ.get(PAUSE_ENV, "").split(":", 2)
+    if len(spec) == 3 and spec[0] == phase and spec[1] == str(iteration):
+        open(spec[2], "w").close()
+        time.sleep(3600)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def _clean_leftovers(root: str) -> None:
+    """Remove what killed saves left; restore an `iter_N.old.*` whose `iter_N` is missing."""
+    for old in glob.glob(os.path.join(root, "iter_*.old.*")):
+        final = old.split(".old.")[0]
+        if not os.path.exists(final):
+            os.replace(old, final)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for pattern in ("iter_*.tmp.*", "iter_*.del.*", f"{TRACKER}.tmp.*"):
+        for path in glob.glob(os.path.join(root, pattern)):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+
+def list_checkpoints(root: str) -> list[int]:
+    """Published iterations under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    found = [int(m.group(1)) for m in map(_ITER_RE.match, os.listdir(root)) if m]
+    return sorted(i for i in found if _is_checkpoint_dir(iteration_dir(root, i)))
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, FILENAME)) or os.path.isfile(
+        os.path.join(path, COMMON))
+
+
+def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[int]:
+    """Delete all but the newest `keep_last` checkpoints, never the one the pointer names.
+
+    Each victim is first renamed out of the `iter_N` namespace, so a crash mid-delete never
+    leaves a half-deleted directory that looks like a checkpoint. Returns deleted iterations.
+    """
+    keep = set(list_checkpoints(root)[-keep_last:])
+    latest = read_tracker(root)
+    if latest is not None:
+        keep.add(latest)
+    deleted = []
+    for it in list_checkpoints(root):
+        if it in keep:
+            continue
+        doomed = f"{iteration_dir(root, it)}.del.{os.getpid()}"
+        os.replace(iteration_dir(root, it), doomed)
+        pause_point("prune", _saving)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(it)
+    return deleted
+
+
+def prepare_tmp(root: str, iteration: int) -> str:
+    """Step 0 of a save (one writer): clean what killed saves left, make the tmp dir."""
+    os.makedirs(root, exist_ok=True)
+    _clean_leftovers(root)
+    tmp = f"{iteration_dir(root, iteration)}.tmp.{os.getpid()}"
+    os.makedirs(tmp)
+    return tmp
+
+
+def publish_tmp(root: str, iteration: int, tmp: str, keep_last: Optional[int] = None) -> str:
+    """Steps 2-4: publish the complete `tmp` as iteration `iteration`, then the pointer,
+    then retention. Returns the published directory."""
+    final = iteration_dir(root, iteration)
+    if os.path.exists(final):  # re-saving an iteration: swap, never leave it unreadable
+        old = f"{final}.old.{os.getpid()}"
+        os.replace(final, old)
+        pause_point("mid_swap", iteration)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    pause_point("after_publish", iteration)
+    _atomic_write_text(os.path.join(root, TRACKER), f"{iteration}\n")
+    pause_point("after_tracker", iteration)
+    if keep_last:
+        prune_checkpoints(root, keep_last, _saving=iteration)
+    return final
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The latest published iteration, or None when `root` holds no checkpoint yet."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def _in_dir(path: str) -> Optional[str]:
+    """The single file, or the torch_dist directory itself, a checkpoint directory holds."""
+    if os.path.isfile(os.path.join(path, FILENAME)):
+        return os.path.join(path, FILENAME)
+    if os.path.isfile(os.path.join(path, COMMON)):
+        return path
+    return None
+
+
+def checkpoint_file(path: str) -> Optional[str]:
+    """`path` (a --save root, an iter_N directory or the file) -> what to read: the
+    single file, or for torch_dist the iter_N directory.
+
+    None when `path` is a root without a checkpoint yet. While a re-save is mid-swap the
+    pointer's `iter_N` may be briefly missing; its `iter_N.old.*` copy is read instead.
+    """
+    if os.path.isfile(path):
+        return path
+    if _in_dir(path) is not None:
+        return _in_dir(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    iteration = read_tracker(path)
+    if iteration is None:
+        if glob.glob(os.path.join(path, ".metadata")) or glob.glob(os.path.join(path, "*.distcp")):
+            raise CheckpointError(f"{path}: incomplete torch_dist checkpoint (no {COMMON})")
+        return None
+    found = _in_dir(iteration_dir(path, iteration))
+    if found is None:
+        for old in sorted(glob.glob(iteration_dir(path, iteration) + ".old.*")):
+            if _in_dir(old) is not None:
+                return _in_dir(old)
+        raise CheckpointError(f"{iteration_dir(path, iteration)}: missing or incomplete "
+                              f"(named by {os.path.join(path, TRACKER)})")
+    return found
+
+
+def is_dist_checkpoint(found: str) -> bool:
+    """`found` (from checkpoint_file) names a torch_dist directory."""
+    return os.path.isdir(found)

@@ -1,0 +1,42 @@
+"""The optimizer of a run: the plain fp32-main one, or the distributed one (ZeRO-1), with
+gradient reduction and norm wired to the mesh's groups."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megamoe.config import OptimizerConfig
+from megamoe.parallel.mesh import Mesh
+from megamoe.training.optim.distributed import DistributedOptimizer
+from megamoe.training.optim.grads import model_parallel_grad_norm, reduce_gradients
+from megamoe.training.optim.mixed_precision import MixedPrecisionOptimizer, ReduceGradsFn
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
+                    reduce_grads_fn: Optional[ReduceGradsFn] = None,
+                    mesh: Optional[Mesh] = None, distributed: bool = False):
+    """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP,
+    DP and EDP groups and the grad norm counts every parameter once across TP, EP and PP.
+    `distributed` (--use-distributed-optimizer) shards main params and states over DP /
+    EDP (distributed_optimizer.py); with one rank in both it is this same optimizer."""
+    if distributed and mesh is not None and reduce_grads_fn is None and (
+            mesh.dp_size > 1 or mesh.edp_size > 1):
+        return DistributedOptimizer(
+            model, config, tp_group=mesh.group("tp"), dp_group=mesh.group("dp"),
+            pp_group=mesh.group("pp"), embd_group=mesh.group("embd"),
+            ep_group=mesh.group("ep"), edp_group=mesh.group("edp"),
+            etp_group=mesh.group("etp"))
+    opt = MixedPrecisionOptimizer(model, config, reduce_grads_fn)
+    if mesh is not None and reduce_grads_fn is None:
+        params = opt.model_params  # aligned with the grads the hooks receive
+        tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
+        embd, edp, ep = mesh.group("embd"), mesh.group("edp"), mesh.group("ep")
+        etp = mesh.group("etp")
+        opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
+                                                             embd_group=embd, edp_group=edp)
+        if tp is not None or pp is not None or ep is not None:
+            opt.grad_norm_fn = lambda grads: model_parallel_grad_norm(grads, params, tp, pp,
+                                                                      ep, etp)
+    return opt
