@@ -96,6 +96,58 @@ def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
     return _dp_mean([total / max(run.train.eval_iters, 1)], mesh)[0]
 
 
+class _Interval:
+    """The metrics of the iterations since the last console line (--log-interval), and
+    that line."""
+
+    def __init__(self, run: RunConfig, mesh: Mesh, observer: TrainingObserver,
+                 print_fn: Callable[[str], None]) -> None:
+        self.run, self.mesh, self.observer, self.print_fn = run, mesh, observer, print_fn
+        self.tokens_per_iter = run.train.global_batch_size * run.model.seq_length
+        self.sums: dict[str, float] = {}
+        self.iters, self.tick = 0, time.time()
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.iters += 1
+
+    def report(self, state: TrainState, optimizer, logger: Optional[MetricsLogger]) -> None:
+        """Console line (logging rank), throughput/MFU/memory scalars and the expert-load
+        heatmap (logger); then a new interval starts."""
+        run, lg, mesh = self.run, self.run.logging, self.mesh
+        ms_per_iter = 1000.0 * (time.time() - self.tick) / self.iters
+        means = {k: v / self.iters for k, v in self.sums.items()}
+        extra = (self.observer.interval_scalars(ms_per_iter, self.tokens_per_iter)
+                 if mesh.is_logging_rank and (logger is not None or lg.log_throughput) else {})
+        if mesh.is_logging_rank:
+            self.print_fn(format_log_line(
+                iteration=state.iteration, train_iters=run.train.train_iters,
+                consumed_samples=state.consumed_train_samples, elapsed_ms_per_iter=ms_per_iter,
+                tokens_per_sec=self.tokens_per_iter / (ms_per_iter / 1000.0),
+                learning_rate=optimizer.param_groups[0]["lr"],
+                global_batch_size=run.train.global_batch_size,
+                losses={k: v for k, v in means.items() if k != "grad norm" and "/" not in k},
+                loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
+                skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
+                tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
+                if lg.log_throughput else None))
+        if logger is not None:
+            logger.log_scalars(extra, state.iteration)
+            self.observer.write_heatmap(logger, state.iteration)
+        self.sums, self.iters, self.tick = {}, 0, time.time()
+
+
+def _record(state: TrainState, metrics: dict[str, float], global_batch_size: int,
+            lr: float) -> None:
+    state.iteration += 1
+    state.consumed_train_samples += global_batch_size
+    state.skipped_iters += int(metrics.pop("skipped"))
+    if not math.isfinite(metrics["lm loss"]):
+        state.nan_iters += 1
+    state.history.append({"iteration": state.iteration, "lr": lr, **metrics})
+
+
 def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
           train_iter: Iterator[Batch], valid_iter: Optional[Iterator[Batch]],
           logger: Optional[MetricsLogger], state: TrainState,
@@ -103,62 +155,27 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
           print_fn: Callable[[str], None] = print) -> TrainState:
     """Train from state.iteration to --train-iters; returns the final state."""
     MoELossTracker.clear()  # values left by an earlier run in this process are not ours
-    t, lg = run.train, run.logging
-    tokens_per_iter = t.global_batch_size * run.model.seq_length
-    interval: dict[str, float] = {}
-    interval_iters = 0
+    t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
     start_wall = time.time()
-    tick = time.time()
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
+    interval = _Interval(run, mesh, observer, print_fn)
     while state.iteration < t.train_iters:
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter)
         metrics.update(observer.after_step())  # expert load, summed over data parallel
-        state.iteration += 1
-        state.consumed_train_samples += t.global_batch_size
-        skipped = metrics.pop("skipped")
-        state.skipped_iters += int(skipped)
-        if not math.isfinite(metrics["lm loss"]):
-            state.nan_iters += 1
         lr = optimizer.param_groups[0]["lr"]
-        state.history.append({"iteration": state.iteration, "lr": lr, **metrics})
-        for k, v in metrics.items():
-            interval[k] = interval.get(k, 0.0) + v
-        interval_iters += 1
-
+        _record(state, metrics, t.global_batch_size, lr)
+        interval.add(metrics)
         if logger is not None and state.iteration % lg.tensorboard_log_interval == 0:
             logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
                                 "learning_rate": lr, "loss_scale": optimizer.get_loss_scale(),
                                 "consumed_samples": state.consumed_train_samples},
                                state.iteration)
         if state.iteration % lg.log_interval == 0:
-            elapsed = time.time() - tick
-            ms_per_iter = 1000.0 * elapsed / interval_iters
-            means = {k: v / interval_iters for k, v in interval.items()}
-            extra = (observer.interval_scalars(ms_per_iter, tokens_per_iter)
-                     if mesh.is_logging_rank and (logger is not None or lg.log_throughput)
-                     else {})
-            if mesh.is_logging_rank:
-                print_fn(format_log_line(
-                    iteration=state.iteration, train_iters=t.train_iters,
-                    consumed_samples=state.consumed_train_samples,
-                    elapsed_ms_per_iter=ms_per_iter,
-                    tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
-                    learning_rate=lr, global_batch_size=t.global_batch_size,
-                    losses={k: v for k, v in means.items() if k != "grad norm" and "/" not in k},
-                    loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
-                    skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
-                    tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
-                    if lg.log_throughput else None))
-            if logger is not None:
-                logger.log_scalars(extra, state.iteration)
-                observer.write_heatmap(logger, state.iteration)
-            interval, interval_iters, tick = {}, 0, time.time()
-
+            interval.report(state, optimizer, logger)
         if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
             loss = evaluate(run, mesh, model, valid_iter)
             report_validation(state.iteration, loss, logger, mesh, print_fn)
             state.history[-1]["valid lm loss"] = loss
-        save_interval = run.checkpoint.save_interval
         if save_fn is not None and save_interval and state.iteration % save_interval == 0:
             save_fn(state)
         if t.exit_interval and state.iteration % t.exit_interval == 0:
