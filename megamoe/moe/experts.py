@@ -44,7 +44,7 @@ class GroupedExperts(nn.Module):
                  grouped_gemm: bool) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
-        # Set when the experts are sharded (dispatcher.py / expert_tensor_parallel.py): the
+        # Set when the experts are sharded (moe/sharding.py): the
         # global id of local expert 0, and this rank's slice of the hidden dimension F.
         self.expert_offset = 0
         self.etp_size, self.etp_rank = 1, 0

@@ -12,7 +12,7 @@ tensor-parallel region are exact:
     all_to_all_start/_wait   the same, asynchronous in both directions (overlap)
 
 The gather/reduce-scatter pair also serves the allgather token dispatcher over the ep
-group, and the uneven all-to-all the alltoall dispatcher (moe/dispatcher.py).
+group, and the uneven all-to-all the alltoall dispatcher (moe/dispatchers/).
 Every op is the identity when `group` is None (one rank), so layers call them unguarded.
 Tensors are split along dim 0, the sequence dimension of Megatron's [S, B, H] layout.
 gloo has no reduce_scatter, so it is an all-reduce followed by taking the local chunk.

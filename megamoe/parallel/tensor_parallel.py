@@ -40,7 +40,7 @@ class TensorParallel:
 
     group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
-    rng: Optional[RNGTracker] = None  # per-TP-rank dropout stream (parallel/random.py)
+    rng: Optional[RNGTracker] = None  # per-TP-rank dropout stream (parallel/rng.py)
 
     @property
     def size(self) -> int:

@@ -40,7 +40,7 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
     megamoe's layout: attention and dense-MLP matrices and the (padded) vocabulary are
     split over TP; norms, routers, row-parallel biases and shared experts are replicated
     over TP; routed experts are split over EP and their hidden dimension over ETP
-    (moe/expert_tensor_parallel.py; an fc2 bias stays whole)."""
+    (moe/sharding.py; an fc2 bias stays whole)."""
     h, norm = model.hidden_size, _norm_params(model)
     dense = expert = 0.0
     for i in range(model.num_layers):
@@ -80,7 +80,7 @@ def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 
                 ) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank of pipeline stage `stage`.
 
-    Matches megamoe/parallel/optimizer.py and distributed_optimizer.py: gradients are
+    Matches megamoe/training/optim/ (mixed_precision.py, distributed.py): gradients are
     accumulated in full-size fp32 tensors (fp32: the parameters' .grad; bf16: fp32 main
     grads, the bf16 .grad is freed by the accumulation hook). Without the distributed
     optimizer the states are two fp32 Adam moments, plus fp32 main parameters with bf16.

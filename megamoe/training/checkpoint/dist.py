@@ -16,7 +16,7 @@ RNG: each rank's states are saved; a run with the same world size and layout res
 own rank's; under any other layout pretrain reseeds from --seed + iteration (+ the
 pipeline stage's offset), since resharding changes the dropout streams anyway, and says so.
 
-Publish protocol: the same as the single-file format (checkpointing.py): rank 0 prepares
+Publish protocol: the same as the single-file format (publish.py): rank 0 prepares
 `iter_N.tmp.PID`, every rank writes into it, rank 0 adds common.pt, all ranks barrier,
 rank 0 publishes by rename and updates the pointer last. --async-save: DCP writes the
 shards on a background thread; the next save or the end of training publishes them.

@@ -20,7 +20,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
     """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP,
     DP and EDP groups and the grad norm counts every parameter once across TP, EP and PP.
     `distributed` (--use-distributed-optimizer) shards main params and states over DP /
-    EDP (distributed_optimizer.py); with one rank in both it is this same optimizer."""
+    EDP (distributed.py); with one rank in both it is this same optimizer."""
     if distributed and mesh is not None and reduce_grads_fn is None and (
             mesh.dp_size > 1 or mesh.edp_size > 1):
         return DistributedOptimizer(

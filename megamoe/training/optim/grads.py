@@ -80,7 +80,7 @@ def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter]
     2. Sum over the embedding group (first and last pipeline stage) the two copies of a
        tied word embedding (`param.shared_embedding`), so both get the full gradient.
     3. Average dense parameters over DP. Routed-expert parameters (`param.expert_parallel`,
-       see moe/dispatcher.py) are summed over their expert-data-parallel group only and
+       see moe/sharding.py) are summed over their expert-data-parallel group only and
        divided by DP: an ep rank's expert gradient already sums the contributions of every
        rank of its ep group (the all-to-all's backward brings them), the edp sum adds the
        remaining replicas, so sum / DP is the global-batch mean, as for dense parameters
