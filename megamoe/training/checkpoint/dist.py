@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
@@ -256,8 +257,16 @@ def _request(meta: dict, ckpt_dir: str, key: str, part, like: torch.Tensor,
                               f"{list(saved)} in the checkpoint, {list(part.global_shape)} "
                               "in this model)")
     if key not in request:
-        buf = torch.empty(part.local(like).shape, dtype=like.dtype)
-        request[key] = (part.wrap(buf), buf)
+        # On the target's device: DTensor.from_local would copy a buffer from another device
+        # onto the mesh's, DCP would fill that copy, and the buffer read back would be the
+        # never-written original (every sharded tensor silently garbage on a GPU run).
+        buf = torch.empty(part.local(like).shape, dtype=like.dtype, device=like.device)
+        wrapped = part.wrap(buf)
+        local = wrapped.to_local() if isinstance(wrapped, DTensor) else wrapped
+        if local.data_ptr() != buf.data_ptr():
+            raise RuntimeError(f"{key}: the load buffer on {buf.device} was copied to "
+                               f"{local.device}; the checkpoint would load into the copy")
+        request[key] = (wrapped, buf)
     targets.append((request[key][1], target))
 
 
@@ -289,7 +298,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
             for name in optim["names"]:
                 if name == "main" and f"optimizer.{e.parts[0].key}.main" not in meta:
                     continue
-                full = torch.empty(p.shape, dtype=torch.float32)
+                full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
                 st[name] = full
                 for part in e.parts:
                     _request(meta, ckpt_dir, f"optimizer.{part.key}.{name}", part, full,
