@@ -152,8 +152,9 @@ def build_mesh(parallel: ParallelConfig, backend: str) -> Mesh:
     device = "cuda" if backend == "nccl" else "cpu"
     meshes = {layout: DeviceMesh(device, _grid(resolved, dims), mesh_dim_names=dims)
               for layout, dims in (("dense", DENSE_DIMS), ("expert", EXPERT_DIMS))}
-    groups: dict[str, Optional[dist.ProcessGroup]] = {}
-    mine: dict[str, list[int]] = {}
+    # A middle pipeline stage belongs to no embedding group: None, no members.
+    groups: dict[str, Optional[dist.ProcessGroup]] = {name: None for name in lists}
+    mine: dict[str, list[int]] = {name: [] for name in lists}
     for name, rank_lists in lists.items():
         layout, inside = GROUP_DIMS.get(name, (None, ()))
         if len(inside) == 1:  # one mesh dimension: the DeviceMesh already made it

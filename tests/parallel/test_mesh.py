@@ -82,3 +82,16 @@ def test_build_mesh_creates_the_groups_of_the_pure_layout():
         assert o["tp"] == (rank, 2) and o["dp"] == (0, 1)
         assert o["ranks"]["edp"] == 0 and o["ranks"]["ep"] == rank and o["ranks"]["etp"] == 0
         assert o["logging"] == (rank == 1)
+
+
+def test_a_middle_pipeline_stage_has_no_embedding_group():
+    """(It holds neither the embedding nor the output layer; the groups are all present.)"""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = build_mesh(ParallelConfig.layout(4, pp=4), "gloo")
+    finally:
+        dist.destroy_process_group()
+    assert mesh.group("embd") is None and mesh.group_ranks["embd"] == []
+    assert mesh.group("pp") is not None and mesh.group_ranks["pp"] == [0, 1, 2, 3]
