@@ -81,7 +81,7 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
         parallelize_moe(model, ep_group=mesh.group("ep"), tp_group=mesh.group("tp"),
                         etp_group=mesh.group("etp"), execution=moe)
         if moe.adaptive_parallelism:
-            enable_adaptive_parallelism(model, mesh.group("ep"))
+            enable_adaptive_parallelism(model, mesh.group("ep"), device=mesh.device)
         if mesh.dp_size * mesh.cp_size > 1:
             set_balancing_group(model, mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size)
     if mesh.tp_size > 1 or mesh.pp_size > 1:  # this stage's dropout stream, every TP rank
@@ -154,14 +154,15 @@ def _has_biases(experts: nn.Module) -> bool:
     return getattr(experts, "fc1_bias", None) is not None
 
 
-def enable_adaptive_parallelism(model: nn.Module, group: Group, *, measure: bool = True
+def enable_adaptive_parallelism(model: nn.Module, group: Group, *, measure: bool = True,
+                                device: Optional[torch.device] = None
                                 ) -> list[AdaptiveDispatcher]:
     """Step 4: every expert-parallel MoE layer of `model` runs each call as ep, dp or tp
     (moe/dispatchers/adaptive.py). With `measure`, the collectives of `group` are timed
     once (the alpha-beta model, logged) and each layer times its modes at the first call
     of every token count and keeps the fastest; otherwise the mode is "ep" unless a caller
     passes `parallel_mode=` / `adaptive_r=`."""
-    costs = CollectiveCosts.measure(group) if measure else None
+    costs = CollectiveCosts.measure(group, device) if measure else None
     out = []
     for layer in _moe_layers(model):
         outer, inner = None, layer.dispatcher

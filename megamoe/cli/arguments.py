@@ -64,7 +64,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     for flag in ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                  "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                  "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
-                 "--use-cpu-initialization", "--no-persist-layer-norm"):
+                 "--no-persist-layer-norm"):
         g.add_argument(flag, action="store_true", help="accepted; the unfused path always runs")
     g.add_argument("--use-flash-attn", action="store_true")
 
@@ -206,6 +206,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise the weights in host memory, then copy them to the device "
+                        "(same values; more host memory, less device work)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)

@@ -31,6 +31,9 @@ class ParallelConfig:
         "--decoder-last-pipeline-num-layers", None)
     distributed_backend: Optional[str] = flag("--distributed-backend", None)  # None: auto
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", 10.0)
+    # Megatron's meaning: initialise the weights in host memory, then copy them to the
+    # device (the values are the same either way; training/materialize.py).
+    use_cpu_initialization: bool = flag("--use-cpu-initialization", False)
 
     def __post_init__(self) -> None:
         self.validate()

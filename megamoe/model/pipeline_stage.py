@@ -43,6 +43,7 @@ class GPTStage(nn.Module):
                 word.shared_embedding = True
             if post_process:
                 copy = nn.Parameter(word.detach().clone())
+                self.init_stds = {"shared_output_weight": full.config.init_method_std}
                 copy.tensor_model_parallel = getattr(word, "tensor_model_parallel", False)
                 copy.shared_embedding = copy.shared_copy = True
                 self.shared_output_weight = copy

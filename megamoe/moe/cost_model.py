@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -44,42 +45,61 @@ class CollectiveCosts:
     copy: LinkCost
 
     @classmethod
-    def measure(cls, group, sizes: tuple[int, int] = (1 << 14, 1 << 21), repeats: int = 5
+    def measure(cls, group, device: Optional[torch.device] = None,
+                sizes: tuple[int, int] = (1 << 14, 1 << 21), repeats: int = 5
                 ) -> CollectiveCosts:
-        """Time each collective at two sizes (bytes, fp32) on `group`; the fit is
-        all-reduced with MAX so that every rank holds identical numbers."""
+        """Time each collective at two sizes (bytes, fp32) on `group`, with tensors on
+        `device` (the mesh's; CPU by default); the fit is all-reduced with MAX so that every
+        rank holds identical numbers. On a GPU a collective returns before it runs: the
+        device is synchronised before the clock is read."""
+        device = device or torch.device("cpu")
         world = dist.get_world_size(group)
+
+        def reverse(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(0, torch.arange(x.shape[0] - 1, -1, -1, device=x.device))
+
         ops = {
             "all_gather": lambda x: gather_from_sequence(x, group),
             "all_to_all": lambda x: all_to_all_uneven(x, [x.shape[0] // world] * world,
                                                       [x.shape[0] // world] * world, group),
             "reduce_scatter": lambda x: reduce_scatter_to_sequence(x, group),
-            "copy": lambda x: x.index_select(0, torch.arange(x.shape[0] - 1, -1, -1)),
+            "copy": reverse,
         }
         fitted = []
         with torch.no_grad():
             for op in ops.values():
-                points = []
-                for nbytes in sizes:
-                    x = torch.zeros(world * max(nbytes // (4 * 64 * world), 1), 64)
-                    op(x)  # warm-up
-                    times = []
-                    for _ in range(repeats):
-                        dist.barrier(group=group)
-                        start = time.perf_counter()
-                        op(x)
-                        times.append(time.perf_counter() - start)
-                    points.append((x.numel() * 4, statistics.median(times)))
+                rows = [world * max(nbytes // (4 * 64 * world), 1) for nbytes in sizes]
+                points = [_time_op(op, torch.zeros(n, 64, device=device), group, repeats)
+                          for n in rows]
                 (s1, t1), (s2, t2) = points
                 per_byte = max((t2 - t1) / (s2 - s1), 1e-13)
                 fitted += [max(t1 - s1 * per_byte, 0.0), per_byte]
-        agreed = torch.tensor(fitted, dtype=torch.float64)
+        agreed = torch.tensor(fitted, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         values = agreed.tolist()
         return cls(*(LinkCost(values[2 * i], values[2 * i + 1]) for i in range(len(ops))))
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(op, x: torch.Tensor, group, repeats: int) -> tuple[int, float]:
+    """(bytes, median seconds) of `op(x)` after a warm-up, the device synchronised."""
+    op(x)  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(x.device)
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        op(x)
+        _sync(x.device)
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4, statistics.median(times)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class GroupedExperts(nn.Module):
         self.expert_offset = 0
         self.etp_size, self.etp_rank = 1, 0
         self.fc2_bias_scale = 1.0  # 1 / ETP: each etp rank adds its share of the fc2 bias
+        self.init_stds = {"fc1_weight": init_method_std, "fc2_weight": output_init_std}
         self.swiglu = swiglu
         self.combine_in_experts = swiglu or ffn_hidden_size <= hidden_size
         self.backend = "auto" if grouped_gemm else "loop"
@@ -152,6 +153,7 @@ class SharedExpertMLP(nn.Module):
         self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, bias=add_bias,
                                  init_std=output_init_std)
         self.gate_weight = None
+        self.init_stds = {"gate_weight": init_method_std}
         if gate:
             self.gate_weight = nn.Parameter(torch.empty(1, hidden_size))
             nn.init.normal_(self.gate_weight, mean=0.0, std=init_method_std)

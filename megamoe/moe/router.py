@@ -170,6 +170,7 @@ class TopKRouter(nn.Module):
         self.num_layers = num_layers
         self.balancing_group = balancing_group
         self.grad_average_size = grad_average_size
+        self.init_stds = {"weight": init_method_std}
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size,
                                                dtype=torch.float32))
         nn.init.normal_(self.weight, mean=0.0, std=init_method_std)

@@ -23,6 +23,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.init_stds = {"weight": init_std}  # (what a meta-built model draws)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight, mean=0.0, std=init_std)
@@ -39,6 +40,7 @@ class Embedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float):
         super().__init__()
+        self.init_stds = {"weight": init_std}
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
         nn.init.normal_(self.weight, mean=0.0, std=init_std)
 

@@ -14,6 +14,10 @@ and expert pp x edp x ep x etp, exposed for DTensor/FSDP users); the combined gr
 (tp-cp, dp-cp, tp-dp-cp, tp-ep, model parallel, embedding) are created from the pure rank
 lists. Layers never look groups up globally: whoever needs a group is handed it from the
 `Mesh`.
+
+The mesh also owns this rank's one device (`Mesh.device`: cuda:LOCAL_RANK on a GPU
+machine, else the CPU): the model is materialised there, batches are moved there, and
+every tensor the trainer makes is made there (or on the CPU on purpose, as host metadata).
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class Mesh:
     ranks: dict[str, int]  # this rank's index in each dimension's group
     groups: dict[str, Optional[dist.ProcessGroup]]  # every group of GROUP_DIMS and embd
     group_ranks: dict[str, list[int]]  # members of this rank's groups
+    device: torch.device = torch.device("cpu")  # this rank's one device (default_device)
     device_mesh: Optional[DeviceMesh] = None  # dense pp x dp x cp x tp
     expert_device_mesh: Optional[DeviceMesh] = None  # pp x edp x ep x etp
 
@@ -128,29 +133,39 @@ class Mesh:
             dist.barrier()
 
 
-def single_process_mesh() -> Mesh:
-    """The mesh of one process: every size 1, no group."""
+def default_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK when CUDA is available (torchrun starts one
+    process per GPU), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def single_process_mesh(device: Optional[torch.device] = None) -> Mesh:
+    """The mesh of one process: every size 1, no group; `device` default_device()."""
     names = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
     groups = (*GROUP_DIMS, "embd")
     return Mesh(rank=0, world_size=1, backend=None, sizes={n: 1 for n in names},
                 ranks={n: 0 for n in names}, groups={n: None for n in groups},
-                group_ranks={n: [0] for n in groups})
+                group_ranks={n: [0] for n in groups}, device=device or default_device())
 
 
-def build_mesh(parallel: ParallelConfig, backend: str) -> Mesh:
-    """Create every group of the layout on an initialised default process group.
+def build_mesh(parallel: ParallelConfig, backend: str,
+               device: Optional[torch.device] = None) -> Mesh:
+    """Create every group of the layout on an initialised default process group; the
+    mesh's device is `device` (default_device()).
 
     All ranks create all groups in the same order (torch.distributed requires it); groups
     of size 1 are None so single-rank dimensions cost no collectives.
     """
+    device = device or default_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     if parallel.world_size != world:
         raise ValueError(f"the layout is for {parallel.world_size} ranks, the process group "
                          f"has {world}")
     resolved = parallel.sizes()
     lists = rank_groups(parallel)
-    device = "cuda" if backend == "nccl" else "cpu"
-    meshes = {layout: DeviceMesh(device, _grid(resolved, dims), mesh_dim_names=dims)
+    meshes = {layout: DeviceMesh(device.type, _grid(resolved, dims), mesh_dim_names=dims)
               for layout, dims in (("dense", DENSE_DIMS), ("expert", EXPERT_DIMS))}
     # A middle pipeline stage belongs to no embedding group: None, no members.
     groups: dict[str, Optional[dist.ProcessGroup]] = {name: None for name in lists}
@@ -169,8 +184,8 @@ def build_mesh(parallel: ParallelConfig, backend: str) -> Mesh:
                 groups[name] = pg
                 mine[name] = members
     ranks = {d: mine[d].index(rank) for d in ("tp", "cp", "dp", "pp", "ep", "etp", "edp")}
-    return Mesh(rank=rank, world_size=world, backend=backend,
-                sizes=resolved, ranks=ranks, groups=groups, group_ranks=mine,
+    return Mesh(rank=rank, world_size=world, backend=backend, sizes=resolved, ranks=ranks,
+                groups=groups, group_ranks=mine, device=device,
                 device_mesh=meshes["dense"], expert_device_mesh=meshes["expert"])
 
 
@@ -178,21 +193,25 @@ def init_mesh(parallel: ParallelConfig) -> Mesh:
     """Initialise torch.distributed from torchrun's environment and build the mesh of the
     (validated) layout.
 
-    One process with all sizes 1 needs no process group. The timeout
+    The device is chosen (and made current) before the process group exists, and handed
+    to NCCL as its device_id, so every rank binds its own GPU from the start. One process
+    with all sizes 1 needs no process group (on a GPU it still runs there). The timeout
     (--distributed-timeout-minutes) applies to every collective, so a hung one ends with
     an error instead of blocking forever.
     """
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if parallel.world_size == 1 and not dist.is_initialized():
-        return single_process_mesh()
+        return single_process_mesh(device)
     backend = parallel.distributed_backend
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
-        dist.init_process_group(backend=backend, timeout=timeout)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return build_mesh(parallel, backend)
+        device_id = device if backend == "nccl" else None
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+    return build_mesh(parallel, backend, device)
 
 
 def destroy_mesh(mesh: Mesh) -> None:

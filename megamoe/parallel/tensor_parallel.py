@@ -111,6 +111,7 @@ class ColumnParallelLinear(nn.Module):
         if sum(self.blocks) != out_features:
             raise ValueError(f"blocks {self.blocks} do not add up to {out_features}")
         self.in_features, self.out_features = in_features, out_features
+        self.init_stds = {"weight": init_std}  # (what a meta-built model draws)
         self.weight = nn.Parameter(_full_normal((out_features, in_features), init_std))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.shard(tp)
@@ -155,6 +156,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = SINGLE
         self.in_features, self.out_features = in_features, out_features
+        self.init_stds = {"weight": init_std}  # (what a meta-built model draws)
         self.weight = nn.Parameter(_full_normal((out_features, in_features), init_std))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.shard(tp)
@@ -196,6 +198,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = SINGLE
         self.num_embeddings = num_embeddings
         self.per_rank, self.vocab_start = num_embeddings, 0
+        self.init_stds = {"weight": init_std}
         self.weight = nn.Parameter(_full_normal((num_embeddings, embedding_dim), init_std))
         self.shard(tp)
 

@@ -1,10 +1,18 @@
-"""The model of a run, as this rank holds it: built as one process builds it (with the
-seed), upcycled from the dense MLP when asked, then parallelized for the layout."""
+"""The model of a run, as this rank holds it.
+
+Built on the meta device as one process would build it (no memory, no random draws), then
+`parallelize` turns it into this rank's part (still meta), then `materialize` gives only
+that part its values, on the rank's device: every value depends on --seed and its
+position in the single-process model only (training/materialize.py), so every layout
+trains the same model. Upcycling (--moe-use-upcycling, TP = 1 only) copies the dense MLP
+into the experts before parallelizing, so it builds the single-process model on the host.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Optional
 
 import numpy as np
 import torch
@@ -14,6 +22,7 @@ from megamoe.model.gpt_model import GPTModel
 from megamoe.model.moefy import upcycle_model
 from megamoe.parallel.mesh import Mesh, single_process_mesh
 from megamoe.parallelize import parallelize
+from megamoe.training.materialize import materialize
 
 
 def set_seed(seed: int) -> None:
@@ -22,15 +31,30 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(run: RunConfig, mesh: Mesh | None = None) -> torch.nn.Module:
-    """Weights depend on the seed and the config only: every shard is a slice of them."""
-    set_seed(run.train.seed)
-    model = GPTModel(run.model)
-    if run.model.moe is not None and run.moe_training.use_upcycling:
-        # --moe-use-upcycling: every expert starts as this seed's dense MLP (moefy.py).
-        set_seed(run.train.seed)
-        dense_config = dataclasses.replace(run.model, moe=None, moe_layer_pattern=None)
-        upcycle_model(GPTModel(dense_config), model)
+def build_model(run: RunConfig, mesh: Optional[Mesh] = None) -> torch.nn.Module:
+    """This rank's model of `run` on `mesh.device` (one process: default_device())."""
+    mesh = mesh or single_process_mesh()
+    seed = run.train.seed
     dtype = torch.bfloat16 if run.optim.bf16 else torch.float32
-    return parallelize(model, mesh or single_process_mesh(), run.parallel, run.moe_execution,
-                       seed=run.train.seed, dtype=dtype)
+    set_seed(seed)
+    if run.model.moe is not None and run.moe_training.use_upcycling:
+        model = parallelize(_upcycled(run), mesh, run.parallel, run.moe_execution,
+                            seed=seed, dtype=dtype)
+        return model.to(mesh.device)
+    with torch.device("meta"):
+        model = GPTModel(run.model)
+    model = parallelize(model, mesh, run.parallel, run.moe_execution, seed=seed, dtype=dtype)
+    return materialize(model, mesh, seed, on_host=run.parallel.use_cpu_initialization)
+
+
+def _upcycled(run: RunConfig) -> torch.nn.Module:
+    """The single-process MoE model (host memory) whose experts start as the dense MLP
+    of the same seed (model/moefy.py); every other weight is the plain model's."""
+    host = single_process_mesh(torch.device("cpu"))
+    dense_config = dataclasses.replace(run.model, moe=None, moe_layer_pattern=None)
+    with torch.device("meta"):
+        dense, model = GPTModel(dense_config), GPTModel(run.model)
+    materialize(dense, host, run.train.seed)
+    materialize(model, host, run.train.seed)
+    upcycle_model(dense, model)
+    return model

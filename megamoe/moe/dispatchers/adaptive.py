@@ -152,9 +152,11 @@ class AdaptiveDispatcher(TokenDispatcher):
     def _timed_choice(self, experts: torch.nn.Module, num_tokens: int, hidden: int,
                       num_experts: int, repeats: int = 2) -> str:
         dtype, device = experts.fc1_weight.dtype, experts.fc1_weight.device
-        g = torch.Generator().manual_seed(1234 + dist.get_rank(self.group))
-        x = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
-        logits = torch.randn(num_tokens, num_experts, generator=g).to(device)
+        # Probe tokens drawn on the host (its own generator: the training RNG stream is
+        # untouched), then moved to the experts' device.
+        g = torch.Generator(device="cpu").manual_seed(1234 + dist.get_rank(self.group))
+        x = torch.randn(num_tokens, hidden, generator=g, device="cpu").to(device, dtype)
+        logits = torch.randn(num_tokens, num_experts, generator=g, device="cpu").to(device)
         top = logits.topk(self.topk, dim=1).indices
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True)
         probs = torch.softmax(logits, dim=1) * routing_map
@@ -174,7 +176,7 @@ class AdaptiveDispatcher(TokenDispatcher):
                         torch.cuda.synchronize(device)
                     if i:
                         seconds[mode] = min(seconds[mode], time.perf_counter() - start)
-        agreed = torch.tensor([seconds[m] for m in modes], dtype=torch.float64)
+        agreed = torch.tensor([seconds[m] for m in modes], dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         self.timings[num_tokens] = dict(zip(modes, agreed.tolist()))
         return modes[int(agreed.argmin())]

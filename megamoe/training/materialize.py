@@ -1,0 +1,141 @@
+"""Materialising a model built on the meta device: this rank's shards only, on its device.
+
+Every logical tensor (named as in the single-process model, training/checkpoint/
+sharded_state.py) draws its values row by row: row i (the vector along its last dimension
+at flat index i over the others) is normal(0, std) from a generator seeded by (--seed,
+the tensor's name, i). A shard is then exactly the single-process values at its global
+position, whatever the layout, and a rank generates only the rows it holds (each row whole,
+sliced along the last dimension when that is sharded): no rank ever holds a full-size
+tensor, and host memory stays near the rank's own weight bytes.
+
+Which tensors draw what: a module lists its normal-initialised parameters and their std
+in `init_stds` ({name: std}); norm weights are ones; everything else (biases, buffers,
+counters) is zeros. Values are generated on the host (a CPU generator: the numbers do not
+depend on the device) and copied to the device in chunks; with `on_host`
+(--use-cpu-initialization, Megatron's meaning) the whole shard is built in host memory
+first and copied once. Both give the same values.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megamoe.model.norms import RMSNorm
+from megamoe.parallel.mesh import Mesh
+from megamoe.training.checkpoint.sharded_state import Entry, Part, model_entries
+
+_CHUNK_BYTES = 1 << 24  # rows generated on the host per copy to the device
+_MASK = (1 << 63) - 1
+
+
+def row_seed(seed: int, key: str, row: int) -> int:
+    """The generator seed of row `row` of logical tensor `key` (a 63-bit mix)."""
+    x = (seed * 0x9E3779B97F4A7C15 + zlib.crc32(key.encode()) * 0xBF58476D1CE4E5B9
+         + row * 0x94D049BB133111EB) & _MASK
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & _MASK
+    return x ^ (x >> 29)
+
+
+def _init_kind(module: nn.Module, name: str) -> tuple[str, float]:
+    """("normal", std) | ("fill", value) for tensor `name` of `module`."""
+    std = getattr(module, "init_stds", {}).get(name)
+    if std is not None:
+        return "normal", std
+    if name == "weight" and isinstance(module, (nn.LayerNorm, RMSNorm)):
+        return "fill", 1.0
+    return "fill", 0.0
+
+
+def _global_offsets(part: Part, local: torch.Tensor) -> list[int]:
+    """Where `local` (this rank's slice of the part) starts in the logical tensor."""
+    offsets = [0] * local.dim()
+    for i, placement in enumerate(part.placements):
+        coord = (part.device_mesh.get_local_rank(i) if part.device_mesh.ndim > 1
+                 else part.device_mesh.get_local_rank())
+        offsets[placement.dim] += coord * local.shape[placement.dim]
+    return offsets
+
+
+def _inner_rows(shape: tuple[int, ...], offsets: list[int], counts: tuple[int, ...]
+                ) -> list[int]:
+    """Flat row indices (over all but dim 0 and the last dim) of a region, row-major."""
+    rows = torch.zeros(1, dtype=torch.long, device="cpu")  # host index arithmetic
+    for d in range(1, len(shape) - 1):
+        idx = torch.arange(offsets[d], offsets[d] + counts[d], device="cpu")
+        rows = (rows[:, None] * shape[d] + idx[None, :]).reshape(-1)
+    return rows.tolist()
+
+
+def _draw(seed: int, key: str, rows: list[int], row_len: int, std: float) -> torch.Tensor:
+    host = torch.empty(len(rows), row_len, device="cpu")  # drawn on the host
+    for j, row in enumerate(rows):
+        g = torch.Generator(device="cpu").manual_seed(row_seed(seed, key, row))
+        host[j].normal_(0.0, std, generator=g)
+    return host
+
+
+def _fill_normal(part: Part, local: torch.Tensor, std: float, seed: int) -> None:
+    """The rows of `part`'s region of its logical tensor, drawn from their generators and
+    copied into `local` a chunk of dim-0 slices at a time."""
+    shape, offsets = part.global_shape, _global_offsets(part, local)
+    cols = slice(offsets[-1], offsets[-1] + local.shape[-1])
+    if local.dim() == 1:  # one row
+        local.copy_(_draw(seed, part.key, [0], shape[-1], std)[0, cols])
+        return
+    inner = _inner_rows(shape, offsets, tuple(local.shape))
+    per_slice = 1
+    for n in shape[1:-1]:
+        per_slice *= n
+    k = max(1, _CHUNK_BYTES // (4 * shape[-1] * len(inner)))
+    for i0 in range(0, local.shape[0], k):
+        slices = range(offsets[0] + i0, offsets[0] + min(i0 + k, local.shape[0]))
+        rows = [i * per_slice + r for i in slices for r in inner]
+        host = _draw(seed, part.key, rows, shape[-1], std)[:, cols]
+        local[i0:i0 + len(slices)].copy_(host.reshape(len(slices), *local.shape[1:]))
+
+
+def _materialize_tensor(module: nn.Module, name: str, t: torch.Tensor,
+                        entry: Optional[Entry], seed: int,
+                        device: torch.device) -> torch.Tensor:
+    kind, value = _init_kind(module, name)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    if kind == "fill":
+        return out.fill_(value)
+    if entry is None:
+        raise ValueError(f"{type(module).__name__}.{name}: no single-process name to draw "
+                         "its values from (custom modules cannot be built on the meta device)")
+    for part in entry.parts:
+        _fill_normal(part, part.local(out), value, seed)
+    return out
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, mesh: Mesh, seed: int, *, on_host: bool = False
+                ) -> nn.Module:
+    """Give every meta tensor of `model` (this rank's part, after parallelize) its values,
+    on `mesh.device` (built on the CPU first with `on_host`). In place; returns `model`."""
+    entries = {id(e.tensor): e for e in model_entries(model, mesh if mesh.world_size > 1
+                                                      else None)}
+    device = torch.device("cpu") if on_host else mesh.device
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in done:
+                    real = _materialize_tensor(module, name, t, entries.get(id(t)), seed,
+                                               device)
+                    if on_host:
+                        real = real.to(mesh.device)
+                    if isinstance(t, nn.Parameter):
+                        real = nn.Parameter(real, requires_grad=t.requires_grad)
+                        real.__dict__.update(t.__dict__)  # the parallel attributes
+                    done[id(t)] = real
+                store[name] = done[id(t)]
+    return model
