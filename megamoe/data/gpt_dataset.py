@@ -195,12 +195,13 @@ def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool,
     tokens_S = torch.from_numpy(np.ascontiguousarray(text[:-1], dtype=np.int64))
     labels_S = torch.from_numpy(np.ascontiguousarray(text[1:], dtype=np.int64))
     seq = tokens_S.numel()
-    loss_mask_S = torch.ones(seq, dtype=torch.float32)
+    # Samples are made on the host (DataLoader workers); the trainer moves them.
+    loss_mask_S = torch.ones(seq, dtype=torch.float32, device="cpu")
     if eod_mask_loss:
         loss_mask_S[tokens_S == eod] = 0.0
-    position_ids_S = torch.arange(seq, dtype=torch.int64)
+    position_ids_S = torch.arange(seq, dtype=torch.int64, device="cpu")  # host sample
     if reset_position_ids:  # restart positions after every eod, as Megatron does
-        starts = torch.zeros(seq, dtype=torch.int64)
+        starts = torch.zeros(seq, dtype=torch.int64, device="cpu")  # host sample
         after_eod = torch.nonzero(tokens_S[:-1] == eod).flatten() + 1
         starts[after_eod] = after_eod
         position_ids_S = position_ids_S - torch.cummax(starts, dim=0).values

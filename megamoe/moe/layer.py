@@ -75,11 +75,12 @@ class MoELayer(nn.Module):
     def _register_statistics(self, num_experts: int) -> None:
         """Kept assignments of the last call, and routing statistics accumulated over the
         training forwards until read (stats.py)."""
+        device = self.router.weight.device  # the device the model is built on
         for name in ("tokens_per_expert", "stat_routed_per_expert", "stat_kept_per_expert"):
-            self.register_buffer(name, torch.zeros(num_experts, dtype=torch.long),
-                                 persistent=False)
-        self.register_buffer("stat_num_tokens", torch.zeros((), dtype=torch.long),
-                             persistent=False)
+            self.register_buffer(name, torch.zeros(num_experts, dtype=torch.long,
+                                                   device=device), persistent=False)
+        self.register_buffer("stat_num_tokens", torch.zeros((), dtype=torch.long,
+                                                            device=device), persistent=False)
 
     def _sequence_ids(self, shape: torch.Size) -> tuple[Optional[torch.Tensor], int]:
         """Token -> sequence index for seq_aux_loss, in the flattening order of `shape`."""

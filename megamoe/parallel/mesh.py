@@ -56,7 +56,7 @@ def _grid(sizes: dict[str, int], dims: tuple[str, ...]) -> torch.Tensor:
     world = 1
     for d in dims:
         world *= sizes[d]
-    return torch.arange(world).reshape([sizes[d] for d in dims])
+    return torch.arange(world, device="cpu").reshape([sizes[d] for d in dims])  # rank ids
 
 
 def rank_groups(parallel: ParallelConfig) -> dict[str, list[list[int]]]:

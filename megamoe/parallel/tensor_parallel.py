@@ -89,7 +89,9 @@ def shard_rows(full: torch.Tensor, blocks: Sequence[int], size: int, rank: int) 
 
 
 def _full_normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
-    full = torch.empty(shape)
+    """A construction-time weight: on the device the model is being built on (meta when
+    built for materialisation, training/materialize.py)."""
+    full = torch.empty(shape, device=torch.get_default_device())
     nn.init.normal_(full, mean=0.0, std=std)  # the same draw as megamoe.parallel.linear
     return full
 

@@ -44,7 +44,7 @@ def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
     """Average logged scalars over data-parallel ranks (logging only, never gradients)."""
     if mesh.dp_group is None or not values:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
     dist.all_reduce(t, group=mesh.dp_group)
     return (t / mesh.dp_size).tolist()
 

@@ -66,7 +66,7 @@ def _inner_rows(shape: tuple[int, ...], offsets: list[int], counts: tuple[int, .
     """Flat row indices (over all but dim 0 and the last dim) of a region, row-major."""
     rows = torch.zeros(1, dtype=torch.long, device="cpu")  # host index arithmetic
     for d in range(1, len(shape) - 1):
-        idx = torch.arange(offsets[d], offsets[d] + counts[d], device="cpu")
+        idx = torch.arange(offsets[d], offsets[d] + counts[d], device="cpu")  # host
         rows = (rows[:, None] * shape[d] + idx[None, :]).reshape(-1)
     return rows.tolist()
 
@@ -74,7 +74,7 @@ def _inner_rows(shape: tuple[int, ...], offsets: list[int], counts: tuple[int, .
 def _draw(seed: int, key: str, rows: list[int], row_len: int, std: float) -> torch.Tensor:
     host = torch.empty(len(rows), row_len, device="cpu")  # drawn on the host
     for j, row in enumerate(rows):
-        g = torch.Generator(device="cpu").manual_seed(row_seed(seed, key, row))
+        g = torch.Generator(device="cpu").manual_seed(row_seed(seed, key, row))  # host RNG
         host[j].normal_(0.0, std, generator=g)
     return host
 

@@ -95,21 +95,21 @@ class MetricsLogger:
 
 
 # ---------------------------------------------------------------------------- expert load
-def reduced_routing_stats(model: torch.nn.Module,
-                          group: Optional[dist.ProcessGroup]) -> dict[int, dict[str, np.ndarray]]:
+def reduced_routing_stats(model: torch.nn.Module, group: Optional[dist.ProcessGroup],
+                          device: torch.device) -> dict[int, dict[str, np.ndarray]]:
     """{layer: kept [E], routed [E] assignment counts} of this step, summed over `group`
-    (the data-parallel ranks see different tokens). Resets the layers' counters. Every
-    rank of `group` must call it (it is a collective)."""
+    (the data-parallel ranks see different tokens; the sum runs on `device`, the mesh's).
+    Resets the layers' counters. Every rank of `group` must call it (it is a collective)."""
     stats = routing_stats(model, reset=True)
     layers = sorted(stats)
     if not layers:
         return {}
-    kept_LE = torch.tensor([stats[i]["tokens_per_expert"] for i in layers], dtype=torch.float64)
-    routed_LE = torch.tensor([stats[i]["routed_per_expert"] for i in layers],
-                             dtype=torch.float64)
-    both = torch.stack([kept_LE, routed_LE])
+    both = torch.tensor([[stats[i]["tokens_per_expert"] for i in layers],
+                         [stats[i]["routed_per_expert"] for i in layers]],
+                        dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(both, group=group)
+    both = both.cpu()
     return {layer: {"kept": both[0, j].numpy(), "routed": both[1, j].numpy()}
             for j, layer in enumerate(layers)}
 
@@ -219,7 +219,7 @@ class TrainingObserver:
         self._load_LE: dict[int, np.ndarray] = {}
 
     def after_step(self) -> dict[str, float]:
-        stats = reduced_routing_stats(self.model, self.dp_group)
+        stats = reduced_routing_stats(self.model, self.dp_group, self.device)
         for layer, s in stats.items():
             self._load_LE[layer] = self._load_LE.get(layer, 0.0) + s["kept"]
         out = expert_load_scalars(stats, self.per_layer)

@@ -155,8 +155,9 @@ class AdaptiveDispatcher(TokenDispatcher):
         # Probe tokens drawn on the host (its own generator: the training RNG stream is
         # untouched), then moved to the experts' device.
         g = torch.Generator(device="cpu").manual_seed(1234 + dist.get_rank(self.group))
-        x = torch.randn(num_tokens, hidden, generator=g, device="cpu").to(device, dtype)
-        logits = torch.randn(num_tokens, num_experts, generator=g, device="cpu").to(device)
+        x = torch.randn(num_tokens, hidden, generator=g, device="cpu").to(device, dtype)  # host
+        logits = torch.randn(num_tokens, num_experts, generator=g,
+                             device="cpu").to(device)  # drawn on the host
         top = logits.topk(self.topk, dim=1).indices
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True)
         probs = torch.softmax(logits, dim=1) * routing_map

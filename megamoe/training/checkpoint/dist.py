@@ -328,7 +328,9 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
 def read_dist_tensors(ckpt_dir: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` as one whole tensor, in this process (no process group)."""
     meta = read_metadata(ckpt_dir)
-    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
+    # Whole tensors in host memory (conversion and inspection, never training).
+    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype, device="cpu")
+            for k, m in meta.items()
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     _dcp_load(want, ckpt_dir, no_dist=True)
     return want

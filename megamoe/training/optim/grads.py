@@ -115,7 +115,8 @@ def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Pa
     first, stages summed over PP. DP / EDP replicas hold identical reduced gradients, so
     they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is
     not counted."""
-    sq = torch.zeros(4, dtype=torch.float32)  # [tp-sharded, replicated, expert,
+    device = grads[0].device if grads else torch.device("cpu")  # (no grads: a CPU zero)
+    sq = torch.zeros(4, dtype=torch.float32, device=device)  # [tp-sharded, replicated, expert,
     for g, p in zip(grads, params):           #  etp-sharded expert] squares
         if getattr(p, "shared_copy", False):
             continue

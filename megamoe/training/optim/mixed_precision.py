@@ -14,6 +14,7 @@ optimizer and copies the result back to the model parameters.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -86,7 +87,7 @@ class MixedPrecisionOptimizer:
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
         grad_norm = self.grad_norm_fn(grads)
-        if not torch.isfinite(torch.tensor(grad_norm)):
+        if not math.isfinite(grad_norm):
             return False, grad_norm, None
         if self.config.clip_grad > 0:
             coeff = self.config.clip_grad / (grad_norm + 1e-6)

@@ -30,7 +30,7 @@ def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[B
                                    num_microbatches: int, *, forward_only: bool = False
                                    ) -> torch.Tensor:
     """Run `num_microbatches` micro-batches; returns the mean LM loss (detached, fp32)."""
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     set_aux_loss_backward_scale(1.0 / num_microbatches)
     if not forward_only:
         start_global_batch(model)  # global_aux_loss counts restart with each global batch
