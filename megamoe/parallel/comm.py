@@ -15,7 +15,6 @@ The gather/reduce-scatter pair also serves the allgather token dispatcher over t
 group, and the uneven all-to-all the alltoall dispatcher (moe/dispatchers/).
 Every op is the identity when `group` is None (one rank), so layers call them unguarded.
 Tensors are split along dim 0, the sequence dimension of Megatron's [S, B, H] layout.
-gloo has no reduce_scatter, so it is an all-reduce followed by taking the local chunk.
 """
 
 from __future__ import annotations
@@ -39,7 +38,13 @@ def group_rank(group: Group) -> int:
 
 
 
-def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+# torch >= 2.10 names (gloo implements both); older torch: the *_tensor spellings.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum over `group` in a new tensor (for inputs that must stay as they are)."""
     if group_size(group) == 1:
         return x
     x = x.contiguous().clone()
@@ -58,12 +63,13 @@ def _split(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's `x` stacked along dim 0, gathered straight into one tensor."""
     n = group_size(group)
     if n == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
 
 
 def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -72,10 +78,8 @@ def _reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     if x.shape[0] % n:
         raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by the group size {n}")
-    if dist.get_backend(group) == "gloo":
-        return _split(_all_reduce(x, group), group)
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -87,13 +91,26 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        # A copy: autograd may hand one gradient tensor to several backward functions
+        # (both addends of a residual sum get the same one); summing it in place would
+        # change the other branch's gradient too.
+        return _all_reduce_copy(g, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        """In place: the input is a partial product nothing saved for backward (a
+        row-parallel GEMM saves its input and weight, not its output); mark_dirty makes
+        autograd refuse if anything did save it."""
+        if group_size(group) == 1:
+            return x
+        if x.is_contiguous() and not x.is_leaf:
+            ctx.mark_dirty(x)
+        else:  # a strided view or a leaf: sum a copy
+            x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, g):

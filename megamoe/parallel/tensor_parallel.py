@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.parallel.comm import (
+    all_gather_no_grad,
     all_reduce_tensor,
     copy_to_tp,
     gather_from_sequence,
@@ -285,7 +286,6 @@ def gather_vocab_logits(logits_local: torch.Tensor, vocab_size: int, per_rank: i
     if group is None:
         return logits_local
     pad = per_rank - logits_local.shape[-1]
-    padded = F.pad(logits_local.detach(), (0, pad)).contiguous()
-    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat(parts, dim=-1)[..., :vocab_size]
+    padded = F.pad(logits_local.detach(), (0, pad))
+    gathered = all_gather_no_grad(padded.unsqueeze(0), group)  # [TP, ..., per_rank]
+    return torch.cat(gathered.unbind(0), dim=-1)[..., :vocab_size]
