@@ -66,7 +66,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                  "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
                  "--no-persist-layer-norm"):
         g.add_argument(flag, action="store_true", help="accepted; the unfused path always runs")
-    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="attention through SDPA's flash kernel only (fails if it cannot run)")
 
 
 def _add_moe_args(parser: argparse.ArgumentParser) -> None:
@@ -241,7 +242,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     lg.add_argument("--wandb-save-dir", default=None)
     lg.add_argument("--log-throughput", action="store_true")
     lg.add_argument("--peak-tflops", type=float, default=None,
-                    help="peak TFLOP/s of one device, for MFU (default: measure a matmul)")
+                    help="peak TFLOP/s of one device, for MFU (default: the bf16 dense peak of a "
+                         "known GPU; no MFU on a CPU)")
     lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
     # These only select which extra scalars go to TensorBoard/W&B; megamoe always writes
     # the timers, memory, validation ppl and learning rate it has.

@@ -31,7 +31,6 @@ NOT_SUPPORTED_YET = (
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
     "--qk-layernorm",
-    "--use-flash-attn",
     "--moe-router-force-load-balancing",
     "--moe-use-legacy-grouped-gemm",
     "--moe-permute-fusion",

@@ -38,6 +38,9 @@ class ModelConfig:
     hidden_dropout: float = flag("--hidden-dropout", 0.1)
     attention_dropout: float = flag("--attention-dropout", 0.1)
     init_method_std: float = flag("--init-method-std", 0.02)
+    # Attention through SDPA's flash-attention kernel only (Megatron: the flash-attn
+    # package); SDPA raises when the inputs do not fit it, never silently falls back.
+    use_flash_attn: bool = flag("--use-flash-attn", False)
     # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
     moe: Optional[MoEConfig] = derived("--num-experts and the other --moe-* flags", None)
     moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)

@@ -68,7 +68,7 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = flag("--wandb-exp-name", None)
     wandb_save_dir: Optional[str] = flag("--wandb-save-dir", None)
     log_throughput: bool = flag("--log-throughput", False)
-    peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: measure
+    peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: GPU table
     timing_log_level: int = flag("--timing-log-level", 0)
 
     def __post_init__(self) -> None:

@@ -11,12 +11,14 @@ GQA group never straddles ranks).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamoe.config import ModelConfig
 from megamoe.model.rope import apply_rotary
@@ -38,6 +40,7 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.tp: TensorParallel = SINGLE
         self.attention_dropout = config.attention_dropout
+        self.use_flash_attn = config.use_flash_attn
         q_size = heads * self.head_dim
         kv_size = groups * self.head_dim
         std = config.init_method_std
@@ -64,7 +67,9 @@ class SelfAttention(nn.Module):
             k_SBGD = apply_rotary(k_SBGD, *rotary)
         # SDPA wants [B, heads, S, D].
         q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
-        with self.tp.dropout_rng(split=True):  # this rank's heads: its own dropout stream
+        kernel = (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if self.use_flash_attn
+                  else contextlib.nullcontext())
+        with self.tp.dropout_rng(split=True), kernel:  # this rank's heads: its own stream
             o_BNSD = F.scaled_dot_product_attention(
                 q_BNSD, k_BGSD, v_BGSD, is_causal=True,
                 dropout_p=self.attention_dropout if self.training else 0.0,

@@ -168,22 +168,25 @@ def expert_load_heatmap(load_LE: np.ndarray, cell: int = 12, vmax: float = 2.0) 
 
 
 # ------------------------------------------------------------------------- MFU and memory
-def measure_peak_tflops(device: torch.device, n: int = 1024, reps: int = 5) -> float:
-    """TFLOP/s of an fp32 n x n matmul on `device`: the peak MFU is measured against when
-    --peak-tflops is not given (an optimistic, attainable peak, not the datasheet's)."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    torch.matmul(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best / 1e12
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is usually quoted
+# for, by the name torch.cuda.get_device_name() reports; the first match wins.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+    ("GH200", 989.0), ("B200", 2250.0), ("GB200", 2500.0), ("A100", 312.0),
+    ("A800", 312.0), ("H800", 989.0), ("L40S", 362.0),
+)
+
+
+def peak_tflops(device: torch.device, given: Optional[float]) -> Optional[float]:
+    """The peak MFU is quoted against: --peak-tflops, else the bf16 dense peak of a known
+    GPU (PEAK_BF16_TFLOPS), else None (no MFU: a CPU or an unknown GPU has no meaningful
+    datasheet peak, and a measured matmul is not one)."""
+    if given is not None:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -214,8 +217,8 @@ class TrainingObserver:
         self.world_size = world_size
         self.per_layer = bool(run.model.moe and run.moe_training.per_layer_logging)
         self.flops_per_token = flops_per_token(run.model)
-        self.peak_tflops = run.logging.peak_tflops
         self.device = next(model.parameters()).device
+        self.peak_tflops = peak_tflops(self.device, run.logging.peak_tflops)
         self._load_LE: dict[int, np.ndarray] = {}
 
     def after_step(self) -> dict[str, float]:
@@ -229,13 +232,13 @@ class TrainingObserver:
         return out
 
     def interval_scalars(self, ms_per_iter: float, tokens_per_iter: int) -> dict[str, float]:
-        if self.peak_tflops is None:
-            self.peak_tflops = measure_peak_tflops(self.device)
         tokens_per_sec = tokens_per_iter / (ms_per_iter / 1000.0)
         tflops = self.flops_per_token * tokens_per_sec / self.world_size / 1e12
-        return {"iteration_time_ms": ms_per_iter, "throughput_tokens_per_sec": tokens_per_sec,
-                "throughput_tflops_per_gpu": tflops, "mfu": tflops / self.peak_tflops,
-                "peak_tflops": self.peak_tflops, **memory_scalars(self.device)}
+        out = {"iteration_time_ms": ms_per_iter, "throughput_tokens_per_sec": tokens_per_sec,
+               "throughput_tflops_per_gpu": tflops, **memory_scalars(self.device)}
+        if self.peak_tflops is not None:  # MFU only against a known peak
+            out.update(mfu=tflops / self.peak_tflops, peak_tflops=self.peak_tflops)
+        return out
 
     def write_heatmap(self, logger: Optional[MetricsLogger], step: int) -> Optional[np.ndarray]:
         """Expert load of the interval (layers x experts, relative to each layer's mean)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -80,3 +81,22 @@ def test_attention_dropout_only_in_training():
 def test_attention_rejects_bad_groups():
     with pytest.raises(ValueError):
         SelfAttention(ModelConfig(hidden_size=16, num_attention_heads=4, num_query_groups=3))
+
+
+def test_use_flash_attn_runs_the_flash_kernel_only():
+    """--use-flash-attn: SDPA restricted to its flash kernel: the same output where that
+    kernel runs (no dropout on the CPU kernel), and an error, not a silent fallback, where
+    it cannot (dropout on CPU)."""
+    torch.manual_seed(0)
+    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                         num_query_groups=2, seq_length=8, max_position_embeddings=8,
+                         attention_dropout=0.0, position_embedding_type="rope")
+    plain = SelfAttention(config)
+    flash = SelfAttention(dataclasses.replace(config, use_flash_attn=True))
+    flash.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 2, 32)
+    cos, sin = rotary_cos_sin(8, 8, 10000.0)
+    torch.testing.assert_close(flash(x, (cos, sin)), plain(x, (cos, sin)))
+    flash.attention_dropout = 0.1
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        flash.train()(x, (cos, sin))

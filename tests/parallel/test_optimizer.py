@@ -106,3 +106,44 @@ def test_reduce_fn_sees_every_gradient_once():
     _loss(model, 0).backward()
     opt.step()
     assert len(seen) == 1 and len(seen[0]) == len(list(model.parameters()))
+
+
+class _ApexLikeFusedAdam(torch.optim.AdamW):
+    """Stand-in with apex FusedAdam's conventions (constructor, step count per group, no
+    per-parameter "step"): what our state handling must cope with."""
+
+    def __init__(self, params, adam_w_mode=True, **kw):
+        assert adam_w_mode
+        super().__init__(params, **kw)
+
+    def step(self, closure=None):
+        for group in self.param_groups:  # torch's AdamW does the math, its count hidden
+            for p in group["params"]:
+                if "step_" in self.state[p]:
+                    self.state[p]["step"] = self.state[p].pop("step_")
+        super().step(closure)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                self.state[p]["step_"] = self.state[p].pop("step")
+
+
+def test_apex_fused_adam_contract(monkeypatch):
+    """On GPU main parameters with apex importable the inner optimizer is apex's FusedAdam
+    in AdamW mode, and the layout-free checkpoint state keeps its step count (per group)."""
+    from megamoe.training.optim import common
+
+    monkeypatch.setattr(common, "_ApexFusedAdam", _ApexLikeFusedAdam)
+    monkeypatch.setattr(common, "_on_gpu", lambda groups: True)
+    model = torch.nn.Linear(4, 3)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    assert isinstance(opt.optimizer, _ApexLikeFusedAdam)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    states, step = opt.param_states()
+    assert float(step) == 2 and all("exp_avg" in s for s in states)
+    again = build_optimizer(torch.nn.Linear(4, 3), OptimizerConfig(lr=1e-2))
+    again.load_param_states(states, step)
+    assert all(g["step"] == 2 for g in again.optimizer.param_groups)

@@ -189,3 +189,20 @@ def test_async_save_does_not_block_the_caller(tmp_path, monkeypatch):
     release.set()
     writer.finalize()
     assert (tmp_path / TRACKER).read_text().strip() == "1"
+
+
+def test_cuda_rng_state_is_saved_and_restored(monkeypatch):
+    """On a GPU the CUDA generator's state travels with the checkpoint (a stand-in for
+    torch.cuda records what is saved and set)."""
+    from megamoe.training.checkpoint import rng_state as rs
+
+    state = {"value": torch.tensor([7], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: state["value"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: state.update(value=s))
+    saved = rs.rng_state()
+    assert torch.equal(saved["cuda"], torch.tensor([7], dtype=torch.uint8))
+    state["value"] = torch.tensor([9], dtype=torch.uint8)
+    rs.set_rng_state(saved)
+    assert state["value"].tolist() == [7]

@@ -18,8 +18,8 @@ from megamoe.training.metrics import (
     expert_load_heatmap,
     expert_load_scalars,
     format_log_line,
-    measure_peak_tflops,
     memory_scalars,
+    peak_tflops,
 )
 from tests.training.test_pretrain import TINY_MOE
 
@@ -125,9 +125,18 @@ def test_heatmap_colours():
     assert tuple(colormap(np.array(0.5))) == (33, 144, 141)
 
 
-def test_peak_and_memory_measurements():
-    peak = measure_peak_tflops(torch.device("cpu"), n=256, reps=2)
-    assert 1e-4 < peak < 100.0
+def test_peak_is_given_or_a_known_gpu_never_a_cpu_matmul(monkeypatch):
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, None) is None and peak_tflops(cpu, 12.5) == 12.5
+    gpu = torch.device("cuda", 0)
+    for name, want in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H200", 989.0),
+                       ("NVIDIA B200", 2250.0), ("Some Other GPU", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, n=name: n)
+        assert peak_tflops(gpu, None) == want, name
+
+
+def test_memory_measurement():
     rss = memory_scalars(torch.device("cpu"))["memory/rss_gib"]
     assert 0.01 < rss < 64
 

@@ -3,11 +3,16 @@ weight-decay rule), the inner torch optimizer, and fp32 gradient accumulation.""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from megamoe.config import OptimizerConfig
+
+try:  # NVIDIA apex (built from NVIDIA's repository; PyPI's "apex" is another package)
+    from apex.optimizers import FusedAdam as _ApexFusedAdam
+except Exception:  # noqa: BLE001 - absent, another package, or built without CUDA
+    _ApexFusedAdam = None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -25,13 +30,39 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
                           ) -> torch.optim.Optimizer:
-    """The torch optimizer that updates the fp32 main parameters (--optimizer)."""
-    if config.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1,
-                                                              config.adam_beta2),
-                                 eps=config.adam_eps, weight_decay=config.weight_decay)
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
-                           weight_decay=config.weight_decay)
+    """The optimizer that updates the fp32 main parameters (--optimizer). Adam on GPU main
+    parameters runs fused: NVIDIA apex's FusedAdam (AdamW mode) when apex is importable,
+    else torch's fused AdamW; on the CPU torch's AdamW. Same update rule everywhere."""
+    if config.optimizer != "adam":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                               weight_decay=config.weight_decay)
+    kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                  eps=config.adam_eps, weight_decay=config.weight_decay)
+    on_gpu = _on_gpu(groups)
+    if on_gpu and _ApexFusedAdam is not None:
+        return _ApexFusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=True if on_gpu else None, **kwargs)
+
+
+def _on_gpu(groups: list[dict]) -> bool:
+    return all(p.is_cuda for g in groups for p in g["params"])
+
+
+def step_count(optimizer: torch.optim.Optimizer, state: dict) -> Optional[torch.Tensor]:
+    """How many updates `optimizer` made: torch keeps it per parameter (state["step"]),
+    apex's FusedAdam per group (group["step"], an int); None before the first."""
+    if "step" in state:
+        return state["step"]
+    step = optimizer.param_groups[0].get("step") if optimizer.param_groups else None
+    return None if step is None else torch.tensor(float(step), device="cpu")  # a counter
+
+
+def set_step_count(optimizer: torch.optim.Optimizer, step: Optional[torch.Tensor]) -> None:
+    """The inverse of step_count for an optimizer that counts per group (apex)."""
+    if step is not None and _ApexFusedAdam is not None and isinstance(optimizer,
+                                                                      _ApexFusedAdam):
+        for group in optimizer.param_groups:
+            group["step"] = int(step)
 
 
 def fp32_accumulate_hook(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -20,7 +20,13 @@ from typing import Callable, Optional
 import torch
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.optim.common import build_inner_optimizer, fp32_accumulate_hook, param_groups
+from megamoe.training.optim.common import (
+    build_inner_optimizer,
+    fp32_accumulate_hook,
+    param_groups,
+    set_step_count,
+    step_count,
+)
 from megamoe.training.optim.grads import local_grad_norm
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
@@ -126,7 +132,7 @@ class MixedPrecisionOptimizer:
                  if isinstance(v, torch.Tensor) and v.shape == main.shape}
             if self.separate_main:
                 d["main"] = main.detach()
-            step = st.get("step", step)
+            step = step_count(self.optimizer, st) if st else step
             out.append(d)
         return out, step
 
@@ -140,6 +146,7 @@ class MixedPrecisionOptimizer:
                 p.copy_(main)
             tensors = {k: v.detach().clone() for k, v in st.items() if k != "main"}
             if tensors:
+                set_step_count(self.optimizer, step)
                 self.optimizer.state[main] = ({"step": step.clone()} if step is not None
                                               else {}) | tensors
 
