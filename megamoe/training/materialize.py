@@ -63,12 +63,13 @@ def _global_offsets(part: Part, local: torch.Tensor) -> list[int]:
 
 def _inner_rows(shape: tuple[int, ...], offsets: list[int], counts: tuple[int, ...]
                 ) -> list[int]:
-    """Flat row indices (over all but dim 0 and the last dim) of a region, row-major."""
-    rows = torch.zeros(1, dtype=torch.long, device="cpu")  # host index arithmetic
+    """Flat row indices (over all but dim 0 and the last dim) of a region, row-major
+    (plain integers: no tensor, so it also runs under a fake-tensor mode)."""
+    rows = [0]
     for d in range(1, len(shape) - 1):
-        idx = torch.arange(offsets[d], offsets[d] + counts[d], device="cpu")  # host
-        rows = (rows[:, None] * shape[d] + idx[None, :]).reshape(-1)
-    return rows.tolist()
+        rows = [r * shape[d] + i for r in rows
+                for i in range(offsets[d], offsets[d] + counts[d])]
+    return rows
 
 
 def _draw(seed: int, key: str, rows: list[int], row_len: int, std: float) -> torch.Tensor:

@@ -97,16 +97,23 @@ def reduce_gradients(grads: list[torch.Tensor], params: list[torch.nn.Parameter]
         allreduce_gradients(expert, edp_group, bucket_numel, divisor=dp_size)
 
 
-def local_grad_norm(grads: list[torch.Tensor]) -> float:
-    return float(torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])))
+def local_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of `grads` (fp32, 0-d, on their device)."""
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)) on the device (Megatron's clipping): multiplying
+    by 1 leaves unclipped gradients bitwise as they are."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Parameter],
                              tp_group: Optional[dist.ProcessGroup],
                              pp_group: Optional[dist.ProcessGroup],
                              ep_group: Optional[dist.ProcessGroup] = None,
-                             etp_group: Optional[dist.ProcessGroup] = None) -> float:
+                             etp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
     parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
     from this rank (identical on every TP rank after reduction), routed experts
@@ -134,4 +141,4 @@ def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Pa
     total = sq.sum().reshape(1)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    return float(total.sqrt())
+    return total.sqrt()[0]

@@ -27,10 +27,10 @@ from megamoe.training.optim.common import (
     set_step_count,
     step_count,
 )
-from megamoe.training.optim.grads import local_grad_norm
+from megamoe.training.optim.grads import clip_coefficient, local_grad_norm
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
-GradNormFn = Callable[[list[torch.Tensor]], float]
+GradNormFn = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 class MixedPrecisionOptimizer:
@@ -88,22 +88,28 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
-        """Returns (updated, grad norm before clipping, number of zero grads (not counted))."""
+        """Returns (updated, grad norm before clipping, number of zero grads (not counted)).
+        Reading the norm is the step's one device->host synchronisation (the skip
+        decision and the log need it); clipping uses it on the device."""
         grads = self.main_grads()
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
-        grad_norm = self.grad_norm_fn(grads)
+        norm = self.grad_norm_fn(grads)
+        grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
+        self.clip_and_update(grads, norm)
+        return True, grad_norm, None
+
+    @torch.no_grad()
+    def clip_and_update(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
+        """Scale the gradients to --clip-grad (a device-side coefficient), update the main
+        parameters, copy them into the model's."""
         if self.config.clip_grad > 0:
-            coeff = self.config.clip_grad / (grad_norm + 1e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_(grads, coeff)
+            torch._foreach_mul_(grads, clip_coefficient(norm, self.config.clip_grad))
         self.optimizer.step()
         if self.separate_main:
-            for p, main in zip(self.model_params, self.main_params):
-                p.copy_(main)
-        return True, grad_norm, None
+            torch._foreach_copy_(self.model_params, self.main_params)
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}

@@ -1,0 +1,116 @@
+"""Fake-device runs: the accelerator path's device placement, checked on a CPU machine.
+
+Under torch's FakeTensorMode tensors carry shapes, dtypes and devices but no data; any op
+that mixes a tensor of the stand-in accelerator with a CPU tensor (other than a 0-d
+scalar, exactly ACCEL's rule) raises FakeTensorDeviceMismatchError, and reading a value
+(.item(), .tolist(), a data-dependent shape) raises DataDependentOutputException. The
+stand-in accelerator is the "meta" device: on this CPU build, fake "cuda:0" tensors fail
+every copy-like op (clone, contiguous, copy_) in C++ ACCEL device guards before the fake
+dispatch runs, while fake meta tensors behave as a GPU's would for everything checked here
+(grouped_mm even insists on bf16, as on ACCEL). So everything below runs the real code with
+this process standing in for an accelerator rank: a tensor created on the host by mistake
+and mixed with the model's, or a host sync where none is allowed, fails the test. What
+needs values (the skip decision on the grad norm, the MoE permutation's sizes) is supplied
+from real CPU runs of the same computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+)
+
+from megamoe.config import (
+    ModelConfig,
+    MoEExecutionConfig,
+    OptimizerConfig,
+    ParallelConfig,
+)
+from megamoe.model.gpt_model import GPTModel
+from megamoe.parallel.mesh import single_process_mesh
+from megamoe.parallelize import parallelize
+from megamoe.training.materialize import materialize
+from megamoe.training.optim import build_optimizer
+
+ACCEL = torch.device("meta")  # the stand-in accelerator (module docstring)
+DENSE = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, seq_length=16, max_position_embeddings=16,
+                    vocab_size=97, normalization="RMSNorm", position_embedding_type="rope",
+                    swiglu=True, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _fake_mode() -> FakeTensorMode:
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _parallelized(config: ModelConfig, dtype: torch.dtype = torch.float32):
+    """The trainer's build path up to materialisation (meta -> parallelize): shapes only,
+    made outside the fake mode (FakeTensorMode cannot swap a module's fake parameters for
+    a dtype cast; real meta tensors can, and hold nothing a device could disagree with)."""
+    mesh = single_process_mesh(ACCEL)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    return parallelize(model, mesh, ParallelConfig(), MoEExecutionConfig(), seed=1,
+                       dtype=dtype), mesh
+
+
+def test_the_fake_mode_catches_what_it_must():
+    with _fake_mode():
+        a = torch.ones(3, 4, device=ACCEL)
+        for mixed in (lambda: a + torch.ones(3, 4, device="cpu"),
+                      lambda: a @ torch.ones(4, 2, device="cpu"),
+                      lambda: a.index_select(0, torch.tensor([0, 1], device="cpu"))):
+            with pytest.raises(FakeTensorDeviceMismatchError):
+                mixed()
+        with pytest.raises(DataDependentOutputException):
+            a.sum().item()
+        a + torch.tensor(2.0, device="cpu")  # a 0-d CPU scalar is allowed, as on CUDA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_model_built_trained_and_stepped_on_the_device(dtype):
+    model, mesh = _parallelized(DENSE, dtype)
+    with _fake_mode():
+        model = materialize(model, mesh, seed=1)
+        assert all(t.device == ACCEL for t in model.state_dict().values())
+        tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
+        loss = model(tokens, labels=tokens).float().mean()
+        loss.backward()
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-3, bf16=dtype == torch.bfloat16))
+        grads = opt.main_grads()
+        norm = opt.grad_norm_fn(grads)  # on the device; reading it is the step's one sync
+        assert norm.device == ACCEL
+        opt.clip_and_update(grads, norm)
+        assert all(p.device == ACCEL for p in opt.main_params)
+        for state in opt.optimizer.state.values():
+            assert all(v.device == ACCEL for v in state.values() if torch.is_tensor(v)
+                       and v.dim() > 0)
+
+
+def test_checkpoint_load_buffers_are_made_on_the_tensors_device():
+    """The torch_dist loader asks DCP for buffers on the device of what they load into (a
+    CPU buffer would be copied to the mesh's device by DTensor and the copy filled)."""
+    from megamoe.training.checkpoint import dist as dist_ckpt
+    from megamoe.training.checkpoint.sharded_state import model_entries
+
+    model, mesh = _parallelized(DENSE)
+    with _fake_mode():
+        model = materialize(model, mesh, seed=1)
+        entries = model_entries(model)
+        part, like = entries[0].parts[0], entries[0].tensor
+        meta = {part.key: _tensor_metadata(part.global_shape, like.dtype)}
+        request, targets = {}, []
+        dist_ckpt._request(meta, "ckpt", part.key, part, like, request, targets,
+                           lambda buf: None)
+        buf = request[part.key][1]
+        assert buf.device == ACCEL and buf.shape == like.shape
+
+
+def _tensor_metadata(shape, dtype):
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
