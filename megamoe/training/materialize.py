@@ -1,12 +1,12 @@
 """Materialising a model built on the meta device: this rank's shards only, on its device.
 
 Every logical tensor (named as in the single-process model, training/checkpoint/
-sharded_state.py) draws its values row by row: row i (the vector along its last dimension
-at flat index i over the others) is normal(0, std) from a generator seeded by (--seed,
-the tensor's name, i). A shard is then exactly the single-process values at its global
-position, whatever the layout, and a rank generates only the rows it holds (each row whole,
-sliced along the last dimension when that is sharded): no rank ever holds a full-size
-tensor, and host memory stays near the rank's own weight bytes.
+sharded_state.py) draws its values vector by vector along one dimension that no layout
+ever splits (its "vector axis"): vector i (flat index i over the other dimensions) is
+normal(0, std) from a generator seeded by (--seed, the tensor's name, i). A shard is then
+exactly the single-process values at its global position, whatever the layout, and a rank
+draws exactly the vectors it holds: no rank ever holds or generates a full-size tensor,
+and host memory stays near the rank's own weight bytes.
 
 Which tensors draw what: a module lists its normal-initialised parameters and their std
 in `init_stds` ({name: std}); norm weights are ones; everything else (biases, buffers,
@@ -61,19 +61,26 @@ def _global_offsets(part: Part, local: torch.Tensor) -> list[int]:
     return offsets
 
 
-def _inner_rows(shape: tuple[int, ...], offsets: list[int], counts: tuple[int, ...]
-                ) -> list[int]:
-    """Flat row indices (over all but dim 0 and the last dim) of a region, row-major
-    (plain integers: no tensor, so it also runs under a fake-tensor mode)."""
+def _vector_axis(part: Part, ndim: int) -> int:
+    """The dimension drawn as one vector: the last that no layout ever splits, so a rank
+    draws only the vectors it holds (a row-parallel weight draws columns, an expert fc1
+    draws along its hidden size)."""
+    free = [d for d in range(ndim) if d not in part.shardable_dims]
+    return free[-1] if free else ndim - 1
+
+
+def _flat_indices(shape: tuple[int, ...], dims: list[int], offsets: list[int],
+                  counts: tuple[int, ...]) -> list[int]:
+    """Row-major flat indices over `dims` of the global `shape`, for the region starting
+    at `offsets` with `counts` (plain integers: no tensor, so it runs under a fake mode)."""
     rows = [0]
-    for d in range(1, len(shape) - 1):
-        rows = [r * shape[d] + i for r in rows
-                for i in range(offsets[d], offsets[d] + counts[d])]
+    for d in dims:
+        rows = [r * shape[d] + i for r in rows for i in range(offsets[d], offsets[d] + counts[d])]
     return rows
 
 
-def _draw(seed: int, key: str, rows: list[int], row_len: int, std: float) -> torch.Tensor:
-    host = torch.empty(len(rows), row_len, device="cpu")  # drawn on the host
+def _draw(seed: int, key: str, rows: list[int], length: int, std: float) -> torch.Tensor:
+    host = torch.empty(len(rows), length, device="cpu")  # drawn on the host
     for j, row in enumerate(rows):
         g = torch.Generator(device="cpu").manual_seed(row_seed(seed, key, row))  # host RNG
         host[j].normal_(0.0, std, generator=g)
@@ -81,23 +88,29 @@ def _draw(seed: int, key: str, rows: list[int], row_len: int, std: float) -> tor
 
 
 def _fill_normal(part: Part, local: torch.Tensor, std: float, seed: int) -> None:
-    """The rows of `part`'s region of its logical tensor, drawn from their generators and
-    copied into `local` a chunk of dim-0 slices at a time."""
+    """`part`'s region of its logical tensor, drawn vector by vector along _vector_axis
+    (vector i: flat index i over the other dims) and copied into `local` a chunk at a time
+    along the first of the other dims."""
     shape, offsets = part.global_shape, _global_offsets(part, local)
-    cols = slice(offsets[-1], offsets[-1] + local.shape[-1])
-    if local.dim() == 1:  # one row
-        local.copy_(_draw(seed, part.key, [0], shape[-1], std)[0, cols])
+    axis = _vector_axis(part, len(shape))
+    others = [d for d in range(len(shape)) if d != axis]
+    if not others:  # 1-D: one vector
+        local.copy_(_draw(seed, part.key, [0], shape[axis], std)[0])
         return
-    inner = _inner_rows(shape, offsets, tuple(local.shape))
-    per_slice = 1
-    for n in shape[1:-1]:
-        per_slice *= n
-    k = max(1, _CHUNK_BYTES // (4 * shape[-1] * len(inner)))
-    for i0 in range(0, local.shape[0], k):
-        slices = range(offsets[0] + i0, offsets[0] + min(i0 + k, local.shape[0]))
-        rows = [i * per_slice + r for i in slices for r in inner]
-        host = _draw(seed, part.key, rows, shape[-1], std)[:, cols]
-        local[i0:i0 + len(slices)].copy_(host.reshape(len(slices), *local.shape[1:]))
+    c, rest = others[0], others[1:]
+    inner = _flat_indices(shape, rest, offsets, tuple(local.shape))
+    per = 1
+    for d in rest:
+        per *= shape[d]
+    order = [c, *rest, axis]
+    perm = [order.index(d) for d in range(len(shape))]
+    k = max(1, _CHUNK_BYTES // (4 * shape[axis] * len(inner)))
+    for i0 in range(0, local.shape[c], k):
+        n = min(k, local.shape[c] - i0)
+        rows = [(offsets[c] + i0 + i) * per + r for i in range(n) for r in inner]
+        host = _draw(seed, part.key, rows, shape[axis], std)
+        host = host.reshape(n, *[local.shape[d] for d in rest], shape[axis]).permute(perm)
+        local.narrow(c, i0, n).copy_(host)
 
 
 def _materialize_tensor(module: nn.Module, name: str, t: torch.Tensor,

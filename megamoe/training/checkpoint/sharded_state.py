@@ -56,6 +56,7 @@ class Part:
     length: int = 0
     device_mesh: Optional[DeviceMesh] = None  # None: not sharded (replicated or one rank)
     placements: tuple[Placement, ...] = ()
+    shardable_dims: tuple[int, ...] = ()  # dims some layout splits (whatever this one does)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dim is None else t.narrow(self.dim, self.start, self.length)
@@ -124,7 +125,7 @@ def _split(key: str, local_shape: tuple[int, ...], dim: int, names: list[Optiona
             shape[d] *= meshes.size(m)
         parts.append(Part(key if name is None else f"{key}.{name}", tuple(shape),
                           dim if len(names) > 1 else None, i * length, length,
-                          device_mesh, placements))
+                          device_mesh, placements, tuple(sorted({d for _, d in sharded}))))
     return parts
 
 
@@ -150,7 +151,7 @@ def _parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
                            [None], [("tp", 0)], meshes)[0]
             dim = None if len(module.blocks) == 1 else 0
             parts.append(Part(whole.key, whole.global_shape, dim, start, n,
-                              whole.device_mesh, whole.placements))
+                              whole.device_mesh, whole.placements, whole.shardable_dims))
             start += n
         return parts
     if isinstance(module, RowParallelLinear) and pname == "weight":
@@ -158,10 +159,8 @@ def _parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
     if isinstance(module, VocabParallelEmbedding):
         return _split(key, shape, 0, [None], [("tp", 0)], meshes)
     if isinstance(module, GroupedExperts):
-        split_f = getattr(module, "etp_size", 1) > 1  # hidden dimension split over etp
-
-        def over(dim: int) -> list[tuple[str, int]]:
-            return [("ep", 0)] + ([("etp", dim)] if split_f else [])
+        def over(dim: int) -> list[tuple[str, int]]:  # etp counts only when it is > 1
+            return [("ep", 0), ("etp", dim)]
 
         names = ["gate", "up"] if module.swiglu else [None]
         if pname == "fc1_weight":
