@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megamoe.moe.grouped_gemm import gather_grouped_mm, grouped_mm
+from megamoe.moe.grouped_gemm import Sizes, as_group_sizes, gather_grouped_mm, grouped_mm
 from megamoe.moe.swiglu import swiglu
 from megamoe.parallel.linear import Linear
 
@@ -70,7 +70,7 @@ class GroupedExperts(nn.Module):
             return F.silu(gate_NF) * up_NF
         return F.gelu(h_NF)
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: Sizes,
                 probs_N: Optional[torch.Tensor] = None,
                 token_indices_N: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x_NH grouped by expert (rows of expert e contiguous) -> y_NH in the same order.
@@ -80,15 +80,20 @@ class GroupedExperts(nn.Module):
         With `probs_N` the rows come out weighted: p * (a @ W2 + b2) = (p * a) @ W2 + p * b2,
         applied to the [N, F] activation instead of the [N, H] output, which for
         fine-grained experts (F < H) saves both the multiply and the memory autograd keeps.
+        The group sizes are a tensor or a GroupSizes (grouped_gemm.py); both GEMMs share
+        one GroupSizes, so a backend that needs the sizes on the host (grouped_gemm, loop)
+        copies them at most once per call, not once per GEMM, and never when the
+        dispatcher handed them over on the host already.
         """
+        sizes = as_group_sizes(tokens_per_expert_E)
         if token_indices_N is None:
             num_rows = x_NH.shape[0]
-            h_NF = grouped_mm(x_NH, self.fc1_weight, tokens_per_expert_E, self.backend)
+            h_NF = grouped_mm(x_NH, self.fc1_weight, sizes, self.backend)
         else:
             num_rows = token_indices_N.shape[0]
-            h_NF = gather_grouped_mm(x_NH, token_indices_N, self.fc1_weight,
-                                     tokens_per_expert_E, self.backend)
-        b1_NF = _rows_bias(self.fc1_bias, tokens_per_expert_E, num_rows)
+            h_NF = gather_grouped_mm(x_NH, token_indices_N, self.fc1_weight, sizes,
+                                     self.backend)
+        b1_NF = _rows_bias(self.fc1_bias, sizes.device_E, num_rows)
         if b1_NF is not None:
             h_NF = h_NF + b1_NF
         p_N = None if probs_N is None else probs_N.to(h_NF.dtype)
@@ -99,8 +104,8 @@ class GroupedExperts(nn.Module):
             a_NF = self.activation(h_NF)
             if p_N1 is not None:
                 a_NF = a_NF * p_N1
-        y_NH = grouped_mm(a_NF, self.fc2_weight, tokens_per_expert_E, self.backend)
-        b2_NH = _rows_bias(self.fc2_bias, tokens_per_expert_E, num_rows)
+        y_NH = grouped_mm(a_NF, self.fc2_weight, sizes, self.backend)
+        b2_NH = _rows_bias(self.fc2_bias, sizes.device_E, num_rows)
         if b2_NH is None:
             return y_NH
         if self.fc2_bias_scale != 1.0:
@@ -120,7 +125,8 @@ class SequentialExperts(nn.Module):
     """User-supplied expert modules (Tutel / FastMoE style), run one after another.
 
     Each module maps [n, H] -> [n, H]; any architecture works. Slower than the grouped
-    path (one call per expert) but free-form.
+    path (one call per expert) but free-form; the split sizes are needed on the host (a
+    device->host copy per call unless the dispatcher has them there: all-to-all).
     """
 
     def __init__(self, experts: list[nn.Module]) -> None:
@@ -131,8 +137,8 @@ class SequentialExperts(nn.Module):
         self.num_local_experts = len(experts)
         self.expert_offset = 0  # global id of local expert 0 (set by expert parallelism)
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        chunks = torch.split(x_NH, tokens_per_expert_E.tolist(), dim=0)
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: Sizes) -> torch.Tensor:
+        chunks = torch.split(x_NH, as_group_sizes(tokens_per_expert_E).host_list(), dim=0)
         return torch.cat([expert(x_e) for expert, x_e in zip(self.local_experts, chunks)])
 
 

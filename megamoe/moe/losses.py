@@ -8,6 +8,8 @@ loss is scaled exactly like the LM loss and counted once per micro-batch.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
 _AUX_LOSS_BACKWARD_SCALE: float = 1.0
@@ -73,8 +75,8 @@ def sequence_load_balancing_loss(probs_TE: torch.Tensor, routing_map_TE: torch.T
 
 
 def global_load_balancing_loss(probs_TE: torch.Tensor, global_fraction_E: torch.Tensor,
-                               global_num_tokens: int, topk: int, coeff: float,
-                               grad_average_size: int = 1) -> torch.Tensor:
+                               global_num_tokens: Union[int, torch.Tensor], topk: int,
+                               coeff: float, grad_average_size: int = 1) -> torch.Tensor:
     """Switch loss with token fractions counted over the global batch so far.
 
     `global_fraction_E` = routed tokens per expert / tokens (all-reduced over tp-dp-cp and
@@ -83,6 +85,7 @@ def global_load_balancing_loss(probs_TE: torch.Tensor, global_fraction_E: torch.
     group. The sum over ranks of these local losses is the global loss; multiplying by the
     size of the group that averages gradients (`grad_average_size`, dp x cp) makes the
     averaged gradient that of the global loss, not 1/DP of it (Megatron #3672).
+    `global_num_tokens` may be a 0-d tensor on the device (the router's: no host sync).
     """
     num_experts = probs_TE.shape[1]
     p_E = probs_TE.sum(dim=0) / global_num_tokens

@@ -268,18 +268,19 @@ class TopKRouter(nn.Module):
         self.expert_bias += self.config.bias_update_rate * step_E
         self.local_tokens_per_expert.zero_()
 
-    def _global_fraction(self, routing_map_TE: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _global_fraction(self, routing_map_TE: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Update the running global counts; (fraction per expert, this micro-batch's tokens
-        over the group)."""
-        stats = torch.cat([routing_map_TE.sum(dim=0),
-                           torch.tensor([routing_map_TE.shape[0]], dtype=torch.long,
-                                        device=routing_map_TE.device)])
+        over the group, a 0-d tensor left on the device: no host sync)."""
+        stats = torch.cat([routing_map_TE.sum(dim=0),  # a fill, not a host->device copy
+                           torch.full((1,), routing_map_TE.shape[0], dtype=torch.long,
+                                      device=routing_map_TE.device)])
         if self.balancing_group is not None:
             dist.all_reduce(stats, group=self.balancing_group)
         self.global_tokens_per_expert += stats[:-1]
         self.global_num_tokens += stats[-1]
         fraction_E = self.global_tokens_per_expert.double() / self.global_num_tokens.double()
-        return fraction_E, int(stats[-1])
+        return fraction_E, stats[-1]
 
     def _balancing_losses(self, logits_TE: torch.Tensor, routing_map_TE: torch.Tensor,
                           seq_ids_T: Optional[torch.Tensor], num_seqs: int

@@ -113,3 +113,43 @@ def test_pad_groups_layout():
                             probs[2, 2], 0]
     with pytest.raises(ValueError, match="capacity"):
         pad_groups(idx, p, sizes, capacity=2, pad_index=4)
+
+
+@pytest.mark.parametrize("T,E,k,capacity", [(13, 4, 1, 5), (20, 8, 2, 6), (9, 3, 3, 9)])
+def test_permute_padded_equals_pad_groups(T, E, k, capacity):
+    """The sync-free padded layout == permute + pad_groups, and the same gradients."""
+    from megamoe.moe.capacity import apply_capacity
+    from megamoe.moe.permute import pad_groups, permute_padded
+
+    g = torch.Generator().manual_seed(T)
+    probs = (torch.rand(T, E, generator=g) * _random_map(T, E, k, seed=T))
+    probs, rmap = apply_capacity(probs, probs > 0, capacity, "position")
+    p1, p2 = probs.clone().requires_grad_(), probs.clone().requires_grad_()
+    idx_P, probs_P = permute_padded(p1, rmap, capacity, pad_index=T)
+    _, idx, sizes = permute(torch.zeros(T, 1), rmap)
+    ref_idx, ref_probs = pad_groups(idx, permute_probs(p2, rmap), sizes, capacity, T)
+    assert torch.equal(idx_P, ref_idx) and torch.equal(probs_P, ref_probs)
+    w = torch.randn(E * capacity, generator=g)
+    (probs_P * w).sum().backward()
+    (ref_probs * w).sum().backward()
+    assert torch.equal(p1.grad, p2.grad)
+
+
+def test_chunked_rows_are_each_chunks_own_layout():
+    """expert_major_rows with chunk sizes: one nonzero, rows = the concatenation of each
+    chunk's permutation (token indices global), counts per (chunk, expert)."""
+    from megamoe.moe.permute import expert_major_rows, select_probs
+
+    T, E = 11, 4
+    rmap = _random_map(T, E, 2, seed=5)
+    probs = torch.rand(T, E) * rmap
+    rows = expert_major_rows(rmap, [4, 4, 3])
+    want_idx, want_tpe, want_probs = [], [], []
+    for first, size in ((0, 4), (4, 4), (8, 3)):
+        _, idx, tpe = permute(torch.zeros(size, 1), rmap[first:first + size])
+        want_idx.append(idx + first)
+        want_tpe.append(tpe)
+        want_probs.append(permute_probs(probs[first:first + size], rmap[first:first + size]))
+    assert torch.equal(rows.token_indices_N, torch.cat(want_idx))
+    assert torch.equal(rows.tokens_per_expert_E, torch.cat(want_tpe))
+    assert torch.equal(select_probs(probs, rows), torch.cat(want_probs))

@@ -177,10 +177,12 @@ class AdaptiveDispatcher(TokenDispatcher):
                         torch.cuda.synchronize(device)
                     if i:
                         seconds[mode] = min(seconds[mode], time.perf_counter() - start)
+        # On the experts' device: an NCCL group reduces no CPU tensor.
         agreed = torch.tensor([seconds[m] for m in modes], dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        self.timings[num_tokens] = dict(zip(modes, agreed.tolist()))
-        return modes[int(agreed.argmin())]
+        agreed_s = agreed.tolist()
+        self.timings[num_tokens] = dict(zip(modes, agreed_s))
+        return modes[agreed_s.index(min(agreed_s))]
 
     def forward(self, x_TH: torch.Tensor, probs_TE: torch.Tensor,
                 routing_map_TE: torch.Tensor, experts: torch.nn.Module,

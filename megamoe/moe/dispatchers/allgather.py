@@ -3,6 +3,9 @@ group and computes its own experts; the partial outputs are summed by a reduce-s
 
   all-gather tokens, probs and routing map over ep -> each rank permutes the gathered
   tokens for its own experts -> experts -> unpermute -> reduce-scatter.
+
+Host synchronisation: one per dispatch, the permutation's (how many gathered token copies
+this rank's experts got is data-dependent); the collectives have static sizes.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megamoe.moe.dispatchers.expert_parallel import ExpertParallelDispatcher
-from megamoe.moe.permute import permute, permute_probs, unpermute
+from megamoe.moe.permute import permute_with_probs, unpermute
 from megamoe.parallel.comm import (
     all_gather_no_grad,
     gather_from_sequence,
@@ -41,11 +44,11 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         return x_GH, probs_GE, map_GE
 
     def dispatch_postprocess(self, x_GH, probs_GE, map_GE):
-        """Compute: keep this rank's experts' columns and group their copies by expert."""
+        """Compute: keep this rank's experts' columns and group their copies by expert
+        (the one device->host sync of this dispatcher: the number of rows, permute.py)."""
         cols = slice(self.local_start, self.local_start + self.num_local_experts)
-        local_map = map_GE[:, cols]
-        x_NH, token_indices_N, tokens_per_local_expert = permute(x_GH, local_map)
-        probs_N = permute_probs(probs_GE[:, cols], local_map)
+        x_NH, token_indices_N, probs_N, tokens_per_local_expert = permute_with_probs(
+            x_GH, probs_GE[:, cols], map_GE[:, cols])
         return x_NH, tokens_per_local_expert, _AllGatherState(token_indices_N, probs_N,
                                                               x_GH.shape[0])
 

@@ -8,6 +8,15 @@ overlapping the exchange with the expert GEMMs.
 The work is split into phases that only compute (`*_preprocess`, `*_postprocess`) and
 phases that only communicate (`token_dispatch`, `token_combine`), so the overlapped
 forward can interleave them.
+
+Host synchronisations per dispatch: two, whatever the overlap degree. The permutation's
+(the number of rows to group, permute.py; one for all overlap chunks), and one
+device->host copy of every split size the dispatch needs (what this rank sends and what
+it receives, per rank and local expert, for every overlap chunk at once): the uneven
+all-to-all takes its split sizes as host lists. The rows per local expert reach the
+experts on the device (a sum of the received counts) and on the host (from that copy,
+for experts that need them there). The backward adds none: it reuses the host split
+sizes.
 """
 
 from __future__ import annotations
@@ -20,7 +29,13 @@ import torch.distributed as dist
 
 from megamoe.moe.dispatchers.base import Experts
 from megamoe.moe.dispatchers.expert_parallel import ExpertParallelDispatcher
-from megamoe.moe.permute import permute, permute_probs, unpermute
+from megamoe.moe.grouped_gemm import GroupSizes
+from megamoe.moe.permute import (
+    expert_major_rows,
+    permute_with_probs,
+    select_probs,
+    unpermute,
+)
 from megamoe.parallel.comm import (
     AsyncHandle,
     all_to_all_counts,
@@ -31,16 +46,28 @@ from megamoe.parallel.comm import (
 
 
 @dataclass
+class _Splits:
+    """Split sizes of one exchange (one overlap chunk)."""
+
+    input_splits: list[int]  # rows sent to each ep rank (host)
+    output_splits: list[int]  # rows received from each ep rank (host)
+    recv_counts_SL: list[list[int]]  # [source rank][local expert] rows received (host)
+    tokens_per_local_expert: GroupSizes  # [local expert] rows received (device and host)
+
+
+@dataclass
 class _AllToAllState:
     """What the combine needs to reverse one dispatch."""
 
     token_indices_N: torch.Tensor  # source token of each local copy (expert-major)
     probs_N: torch.Tensor  # combine weight of each local copy
     num_tokens: int
-    input_splits: list[int]  # rows sent to each ep rank
-    output_splits: list[int]  # rows received from each ep rank
-    recv_counts_SE: list[list[int]]  # [source rank][local expert] rows received
+    splits: _Splits
 
+
+def _chunk_sizes(num_tokens: int, n: int) -> list[int]:
+    """Rows of each of n chunks, as torch.tensor_split cuts them (the first ones longer)."""
+    return [num_tokens // n + (1 if c < num_tokens % n else 0) for c in range(n)]
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
@@ -65,90 +92,104 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             return super().forward(x_TH, probs_TE, routing_map_TE, experts)
         return self._forward_overlapped(x_TH, probs_TE, routing_map_TE, experts)
 
+    def exchange_split_sizes(self, tokens_per_expert_CE: list[torch.Tensor]) -> list[_Splits]:
+        """Communicate the split sizes of every chunk in one all-to-all of counts, then
+        copy what this rank sends and receives to the host in one go (the dispatch's one
+        split-size sync)."""
+        counts_RCL = torch.stack([per_expert_E.view(self.ep_size, self.num_local_experts)
+                                  for per_expert_E in tokens_per_expert_CE], dim=1)
+        recv_SCL = all_to_all_counts(counts_RCL, self.group)  # [source rank, chunk, local]
+        sent_host, recv_host = torch.stack([counts_RCL, recv_SCL]).tolist()  # one D2H copy
+        out = []
+        for c in range(len(tokens_per_expert_CE)):
+            recv_SL = [per_chunk[c] for per_chunk in recv_host]
+            per_local = GroupSizes(recv_SCL[:, c].sum(dim=0),
+                                   host=[sum(col) for col in zip(*recv_SL)])
+            out.append(_Splits(input_splits=[sum(per_chunk[c]) for per_chunk in sent_host],
+                               output_splits=[sum(row) for row in recv_SL],
+                               recv_counts_SL=recv_SL, tokens_per_local_expert=per_local))
+        return out
+
     def _forward_overlapped(self, x_TH, probs_TE, routing_map_TE, experts) -> torch.Tensor:
         n = self.overlap_degree
-        bounds = [len(c) for c in torch.arange(x_TH.shape[0]).tensor_split(n)]
-        pre = [self.dispatch_preprocess(x, p, m) for x, p, m in zip(
-            x_TH.split(bounds), probs_TE.split(bounds), routing_map_TE.split(bounds))]
-        # Split sizes of every chunk in one exchange: [dest rank, chunk, local expert].
-        counts_RCL = torch.stack([per_expert_E.view(self.ep_size, self.num_local_experts)
-                                  for *_, per_expert_E in pre], dim=1)
-        recv_SCL = all_to_all_counts(counts_RCL, self.group)
-        states = []
-        for c, (_, token_indices_N, probs_N, _) in enumerate(pre):
-            input_splits = counts_RCL[:, c].sum(dim=1).tolist()
-            output_splits = recv_SCL[:, c].sum(dim=1).tolist()
-            states.append(_AllToAllState(token_indices_N, probs_N, bounds[c], input_splits,
-                                         output_splits, recv_SCL[:, c].tolist()))
+        bounds = _chunk_sizes(x_TH.shape[0], n)
+        # Every chunk's permutation from one nonzero (rows chunk-major), every chunk's
+        # split sizes from one host copy; the rows per chunk are among them.
+        rows = expert_major_rows(routing_map_TE, bounds)
+        x_NH = x_TH.index_select(0, rows.token_indices_N)
+        probs_N = select_probs(probs_TE, rows)
+        all_splits = self.exchange_split_sizes(list(rows.tokens_per_expert_E.view(n, -1)))
+        rows_C = [sum(sp.input_splits) for sp in all_splits]
+        firsts = [sum(bounds[:c]) for c in range(n)]  # first token of each chunk
+        x_chunks = x_NH.split(rows_C)
+        states = [_AllToAllState(idx_N - first, p_N, size, sp) for idx_N, p_N, size, first, sp
+                  in zip(rows.token_indices_N.split(rows_C), probs_N.split(rows_C), bounds,
+                         firsts, all_splits)]
         handles = [AsyncHandle() for _ in range(n)]
 
         def start(c: int) -> torch.Tensor:
-            st = states[c]
-            return all_to_all_start(pre[c][0], st.output_splits, st.input_splits, self.group,
+            sp = states[c].splits
+            return all_to_all_start(x_chunks[c], sp.output_splits, sp.input_splits, self.group,
                                     handles[c])
 
         pending = start(0)
         back = []
         for c in range(n):  # communication of chunk c + 1 overlaps compute of chunk c
             upcoming = start(c + 1) if c + 1 < n else None
-            st = states[c]
-            x_recv = all_to_all_wait(pending, st.output_splits, st.input_splits, self.group,
+            st, sp = states[c], states[c].splits
+            x_recv = all_to_all_wait(pending, sp.output_splits, sp.input_splits, self.group,
                                      handles[c])
-            x_local, tokens_per_local_expert = self.dispatch_postprocess(
-                x_recv, st.recv_counts_SE)
+            x_local, tokens_per_local_expert = self.dispatch_postprocess(x_recv, sp)
             y_src = self.combine_preprocess(experts(x_local, tokens_per_local_expert), st)
             h = AsyncHandle()
-            back.append((h, all_to_all_start(y_src, st.input_splits, st.output_splits,
+            back.append((h, all_to_all_start(y_src, sp.input_splits, sp.output_splits,
                                              self.group, h)))
             pending = upcoming
         outs = []
         for (h, y_pending), st in zip(back, states):
-            y_NH = all_to_all_wait(y_pending, st.input_splits, st.output_splits, self.group, h)
+            sp = st.splits
+            y_NH = all_to_all_wait(y_pending, sp.input_splits, sp.output_splits, self.group, h)
             outs.append(self.combine_postprocess(y_NH, st))
         return torch.cat(outs)
 
     def dispatch_preprocess(self, x_TH: torch.Tensor, probs_TE: torch.Tensor,
                             routing_map_TE: torch.Tensor):
         """Compute: group token copies by global expert (so by owning rank)."""
-        x_NH, token_indices_N, tokens_per_expert_E = permute(x_TH, routing_map_TE)
-        probs_N = permute_probs(probs_TE, routing_map_TE)
+        x_NH, token_indices_N, probs_N, tokens_per_expert_E = permute_with_probs(
+            x_TH, probs_TE, routing_map_TE)
         return x_NH, token_indices_N, probs_N, tokens_per_expert_E
 
     def token_dispatch(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor
-                       ) -> tuple[torch.Tensor, list[int], list[int], list[list[int]]]:
+                       ) -> tuple[torch.Tensor, _Splits]:
         """Communicate: split sizes first, then the rows (uneven all-to-all)."""
-        counts_RL = tokens_per_expert_E.view(self.ep_size, self.num_local_experts)
-        recv_SL = all_to_all_counts(counts_RL, self.group)  # [source rank, local expert]
-        input_splits = counts_RL.sum(dim=1).tolist()
-        output_splits = recv_SL.sum(dim=1).tolist()
-        x_recv = all_to_all_uneven(x_NH, output_splits, input_splits, self.group)
-        return x_recv, input_splits, output_splits, recv_SL.tolist()
+        splits = self.exchange_split_sizes([tokens_per_expert_E])[0]
+        x_recv = all_to_all_uneven(x_NH, splits.output_splits, splits.input_splits,
+                                   self.group)
+        return x_recv, splits
 
-    def dispatch_postprocess(self, x_recv: torch.Tensor, recv_SL: list[list[int]]
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compute: source-major chunks -> expert-major (rows of local expert j contiguous)."""
-        x_NH = _sort_chunks(x_recv, recv_SL)
-        tokens_per_local_expert = torch.tensor(
-            [sum(row[j] for row in recv_SL) for j in range(self.num_local_experts)],
-            dtype=torch.long)
-        return x_NH, tokens_per_local_expert
+    def dispatch_postprocess(self, x_recv: torch.Tensor, splits: _Splits
+                             ) -> tuple[torch.Tensor, GroupSizes]:
+        """Compute: source-major chunks -> expert-major (rows of local expert j contiguous);
+        the rows per local expert come with the splits, on the device and, for experts
+        that need them there (grouped_gemm package, loop, expert modules), on the host."""
+        return _sort_chunks(x_recv, splits.recv_counts_SL), splits.tokens_per_local_expert
 
     def dispatch(self, x_TH, probs_TE, routing_map_TE, pad=None):
         x_NH, token_indices_N, probs_N, per_expert_E = self.dispatch_preprocess(
             x_TH, probs_TE, routing_map_TE)
-        x_recv, input_splits, output_splits, recv_SL = self.token_dispatch(x_NH, per_expert_E)
-        x_local, tokens_per_local_expert = self.dispatch_postprocess(x_recv, recv_SL)
-        state = _AllToAllState(token_indices_N, probs_N, x_TH.shape[0], input_splits,
-                               output_splits, recv_SL)
+        x_recv, splits = self.token_dispatch(x_NH, per_expert_E)
+        x_local, tokens_per_local_expert = self.dispatch_postprocess(x_recv, splits)
+        state = _AllToAllState(token_indices_N, probs_N, x_TH.shape[0], splits)
         return (x_local, tokens_per_local_expert), state
 
     def combine_preprocess(self, y_NH: torch.Tensor, state: _AllToAllState) -> torch.Tensor:
         """Compute: expert-major -> source-major (the inverse of dispatch_postprocess)."""
-        return _unsort_chunks(y_NH, state.recv_counts_SE)
+        return _unsort_chunks(y_NH, state.splits.recv_counts_SL)
 
     def token_combine(self, y_recv: torch.Tensor, state: _AllToAllState) -> torch.Tensor:
         """Communicate: send every row back to the rank its token came from."""
-        return all_to_all_uneven(y_recv, state.input_splits, state.output_splits, self.group)
+        sp = state.splits
+        return all_to_all_uneven(y_recv, sp.input_splits, sp.output_splits, self.group)
 
     def combine_postprocess(self, y_NH: torch.Tensor, state: _AllToAllState) -> torch.Tensor:
         """Compute: weighted sum of each token's k expert outputs."""

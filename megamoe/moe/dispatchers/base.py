@@ -25,8 +25,10 @@ Experts = Callable[..., torch.Tensor]
 
 
 class TokenDispatcher:
-    """Base: this rank's experts get rows grouped by local expert; the combine returns
-    [T, H] for this rank's tokens."""
+    """Base: this rank's experts get rows grouped by local expert, with the rows per local
+    expert as a device tensor or, where the dispatcher has them on the host anyway, a
+    GroupSizes carrying both (moe/grouped_gemm.py); the combine returns [T, H] for this
+    rank's tokens."""
 
     def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's input -> the tokens this rank routes (identity unless a tensor-

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from megamoe.moe.dispatchers.base import TokenDispatcher
-from megamoe.moe.permute import pad_groups, permute, permute_probs, unpermute
+from megamoe.moe.permute import permute_padded, permute_with_probs, unpermute
 
 
 @dataclass
@@ -29,6 +29,9 @@ class LocalDispatcher(TokenDispatcher):
     the activation before the last GEMM, grouped experts with SwiGLU or F <= H), so the
     combine only sums. Capacity padding (`pad`) makes every group `pad` rows long with
     zero rows of weight 0.
+
+    Host synchronisation: one per dispatch without padding (the permutation's nonzero:
+    the number of rows is data-dependent), none with padding (static sizes).
     """
 
     def __init__(self, fuse_gather: bool = False, combine_in_experts: bool = False) -> None:
@@ -45,15 +48,15 @@ class LocalDispatcher(TokenDispatcher):
                  ) -> tuple[tuple, LocalState]:
         num_tokens = x_TH.shape[0]
         fuse = self.fuse_gather
-        x_NH, token_indices_N, tokens_per_expert_E = permute(x_TH, routing_map_TE,
-                                                             gather=not fuse)
-        probs_N = permute_probs(probs_TE, routing_map_TE)
-        if pad is not None:
-            token_indices_N, probs_N = pad_groups(token_indices_N, probs_N,
-                                                  tokens_per_expert_E, pad,
-                                                  pad_index=num_tokens)
+        if pad is None:  # one device->host sync: the number of rows (permute.py)
+            x_NH, token_indices_N, probs_N, tokens_per_expert_E = permute_with_probs(
+                x_TH, probs_TE, routing_map_TE, gather=not fuse)
+        else:  # static size E * pad: no sync
+            token_indices_N, probs_N = permute_padded(probs_TE, routing_map_TE, pad,
+                                                      pad_index=num_tokens)
             x_ext_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])  # row T = pad
-            tokens_per_expert_E = torch.full_like(tokens_per_expert_E, pad)
+            tokens_per_expert_E = torch.full((routing_map_TE.shape[1],), pad,
+                                             dtype=torch.long, device=x_TH.device)
             x_NH = x_ext_TH if fuse else x_ext_TH.index_select(0, token_indices_N)
         state = LocalState(token_indices_N, probs_N, num_tokens, pad is not None)
         if not fuse:
