@@ -1,5 +1,6 @@
 """pretrain_gpt.py-level parity under pipeline parallelism: 1F1B (uneven stages, tied
-embeddings), interleaved virtual stages and TP+SP x PP give the single-process losses."""
+embeddings), interleaved virtual stages (PP = 4; PP = 2, where both neighbours are one
+rank, with evaluation) and TP+SP x PP give the single-process losses."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _check(model: str, extra: str, world_size: int) -> None:
     for hist in per_rank:
         assert len(hist) == len(single) == 5
         for a, b in zip(single, hist):
-            for k in KEYS:
+            for k in KEYS + (("valid lm loss",) if "valid lm loss" in a else ()):
                 assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, single, hist)
 
 
@@ -54,6 +55,14 @@ def test_pp4_interleaved_virtual_stages():
     model = TINY_MOE.replace("--num-layers 2", "--num-layers 8")
     _check(model, "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1",
            4)
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_training_and_evaluation():
+    model = (TINY_MOE.replace("--num-layers 2", "--num-layers 4")
+             + " --eval-interval 2 --eval-iters 2")
+    _check(model, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+           2)
 
 
 @pytest.mark.slow

@@ -1,12 +1,41 @@
 """Pipeline-parallel micro-batch schedules: 1F1B and interleaved 1F1B over p2p.
 
-Each rank runs its list of tasks F(chunk, micro-batch) / B(chunk, micro-batch) in the
-schedule's order. Activations and gradients cross stages with point-to-point messages:
-sends are asynchronous (waited at the end of the step), receives block until the producer
-has sent. Because sends never block, the only waits are real data dependencies, so any
-order consistent with them (1F1B, Megatron's interleaved order, all-forward for eval)
-runs without deadlock on gloo as on NCCL. Messages are tagged by (virtual stage,
-micro-batch, direction), so two neighbours exchanging several streams never mix them.
+Each rank runs its tasks F(chunk, micro-batch) / B(chunk, micro-batch) as a list of
+steps (`pipeline_steps`, Megatron-LM's order), and between two steps exchanges with its
+two neighbours in one `dist.batch_isend_irecv`, waited before the next step: the sends of
+the step just run (F's output to the next stage, B's input gradient to the previous one)
+and the receives the next step needs (F's input from the previous stage, B's output
+gradient from the next one). With one virtual stage (1F1B) a step is one task; with
+interleaving, a steady-state step is F and B together, as in Megatron-LM.
+
+Ordering, for NCCL. NCCL ignores tags: on each pair of ranks, sends are matched to the
+peer's receives in issue order, and a send may block until its receive is posted (a
+batch completes only when all of its operations have). Separate isend/irecv calls in
+the order the tasks produce them deadlock (both neighbours sending first) or, when
+interleaving, pair an activation with a same-shaped gradient. So, as in Megatron-LM:
+- every receive is posted in the batch just before the step that needs it and every send
+  in the batch just after the step that produced it; the steps are Megatron's, whose
+  warm-ups differ by one task (1F1B) or two steps (interleaved) between neighbours, so
+  the batches of neighbours line up: in the steady state of 1F1B, rank r's "send forward,
+  receive backward" meets rank r+1's "send backward, receive forward"; when interleaving,
+  rank r's batch after step s meets rank r+1's after step s-1 (and rank pp-1's meets
+  rank 0's for the wrap-around between chunks; where few micro-batches cap the warm-up,
+  one batch may meet parts of two of the neighbour's, in the same order);
+- inside a batch the operations follow Megatron's even/odd order (even ranks: send next,
+  recv prev, send prev, recv next; odd ranks: recv prev, send next, recv next, send prev):
+  towards the next rank it is always "send, then receive", towards the previous one
+  "receive, then send", which mirror each other, also with PP = 2 where both neighbours
+  are the same rank;
+- forward-only (evaluation) runs the same forward order, all warm-up.
+The result: on every pair (a, b), the operations a issues towards b are, one to one and in
+order, the mirror of those b issues towards a, and every rank runs to the end even when
+each send waits for its receive. tests/training/test_p2p_order.py records the operations
+of every rank, ignoring tags, and checks both (the latter with an NCCL-like rendezvous
+simulation) for 1F1B and interleaving, PP = 2 and 4, training and forward-only. Each
+message still carries a tag naming it (virtual stage, micro-batch, direction): NCCL ignores
+it, gloo matches by it, and the test uses it only to check that the messages matched by
+position are the same. Receive buffers are allocated on the parameters' device in the
+activation dtype.
 
 Loss normalisation matches the no-pipelining schedule: the last stage backpropagates
 loss / num_microbatches, the MoE aux losses get the same scale, the step's LM loss is
@@ -29,16 +58,23 @@ from megamoe.training.loss import masked_lm_loss
 
 Batch = dict[str, torch.Tensor]
 Task = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
+Message = tuple[torch.Tensor, int]  # (tensor, tag)
+
+# Operations of one batch, in issue order (Megatron-LM's even/odd pipeline ranks).
+_SLOTS = {0: (("send", "next"), ("recv", "prev"), ("send", "prev"), ("recv", "next")),
+          1: (("recv", "prev"), ("send", "next"), ("recv", "next"), ("send", "prev"))}
 
 
-def one_f_one_b_order(num_microbatches: int, pp: int, rank: int, num_chunks: int = 1,
-                      forward_only: bool = False) -> list[Task]:
-    """Megatron's (interleaved) 1F1B task order for `rank`.
+def pipeline_steps(num_microbatches: int, pp: int, rank: int, num_chunks: int = 1,
+                   forward_only: bool = False) -> list[list[Task]]:
+    """Megatron's (interleaved) 1F1B task order for `rank`, cut into the steps between
+    which the rank communicates.
 
     Virtual micro-batch k runs chunk (k mod (pp*V)) // pp of micro-batch
     (k // (pp*V)) * pp + k mod pp; backward visits the chunks in reverse. Warm-up
-    forwards fill the pipeline, then one forward and one backward alternate, then the
-    cool-down drains the remaining backwards.
+    forwards fill the pipeline, then one forward and one backward alternate (one step
+    each in 1F1B, one step together when interleaved), then the cool-down drains the
+    remaining backwards. Forward-only runs every forward in warm-up order.
     """
     m, v = num_microbatches, num_chunks
     if v > 1 and m % pp:
@@ -54,57 +90,126 @@ def one_f_one_b_order(num_microbatches: int, pp: int, rank: int, num_chunks: int
         return kind, chunk, group * pp + within % pp
 
     if forward_only:
-        return [("F", c, mb) for mb in range(m) for c in range(v)]
+        return [[task("F", k)] for k in range(total)]
     if v == 1:
         warmup = min(pp - rank - 1, total)
     else:
         warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    order = [task("F", k) for k in range(warmup)]
+    steps = [[task("F", k)] for k in range(warmup)]
     for k in range(total - warmup):
-        order += [task("F", warmup + k), task("B", k)]
-    order += [task("B", k) for k in range(total - warmup, total)]
-    return order
+        pair = [task("F", warmup + k), task("B", k)]
+        steps += [pair] if v > 1 else [pair[:1], pair[1:]]
+    return steps + [[task("B", k)] for k in range(total - warmup, total)]
+
+
+def one_f_one_b_order(num_microbatches: int, pp: int, rank: int, num_chunks: int = 1,
+                      forward_only: bool = False) -> list[Task]:
+    """The tasks of `pipeline_steps`, in order."""
+    return [t for step in pipeline_steps(num_microbatches, pp, rank, num_chunks, forward_only)
+            for t in step]
 
 
 class _P2P:
-    """Tagged point-to-point between virtual stages of one pipeline group."""
+    """Batched point-to-point with this rank's two neighbours in the pipeline (the same
+    rank when PP = 2); see the module docstring for the order."""
 
-    def __init__(self, model: PipelineModel, num_microbatches: int):
-        self.model = model
-        self.num_virtual = model.pp_size * len(model.chunks)
-        self.m = num_microbatches
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+    def __init__(self, model: PipelineModel, template: torch.Tensor):
+        pp, rank = model.pp_size, model.pp_rank
+        self.peers = {"next": model.pp_ranks[(rank + 1) % pp],
+                      "prev": model.pp_ranks[(rank - 1) % pp]}
+        self.slots = _SLOTS[rank % 2]
+        self.group = model.pp_group
+        self.template = template
 
-    def _peer(self, stage: int) -> int:
-        return self.model.pp_ranks[stage % self.model.pp_size]
-
-    def _tag(self, v: int, mb: int, grad: bool) -> int:
-        return 2 * (mb * self.num_virtual + v) + int(grad)
-
-    def send(self, t: torch.Tensor, to_stage: int, v: int, mb: int, grad: bool) -> None:
-        t = t.detach().contiguous()
-        self.pending.append((dist.isend(t, self._peer(to_stage),
-                                        tag=self._tag(v, mb, grad)), t))
-
-    def recv(self, like: torch.Tensor, from_stage: int, v: int, mb: int,
-             grad: bool) -> torch.Tensor:
-        buf = torch.empty_like(like)
-        dist.irecv(buf, self._peer(from_stage), tag=self._tag(v, mb, grad)).wait()
-        return buf
-
-    def finish(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
+    def exchange(self, sends: dict[str, Message], recvs: dict[str, int]
+                 ) -> dict[str, torch.Tensor]:
+        """One batch: send `sends[direction]` to that neighbour and receive a tensor shaped
+        like the template from each direction of `recvs` (direction: tag); waits."""
+        ops, received = [], {}
+        for kind, direction in self.slots:
+            if kind == "send" and direction in sends:
+                t, tag = sends[direction]
+                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(),
+                                      self.peers[direction], self.group, tag))
+            elif kind == "recv" and direction in recvs:
+                received[direction] = buf = torch.empty_like(self.template)
+                ops.append(dist.P2POp(dist.irecv, buf, self.peers[direction], self.group,
+                                      recvs[direction]))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received
 
 
 def _activation_template(model: PipelineModel, batch: Batch) -> torch.Tensor:
+    """An empty [S(/TP), B, H] tensor on the parameters' device, in the activation dtype."""
     config, tp = model.config, model.chunks[0].tp
     b, s = batch["tokens"].shape
     if tp.sp:
         s //= tp.size
-    dtype = next(model.parameters()).dtype
-    return torch.empty(s, b, config.hidden_size, dtype=dtype)
+    param = next(model.parameters())
+    return torch.empty(s, b, config.hidden_size, dtype=param.dtype, device=param.device)
+
+
+class _Stages:
+    """This rank's compute: F runs a chunk on a micro-batch, B backpropagates it."""
+
+    def __init__(self, model: PipelineModel, batches: list[Batch], forward_only: bool):
+        self.model, self.batches, self.forward_only = model, batches, forward_only
+        self.num_virtual = model.pp_size * len(model.chunks)
+        self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        device = next(model.parameters()).device
+        self.total = torch.zeros((), dtype=torch.float32, device=device)  # sum of LM losses
+
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.model.pp_size + self.model.pp_rank
+
+    def _tag(self, v: int, mb: int, grad: bool) -> int:
+        """Names the message sent by virtual stage v: NCCL ignores it, gloo matches by it,
+        the order is correct without it (the tests check the two agree)."""
+        return 2 * (mb * self.num_virtual + v) + int(grad)
+
+    def inbound(self, step: list[Task]) -> dict[str, int]:
+        """{direction: tag} of what `step` receives: F's input from the previous stage,
+        B's output gradient from the next one."""
+        out = {}
+        for kind, c, mb in step:
+            v = self._virtual(c)
+            if kind == "F" and v > 0:
+                out["prev"] = self._tag(v - 1, mb, grad=False)
+            elif kind == "B" and v < self.num_virtual - 1:
+                out["next"] = self._tag(v + 1, mb, grad=True)
+        return out
+
+    def run(self, task: Task, received: dict[str, torch.Tensor]) -> dict[str, Message]:
+        """Run one task on what the last batch received; returns what it sends."""
+        kind, c, mb = task
+        if kind == "F":
+            return self._forward(c, mb, received.get("prev"))
+        return self._backward(c, mb, received.get("next"))
+
+    def _forward(self, c: int, mb: int, inp: Optional[torch.Tensor]) -> dict[str, Message]:
+        v, batch, last = self._virtual(c), self.batches[mb], self.num_virtual - 1
+        if inp is not None:
+            inp.requires_grad_(not self.forward_only)
+        with torch.set_grad_enabled(not self.forward_only):
+            out = self.model.chunks[c](inp, batch["tokens"], batch.get("position_ids"),
+                                       batch["labels"] if v == last else None)
+            if v == last:
+                out = masked_lm_loss(out, batch["loss_mask"])
+                self.total += out.detach()
+        if not self.forward_only:
+            self.saved[(c, mb)] = (inp, out)
+        return {} if v == last else {"next": (out, self._tag(v, mb, grad=False))}
+
+    def _backward(self, c: int, mb: int, grad: Optional[torch.Tensor]) -> dict[str, Message]:
+        inp, out = self.saved.pop((c, mb))
+        v = self._virtual(c)
+        if v == self.num_virtual - 1:  # out is the loss
+            (out / len(self.batches)).backward()
+        else:
+            torch.autograd.backward(out, grad)
+        return {"prev": (inp.grad, self._tag(v, mb, grad=True))} if v > 0 else {}
 
 
 def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
@@ -118,12 +223,13 @@ def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
     all_names = sorted({n for per_rank in names for n in per_rank})
     if not all_names:
         return
-    values = torch.zeros(len(all_names), num_layers)
-    present = torch.zeros(len(all_names), num_layers)
+    device = next(model.parameters()).device
+    values = torch.zeros(len(all_names), num_layers, device=device)
+    present = torch.zeros(len(all_names), num_layers, device=device)
     for i, name in enumerate(all_names):
         if name in local:
-            idx = torch.tensor(moe_layers[:len(local[name])], dtype=torch.long)
-            values[i, idx] = local[name].float()
+            idx = torch.tensor(moe_layers[:len(local[name])], dtype=torch.long, device=device)
+            values[i, idx] = local[name].float().to(device)
             present[i, idx] = 1.0
     stacked = torch.stack([values, present])
     dist.all_reduce(stacked, group=model.pp_group)
@@ -143,40 +249,16 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
     set_aux_loss_backward_scale(1.0 / m)
     if not forward_only:
         start_global_batch(model)
-    p2p = _P2P(model, m)
-    pp, rank, num_chunks = model.pp_size, model.pp_rank, len(model.chunks)
-    last_v = pp * num_chunks - 1
-    template = _activation_template(model, batches[0])
-    saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
-    total = torch.zeros((), dtype=torch.float32)
-    for kind, c, mb in one_f_one_b_order(m, pp, rank, num_chunks, forward_only):
-        v = c * pp + rank
-        batch = batches[mb]
-        if kind == "F":
-            inp = None
-            if v > 0:
-                inp = p2p.recv(template, v - 1, v - 1, mb, grad=False)
-                inp.requires_grad_(not forward_only)
-            with torch.set_grad_enabled(not forward_only):
-                out = model.chunks[c](inp, batch["tokens"], batch.get("position_ids"),
-                                      batch["labels"] if v == last_v else None)
-                if v == last_v:
-                    out = masked_lm_loss(out, batch["loss_mask"])
-                    total += out.detach()
-            if v < last_v:
-                p2p.send(out, v + 1, v, mb, grad=False)
-            if not forward_only:
-                saved[(c, mb)] = (inp, out)
-        else:
-            inp, out = saved.pop((c, mb))
-            if v == last_v:
-                (out / m).backward()
-            else:
-                grad = p2p.recv(template, v + 1, v, mb, grad=True)
-                torch.autograd.backward(out, grad)
-            if v > 0:
-                p2p.send(inp.grad, v - 1, v - 1, mb, grad=True)
-    p2p.finish()
-    dist.all_reduce(total, group=model.pp_group)  # only the last stage holds the loss
+    stages = _Stages(model, batches, forward_only)
+    p2p = _P2P(model, _activation_template(model, batches[0]))
+    steps = pipeline_steps(m, model.pp_size, model.pp_rank, len(model.chunks), forward_only)
+    received = p2p.exchange({}, stages.inbound(steps[0]))
+    for i, step in enumerate(steps):
+        sends: dict[str, Message] = {}
+        for task in step:
+            sends.update(stages.run(task, received))
+        following = steps[i + 1] if i + 1 < len(steps) else []
+        received = p2p.exchange(sends, stages.inbound(following))
+    dist.all_reduce(stages.total, group=model.pp_group)  # only the last stage holds the loss
     _sync_moe_logging(model, model.config.num_layers)
-    return total / m
+    return stages.total / m
