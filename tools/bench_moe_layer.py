@@ -14,6 +14,7 @@ tensors of >= 1 MiB listed per variant (`saved_tensors`: [MiB, shape, dtype]).
 
 Shapes: mixtral (E=8, k=2, H=1024, F=2048, S=4096), fine_grained (E=64, k=8, H=1024,
 F=256, S=4096), tiny (smoke test). Usage: python tools/bench_moe_layer.py --json
+[--device cuda --dtypes bf16] (on a GPU every timing synchronises the device first and last).
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def einsum_moe(layer: MoELayer, x_TH: torch.Tensor, capacity_factor: float = 1.0
 
 
 class DenseSwiGLU(torch.nn.Module):
-    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype,
+                 device: str = "cpu") -> None:
         super().__init__()
-        self.w1 = torch.nn.Parameter(torch.randn(hidden, 2 * ffn, dtype=dtype) * 0.02)
-        self.w2 = torch.nn.Parameter(torch.randn(ffn, hidden, dtype=dtype) * 0.02)
+        self.w1 = torch.nn.Parameter(
+            torch.randn(hidden, 2 * ffn, device=device).to(dtype) * 0.02)
+        self.w2 = torch.nn.Parameter(torch.randn(ffn, hidden, device=device).to(dtype) * 0.02)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         gate, up = (x_TH @ self.w1).chunk(2, dim=-1)
@@ -119,21 +122,30 @@ def time_fwd_bwd(fn, x: torch.Tensor, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         xi = x.detach().requires_grad_(True)
+        _sync(x.device)
         t0 = time.perf_counter()
         fn(xi).float().square().mean().backward()
+        _sync(x.device)
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int,
+                device: str = "cpu") -> dict:
     s = SHAPES[name]
-    dtype = DTYPES[dtype_name]
+    dtype, device = DTYPES[dtype_name], torch.device(device)
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=s["E"], topk=s["k"], ffn_hidden_size=s["F"])
-    layer = MoELayer(cfg, s["H"], init_method_std=0.02, swiglu=True, grouped_gemm=True).to(dtype)
-    dense = DenseSwiGLU(s["H"], s["k"] * s["F"], dtype)
-    x = torch.randn(s["T"], s["H"]).to(dtype)
+    layer = MoELayer(cfg, s["H"], init_method_std=0.02, swiglu=True, grouped_gemm=True)
+    layer = layer.to(device=device, dtype=dtype)
+    dense = DenseSwiGLU(s["H"], s["k"] * s["F"], dtype, device)
+    x = torch.randn(s["T"], s["H"], device=device).to(dtype)
     fns = {"moe": layer, "loop": lambda xi: loop_moe(layer, xi),
            "einsum": lambda xi: einsum_moe(layer, xi, 1.0), "dense": dense}
     ms = {}
@@ -145,7 +157,8 @@ def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int)
     mem = {k: sum(b for b, _, _ in v) for k, v in saved.items()}
     expert_flops = 3 * 2 * s["T"] * s["k"] * 3 * s["H"] * s["F"]  # fwd + 2x bwd, 3 GEMMs
     return {
-        "shape": name, "dtype": dtype_name, **s, "threads": torch.get_num_threads(),
+        "shape": name, "dtype": dtype_name, "device": str(device), **s,
+        "threads": torch.get_num_threads(),
         "repeats": repeats, "baseline_repeats": baseline_repeats,
         "grouped_backend": resolve_backend(x, layer.experts.fc1_weight, "auto"),
         "moe_ms": round(ms["moe"], 1), "loop_ms": round(ms["loop"], 1),
@@ -174,10 +187,11 @@ def main(argv=None) -> None:
                    help="timed runs of the (slow) loop and einsum baselines")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes = ["tiny"] if args.tiny else args.shapes
-    results = [bench_shape(s, d, args.repeats, args.baseline_repeats)
+    results = [bench_shape(s, d, args.repeats, args.baseline_repeats, args.device)
                for s in shapes for d in args.dtypes]
     if args.json:
         print(json.dumps({"results": results}))

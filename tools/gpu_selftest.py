@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""The pieces of scripts/gpu_selftest.sh: checks that only a CUDA GPU can make.
+
+    python tools/gpu_selftest.py env                 versions, GPUs, optional kernels (JSON)
+    python tools/gpu_selftest.py kernels             GPU kernels against the portable math
+    python tools/gpu_selftest.py history OUT -- FLAGS  run pretrain_gpt.py FLAGS (under
+                                                     torchrun too); rank 0 writes the
+                                                     per-iteration metrics and log to OUT
+    python tools/gpu_selftest.py compare REF RUN [--rtol-loss R --rtol-grad R]
+                                             [--resumed-at N]  RUN started at iteration N
+    python tools/gpu_selftest.py learns RUN [--ratio R]  the loss fell; tokens/s, MFU
+
+Every command prints one JSON line and exits 0 (pass), 1 (fail) or 2 (no CUDA GPU where one
+is needed). The CPU runs of the test suite prove the same parities on gloo; this proves
+them under NCCL, CUDA kernels and their real synchronisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from megamoe.cli.arguments import parse_args  # noqa: E402
+from megamoe.cli.main import pretrain  # noqa: E402
+from megamoe.config import ModelConfig, MoEConfig, OptimizerConfig  # noqa: E402
+from megamoe.model.attention import SelfAttention  # noqa: E402
+from megamoe.model.norms import RMSNorm  # noqa: E402
+from megamoe.model.rope import rotary_cos_sin  # noqa: E402
+from megamoe.moe.grouped_gemm import available_backends, grouped_mm  # noqa: E402
+from megamoe.moe.layer import MoELayer  # noqa: E402
+from megamoe.training.metrics import peak_tflops  # noqa: E402
+from megamoe.training.optim.common import build_inner_optimizer  # noqa: E402
+
+KEYS = ("lm loss", "grad norm", "load_balancing_loss")
+# Host syncs of one MoE layer forward + backward on one GPU (tests/moe/test_host_syncs.py
+# counts the same on the CPU): the permutation's nonzero, plus one host copy of the group
+# sizes for the backends that take them on the host.
+EXPECTED_SYNCS = {"torch": 1, "loop": 2, "grouped_gemm": 2}
+
+
+def _emit(report: dict, ok: bool) -> int:
+    print(json.dumps({**report, "ok": ok}))
+    return 0 if ok else 1
+
+
+def _need_gpu() -> None:
+    if not torch.cuda.is_available():
+        print(json.dumps({"ok": False, "error": "no CUDA GPU visible"}))
+        sys.exit(2)
+
+
+def cmd_env(_: argparse.Namespace) -> int:
+    """What the checks ran on (for the note)."""
+    report = {"torch": torch.__version__, "cuda": torch.version.cuda,
+              "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+              "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+              if torch.cuda.is_available() else None,
+              "optional": {m: importlib.util.find_spec(m) is not None
+                           for m in ("apex", "grouped_gemm", "transformer_engine")},
+              "grouped_backends": available_backends()}
+    return _emit(report, True)
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def _check_grouped_gemm(device: torch.device) -> dict:
+    """Every backend's bf16 forward and gradients against the fp32 per-expert loop."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    sizes = torch.tensor([96, 0, 160, 32, 224, 0, 64, 192], device="cpu")  # host sizes
+    x = torch.randn(int(sizes.sum()), 256, generator=g).to(device)
+    w = (torch.randn(8, 256, 384, generator=g) * 0.05).to(device)
+    ref_x, ref_w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    grouped_mm(ref_x, ref_w, sizes.to(device), "loop").square().sum().backward()
+    out = {}
+    for backend in available_backends():
+        xb = x.bfloat16().requires_grad_(True)
+        wb = w.bfloat16().requires_grad_(True)
+        y = grouped_mm(xb, wb, sizes.to(device), backend)
+        y.float().square().sum().backward()
+        y_ref = grouped_mm(x, w, sizes.to(device), "loop")
+        out[backend] = {"y": _max_rel(y, y_ref), "dx": _max_rel(xb.grad, ref_x.grad),
+                        "dw": _max_rel(wb.grad, ref_w.grad)}
+    return out
+
+
+def _count_syncs(fn) -> int:
+    """Synchronising CUDA calls fn makes (torch's sync debug mode warns on each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _moe_syncs(device: torch.device) -> dict:
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=512)
+    layer = MoELayer(cfg, 256, init_method_std=0.02, swiglu=True, grouped_gemm=True)
+    layer = layer.to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(1024, 256, device=device, dtype=torch.bfloat16)
+    counts = {}
+    for backend in available_backends():
+        layer.experts.backend = backend
+
+        def step() -> None:
+            y = layer(x.detach().requires_grad_(True))
+            y = y[0] if isinstance(y, tuple) else y
+            y.float().square().mean().backward()
+        step()  # warm-up: first calls may synchronise for allocation
+        counts[backend] = _count_syncs(step)
+    return counts
+
+
+def _flash_attention(device: torch.device) -> float:
+    """--use-flash-attn against SDPA's math kernel, bf16, forward, grouped-query heads."""
+    cfg = ModelConfig(num_layers=1, hidden_size=256, num_attention_heads=4,
+                      num_query_groups=2, seq_length=128, max_position_embeddings=128,
+                      attention_dropout=0.0, position_embedding_type="rope",
+                      use_flash_attn=True)
+    torch.manual_seed(0)
+    attn = SelfAttention(cfg).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(128, 2, 256, device=device, dtype=torch.bfloat16)
+    cos, sin = (t.to(device) for t in rotary_cos_sin(128, 64, 10000.0))
+    flash = attn(x, (cos, sin))
+    attn.use_flash_attn = False
+    with sdpa_kernel(SDPBackend.MATH):
+        return _max_rel(flash, attn(x, (cos, sin)))
+
+
+def _fused_optimizer(device: torch.device) -> float:
+    """The fused Adam (apex or torch fused) against torch's for-loop AdamW, 3 steps."""
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    init = torch.randn(1000, generator=g).to(device)
+    grads = [torch.randn(1000, generator=g).to(device) for _ in range(3)]
+    a, b = init.clone().requires_grad_(True), init.clone().requires_grad_(True)
+    fused = build_inner_optimizer([{"params": [a], "weight_decay": 0.1}], cfg)
+    plain = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, foreach=False,
+                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    for grad in grads:
+        a.grad, b.grad = grad.clone(), grad.clone()
+        fused.step()
+        plain.step()
+    return _max_rel(a.detach(), b.detach())
+
+
+def cmd_kernels(_: argparse.Namespace) -> int:
+    _need_gpu()
+    device = torch.device("cuda", torch.cuda.current_device())
+    gg = _check_grouped_gemm(device)
+    syncs = _moe_syncs(device)
+    norm = RMSNorm(256).to(device)
+    x = torch.randn(64, 256, device=device)
+    portable = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    report = {"grouped_gemm_bf16_vs_fp32_loop": gg, "moe_layer_host_syncs": syncs,
+              "rmsnorm_vs_portable": _max_rel(norm(x), portable),
+              "flash_attention_vs_sdpa": _flash_attention(device),
+              "fused_adam_vs_adamw": _fused_optimizer(device)}
+    ok = (all(v < 2e-2 for r in gg.values() for v in r.values())
+          and all(syncs[b] <= EXPECTED_SYNCS[b] for b in syncs)
+          and report["rmsnorm_vs_portable"] < 1e-5
+          and report["flash_attention_vs_sdpa"] < 2e-2
+          and report["fused_adam_vs_adamw"] < 1e-5)
+    return _emit(report, ok)
+
+
+def cmd_history(opts: argparse.Namespace) -> int:
+    lines: list[str] = []
+    state = pretrain(parse_args(opts.flags), print_fn=lines.append)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(opts.out, "w") as f:
+            json.dump({"history": state.history, "log": lines}, f)
+    return 0
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def cmd_compare(opts: argparse.Namespace) -> int:
+    """Largest relative difference of each metric, iteration by iteration."""
+    ref, run = _load(opts.ref)["history"], _load(opts.run)["history"]
+    start = opts.resumed_at or 1
+    ref = {h["iteration"]: h for h in ref if h["iteration"] >= start}
+    run = {h["iteration"]: h for h in run}  # a resumed run must not redo earlier ones
+    worst = {}
+    for key in KEYS:
+        diffs = [abs(ref[i][key] - run[i][key]) / max(abs(ref[i][key]), 1e-12)
+                 for i in ref if i in run and key in ref[i]]
+        worst[key] = max(diffs) if diffs else None
+    tolerance = {"lm loss": opts.rtol_loss, "grad norm": opts.rtol_grad,
+                 "load_balancing_loss": opts.rtol_grad}
+    ok = (set(ref) == set(run) and len(ref) > 0
+          and all(v is not None and v <= tolerance[k] for k, v in worst.items()
+                  if k in ref[min(ref)]))
+    return _emit({"ref": opts.ref, "run": opts.run, "iterations": sorted(run),
+                  "max_rel_diff": worst}, ok)
+
+
+def cmd_learns(opts: argparse.Namespace) -> int:
+    data = _load(opts.run)
+    losses = [h["lm loss"] for h in data["history"]]
+    first, last = losses[0], sum(losses[-5:]) / len(losses[-5:])
+    throughput = [float(m.group(1)) for line in data["log"]
+                  if (m := re.search(r"throughput \(tokens/s\): ([0-9.]+)", line))]
+    tflops = [float(m.group(1)) for line in data["log"]
+              if (m := re.search(r"TFLOP/s/GPU\): ([0-9.]+)", line))]
+    report = {"first_loss": first, "last_loss": last,
+              "tokens_per_sec": throughput[-1] if throughput else None,
+              "tflops_per_gpu": tflops[-1] if tflops else None}
+    if tflops and torch.cuda.is_available():
+        peak = peak_tflops(torch.device("cuda"), None)
+        report["mfu"] = tflops[-1] / peak if peak else None
+    return _emit(report, math.isfinite(last) and last < opts.ratio * first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("env")
+    sub.add_parser("kernels")
+    h = sub.add_parser("history")
+    h.add_argument("out")
+    h.add_argument("flags", nargs=argparse.REMAINDER)
+    c = sub.add_parser("compare")
+    c.add_argument("ref")
+    c.add_argument("run")
+    c.add_argument("--rtol-loss", type=float, default=1e-4)
+    c.add_argument("--rtol-grad", type=float, default=1e-3)
+    c.add_argument("--resumed-at", type=int, default=None)
+    learns = sub.add_parser("learns")
+    learns.add_argument("run")
+    learns.add_argument("--ratio", type=float, default=0.5)
+    opts = p.parse_args(argv)
+    if opts.cmd == "history" and opts.flags[:1] == ["--"]:
+        opts.flags = opts.flags[1:]
+    return {"env": cmd_env, "kernels": cmd_kernels, "history": cmd_history,
+            "compare": cmd_compare, "learns": cmd_learns}[opts.cmd](opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
