@@ -13,6 +13,7 @@ from megamoe.config import RunConfig
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
+from megamoe.planning.optimizer_memory import largest_stage_transients
 
 
 def launch_layout(run: RunConfig) -> Layout:
@@ -31,7 +32,9 @@ def launch_layout(run: RunConfig) -> Layout:
 
 def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
     """Build the model's shapes on the meta device; report (one JSON line) its size and the
-    memory one rank of this layout needs (the largest pipeline stage)."""
+    memory one rank of this layout needs (the largest pipeline stage): static bytes plus
+    the largest of the activations, the distributed optimizer's step transient and its
+    checkpoint-save transient (device memory; the save's host copies apart)."""
     with torch.device("meta"):
         model = GPTModel(run.model)
     actual = sum(p.numel() for p in model.parameters())
@@ -42,9 +45,16 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
     memory = {k: int(static[k]) for k in ("weights", "gradients", "optimizer")}
     memory["activations"] = int(activation_bytes(run.model, layout, run.model.seq_length,
                                                  bytes_per))
-    memory["total"] = sum(memory.values())
+    transient = largest_stage_transients(run.model, layout, bytes_per)
+    memory["optimizer_step_transient"] = int(transient["step"])
+    memory["checkpoint_save_transient"] = int(transient["save_device"])
+    # Activations are freed before the optimizer steps and a checkpoint is saved.
+    memory["total"] = sum(memory[k] for k in ("weights", "gradients", "optimizer")) + max(
+        memory["activations"], memory["optimizer_step_transient"],
+        memory["checkpoint_save_transient"])
     report = {"parameters": actual, "parameters_formula": total,
               "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
-              "per_rank_memory_gib": round(memory["total"] / 2**30, 3)}
+              "per_rank_memory_gib": round(memory["total"] / 2**30, 3),
+              "per_rank_checkpoint_host_bytes": int(transient["save_host"])}
     print_fn(json.dumps(report))
     return report

@@ -82,17 +82,21 @@ def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 
 
     Matches megamoe/training/optim/ (mixed_precision.py, distributed.py): gradients are
     accumulated in full-size fp32 tensors (fp32: the parameters' .grad; bf16: fp32 main
-    grads, the bf16 .grad is freed by the accumulation hook). Without the distributed
-    optimizer the states are two fp32 Adam moments, plus fp32 main parameters with bf16.
-    With it, every rank keeps, for its 1/DP slice of the dense parameters (1/EDP of the
-    experts): an fp32 main copy, an fp32 copy of the reduced gradient slice and the two
-    moments, 16 bytes per element in fp32 and bf16 alike."""
+    grads, the bf16 .grad is freed by the accumulation hook; the distributed optimizer:
+    one flat fp32 grad buffer per shard group). Without the distributed optimizer the
+    states are two fp32 Adam moments, plus fp32 main parameters with bf16. With it, every
+    rank keeps, for its 1/DP slice of the dense parameters (1/EDP of the experts), the two
+    moments and, for a bf16 model, an fp32 main copy (fp32: the main slice is the
+    parameters' own shard, the reduced gradient slice the grad buffer's): 8 bytes per
+    element in fp32, 12 in bf16. Transients of its step and of a checkpoint save:
+    optimizer_memory.py."""
     dense, expert = stage_parameters(model, lay, stage)
     params = dense + expert
     weights, grads = param_bytes * params, 4 * params
     if lay.distributed_optimizer:
         edp = max(lay.dp * lay.cp * lay.tp // (lay.etp * lay.ep), 1)
-        opt = 16 * dense / (lay.dp * lay.cp) + 16 * expert / edp
+        per_element = 8 if param_bytes == 4 else 12
+        opt = per_element * (dense / (lay.dp * lay.cp) + expert / edp)
     else:
         opt = (8 if param_bytes == 4 else 12) * params
     return {"weights": weights, "gradients": grads, "optimizer": opt, "parameters": params}

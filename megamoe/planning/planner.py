@@ -1,9 +1,11 @@
 """Which parallel layouts fit a model on N GPUs, and how fast each should run (the model
 tools/plan_parallel.py prints, and `pretrain_gpt.py --dry-run` shares its memory part).
 
-Memory per GPU = weights + gradients + optimizer states + activations of the micro-batches
-in flight (memory.py). Step time = GEMM FLOPs at peak x efficiency + TP/SP collectives + EP
-all-to-all, stretched by the pipeline bubble, + the gradient all-reduce and pipeline p2p.
+Memory per GPU = weights + gradients + optimizer states + the larger of the activations of
+the micro-batches in flight (memory.py) and the distributed optimizer's step / checkpoint
+save transients (optimizer_memory.py). Step time = GEMM FLOPs at peak x efficiency + TP/SP
+collectives + EP all-to-all, stretched by the pipeline bubble, + the gradient all-reduce and
+pipeline p2p.
 Link speeds are GB/s per GPU; a group stays on NVLink when it fits in one node. Layouts
 the argument rules would reject are never generated (divisibility of heads, query groups,
 layers, experts, world size and global batch).
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass
 from megamoe.config import ModelConfig
 from megamoe.model.flops import flops_per_token
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
+from megamoe.planning.optimizer_memory import largest_stage_transients
 
 GB = 1e9
 
@@ -123,14 +126,17 @@ def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: i
     for lay in legal_layouts(model, hw.gpus, global_batch_size, seq_length, hw.gpus_per_node):
         mem = model_bytes(model, lay)
         act = activation_bytes(model, lay, seq_length)
-        total_mem = mem["weights"] + mem["gradients"] + mem["optimizer"] + act
+        transient = largest_stage_transients(model, lay)
+        opt_peak = max(transient["step"], transient["save_device"])
+        # Activations are freed before the optimizer steps and a checkpoint is saved.
+        total_mem = mem["weights"] + mem["gradients"] + mem["optimizer"] + max(act, opt_peak)
         if total_mem > 0.9 * hw.gpu_memory_gb * GB:  # keep 10% for allocator/NCCL buffers
             continue
         t = step_time(model, lay, hw, seq_length, global_batch_size)
         results.append({"layout": asdict(lay), "memory_gb": {
             "weights": mem["weights"] / GB, "gradients": mem["gradients"] / GB,
             "optimizer": mem["optimizer"] / GB, "activations": act / GB,
-            "total": total_mem / GB},
+            "optimizer_transient": opt_peak / GB, "total": total_mem / GB},
             "step_time_s": t, "tflops_per_gpu": flops / t["total"] / hw.gpus / 1e12,
             "mfu": flops / t["total"] / hw.gpus / (hw.peak_tflops * 1e12)})
     results.sort(key=lambda r: (r["step_time_s"]["total"], r["memory_gb"]["total"]))

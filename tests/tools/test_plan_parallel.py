@@ -31,16 +31,18 @@ def measure_static_bytes(model: torch.nn.Module, optimizer, step) -> dict[str, f
     gradient tensor after `step()` has run the forward and backward: .grad, fp32 main grads,
     grad buffers) and "optimizer" (what optimizer.step() adds: main params, main-grad
     slices, Adam states). Each storage is counted once (fp32 main params are the model
-    parameters, their .grad the gradients); scalar state (Adam's step) is left out."""
+    parameters, their .grad the gradients; the distributed optimizer's parameters, main
+    slices and gradients are views of its flat buffers, counted once as those); scalar state
+    (Adam's step) is left out."""
     seen: set[int] = set()
 
     def size(tensors) -> float:
         n = 0
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() and \
-                    t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                n += t.numel() * t.element_size()
+                    t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                n += t.untyped_storage().nbytes()
         return float(n)
 
     def mains():

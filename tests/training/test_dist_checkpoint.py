@@ -36,6 +36,7 @@ SAVED_LAYOUT = ("--tensor-model-parallel-size 2 --sequence-parallel "
                 "--moe-token-dispatcher-type alltoall")
 EP4 = "--expert-model-parallel-size 4 --use-distributed-optimizer"
 PP2 = "--pipeline-model-parallel-size 2"
+EP2_DISTOPT = "--expert-model-parallel-size 2 --use-distributed-optimizer"
 
 
 def _losses(extra: str, world_size: int) -> list[float]:
@@ -195,3 +196,20 @@ def test_async_save_on_data_parallel_ranks_matches_blocking(tmp_path):
         assert a.keys() == b.keys()
         for k, v in a.items():
             assert torch.equal(v, b[k]), (it, k)
+
+
+@pytest.mark.slow
+def test_bf16_distributed_optimizer_states_reshard_bitwise(tmp_path):
+    """bf16 with the distributed optimizer at DP=4 (each parameter and its fp32 main and
+    Adam states saved by one dp rank, those crossing a shard end assembled there) loads
+    under EP=2 x DP=2 (experts sharded over edp = 2) and re-saves every tensor bitwise."""
+    src, dst = str(tmp_path / "dp4"), str(tmp_path / "ep2")
+    run_distributed(_train_worker, 4, 300, f"--bf16 --use-distributed-optimizer "
+                    f"--train-iters 2 --save-interval 2 --save {src}")
+    run_distributed(_resave_then_resume, 4, 300, f"--bf16 {EP2_DISTOPT}", src, dst)
+    original = read_dist_tensors(checkpoint_file(src))
+    again = read_dist_tensors(checkpoint_file(dst))
+    assert original.keys() == again.keys()
+    assert any(k.startswith("optimizer.") and k.endswith(".main") for k in original)
+    for key, t in original.items():
+        assert torch.equal(t, again[key]), key

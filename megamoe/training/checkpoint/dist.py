@@ -8,9 +8,12 @@ load into any parallel layout.
     SAVE/latest_checkpointed_iteration.txt
 
 Tensor keys are layout-free (sharded_state.py): `model.<single-process name>[.part]` and
-`optimizer.<same>.{main,exp_avg,exp_avg_sq,momentum_buffer}`. The distributed optimizer's
-flat dp / edp shards are gathered into whole per-parameter tensors at save and re-sliced
-at load, so the optimizer state loads under any dp size too.
+`optimizer.<same>.{main,exp_avg,exp_avg_sq,momentum_buffer}`. With the distributed
+optimizer each parameter's weights and whole states are written by one rank of its dp /
+edp group (the one holding its first element; a parameter crossing that rank's shard end
+is assembled there, one at a time) and re-sliced at load from what each rank's pieces
+need, so the optimizer state loads under any dp size too, and no rank holds more than its
+own part of the states at save.
 
 RNG: each rank's states are saved; a run with the same world size and layout restores its
 own rank's; under any other layout pretrain reseeds from --seed + iteration (+ the
@@ -34,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from megamoe.config import ModelConfig
@@ -86,29 +90,59 @@ def _param_keys(optimizer, entries: list[Entry]) -> list[Optional[Entry]]:
     return [by_id.get(id(p)) for p in optimizer.model_params]
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private copy of `t` (a DTensor: of its local shard) in host memory, exactly its
+    size (a view of a larger buffer copies only the view): an async save's staging copy.
+    device="cpu" on purpose: the background writer reads it while training goes on."""
+    return t.to(device="cpu", copy=True)
+
+
 def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: bool,
                   copy: bool) -> tuple[dict[str, Any], Optional[dict]]:
-    """{key: DTensor | tensor} of this rank's shards (copies when `copy`: async saves)."""
+    """{key: DTensor | tensor} of the tensors this rank saves: views of its shards, or
+    (`copy`: async saves) one host copy of each. With the distributed optimizer each
+    parameter and its states are offered by one rank of its shard group only
+    (`optimizer.saves_param`), the others by every replica (DCP writes them once)."""
     entries = model_entries(model, mesh if world > 1 else None)
+    index = {} if optimizer is None else {id(p): i for i, p in
+                                          enumerate(optimizer.model_params)}
     state: dict[str, Any] = {}
 
-    def local(part, t: torch.Tensor) -> torch.Tensor:
-        t = part.local(t.detach())
-        return t.clone() if copy else t.contiguous()
+    def put(key: str, part, t: torch.Tensor) -> None:
+        # No .contiguous(): DCP's writer copies a non-contiguous view one item at a time.
+        wrapped = part.wrap(part.local(t.detach()))
+        state[key] = _host_copy(wrapped) if copy else wrapped
 
     for e in entries:
-        if e.save:
+        i = index.get(id(e.tensor))
+        if e.save and (i is None or optimizer.saves_param(i)):
             for part in e.parts:
-                state[f"model.{part.key}"] = part.wrap(local(part, e.tensor))
+                put(f"model.{part.key}", part, e.tensor)
     if not save_optim or optimizer is None:
         return state, None
-    states, step = optimizer.param_states()  # collective for the distributed optimizer
+    states, step, names = optimizer.param_states()  # collective for the distributed one
     for e, st in zip(_param_keys(optimizer, entries), states):
-        if e is not None and e.save:
+        if e is not None and e.save and st is not None:
             for name, t in st.items():
                 for part in e.parts:
-                    state[f"optimizer.{part.key}.{name}"] = part.wrap(local(part, t))
-    return state, {"step": step, "names": sorted({k for st in states for k in st})}
+                    put(f"optimizer.{part.key}.{name}", part, t)
+    return state, {"step": step, "names": sorted(names)}
+
+
+class _AlreadyStaged(AsyncStager):
+    """dcp.async_save's stager for a state dict of host copies (_tensor_state(copy=True)):
+    DCP's default stager would copy every tensor's whole storage once more."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _common(iteration: int, consumed_samples: int, args: dict, model_config, scheduler,
@@ -178,7 +212,8 @@ def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer,
 
 
 class AsyncDistSaver:
-    """--async-save with torch_dist: shards are copied on the training thread, then DCP
+    """--async-save with torch_dist: the tensors this rank saves are copied once into host
+    memory on the training thread (nothing is cloned on the device), then DCP
     writes them on a background thread (its collectives on a gloo group of their own)
     while training continues. The checkpoint is published (common.pt, rename, pointer) by
     `finalize`, which the next save and the end of training call on every rank."""
@@ -199,7 +234,7 @@ class AsyncDistSaver:
                          optim_common, save_rng, mesh, self.rank, self.world, None)
         tmp = _prepare(root, iteration, self.rank, self.world)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
-                                no_dist=self.world == 1)
+                                no_dist=self.world == 1, async_stager=_AlreadyStaged())
         self._pending = (future, root, iteration, tmp, common, keep_last)
 
     def finalize(self) -> None:
@@ -292,9 +327,12 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     use_optim = (optimizer is not None and load_optim and not finetune and optim is not None)
     per_param: list[dict[str, torch.Tensor]] = []
     if use_optim:
-        for e, p in zip(_param_keys(optimizer, entries), optimizer.model_params):
+        for i, (e, p) in enumerate(zip(_param_keys(optimizer, entries),
+                                       optimizer.model_params)):
             st: dict[str, torch.Tensor] = {}
             per_param.append(st)
+            if not optimizer.loads_param(i):  # the distributed optimizer: no piece here
+                continue
             for name in optim["names"]:
                 if name == "main" and f"optimizer.{e.parts[0].key}.main" not in meta:
                     continue

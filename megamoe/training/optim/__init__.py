@@ -1,5 +1,6 @@
 """Optimizers: fp32 main parameters (mixed_precision.py), ZeRO-1 sharding
-(distributed.py), gradient reduction and norms (grads.py)."""
+(distributed.py, over the flat param / grad buffers of flat_shards.py), gradient reduction
+and norms (grads.py)."""
 
 from megamoe.training.optim.build import build_optimizer
 from megamoe.training.optim.distributed import DistributedOptimizer

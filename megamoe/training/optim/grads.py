@@ -59,6 +59,9 @@ def sum_marked(grads: list[torch.Tensor], params: list[torch.nn.Parameter], attr
         return
     marked = [g for g, p in zip(grads, params) if getattr(p, attr, False)]
     for bucket in _buckets(marked, bucket_numel):
+        if len(bucket) == 1 and bucket[0].is_contiguous():  # in place: no flat copy
+            dist.all_reduce(bucket[0], group=group)
+            continue
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
         for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):

@@ -126,11 +126,13 @@ class MixedPrecisionOptimizer:
                 main.copy_(saved)
                 p.copy_(main)
 
-    def param_states(self) -> tuple[list[dict[str, torch.Tensor]], Optional[torch.Tensor]]:
+    def param_states(self) -> tuple[list[Optional[dict[str, torch.Tensor]]],
+                                    Optional[torch.Tensor], list[str]]:
         """Per model parameter (aligned with `model_params`): the inner optimizer's tensor
         states (exp_avg, exp_avg_sq / momentum_buffer) and, when it is a separate fp32 copy,
-        "main"; plus the step count (None before the first step). What layout-free
-        (torch_dist) checkpoints save."""
+        "main"; plus the step count (None before the first step) and the state names. What
+        layout-free (torch_dist) checkpoints save (the distributed optimizer gives None for
+        the parameters another rank saves)."""
         out, step = [], None
         for main in self.main_params:
             st = self.optimizer.state.get(main, {})
@@ -140,7 +142,14 @@ class MixedPrecisionOptimizer:
                 d["main"] = main.detach()
             step = step_count(self.optimizer, st) if st else step
             out.append(d)
-        return out, step
+        return out, step, sorted({k for st in out for k in st})
+
+    def saves_param(self, index: int) -> bool:
+        """Every rank offers its parameters to a checkpoint (DCP writes replicas once)."""
+        return True
+
+    def loads_param(self, index: int) -> bool:
+        return True
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]],
