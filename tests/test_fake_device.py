@@ -10,8 +10,10 @@ dispatch runs, while fake meta tensors behave as a GPU's would for everything ch
 (grouped_mm even insists on bf16, as on ACCEL). So everything below runs the real code with
 this process standing in for an accelerator rank: a tensor created on the host by mistake
 and mixed with the model's, or a host sync where none is allowed, fails the test. What
-needs values (the skip decision on the grad norm, the MoE permutation's sizes) is supplied
-from real CPU runs of the same computation.
+needs a value (the skip decision on the grad norm: the step's one host read) is left out:
+the tests call the steps around it. MoE layers are not run here (the dropless
+permutation's sizes are data-dependent shapes a fake mode cannot follow); their placement
+is held by the device lint and their host reads by tests/moe/test_host_syncs.py.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from megamoe.parallel.mesh import single_process_mesh
 from megamoe.parallelize import parallelize
 from megamoe.training.materialize import materialize
 from megamoe.training.optim import build_optimizer
+from megamoe.training.optim.distributed import DistributedOptimizer
 
 ACCEL = torch.device("meta")  # the stand-in accelerator (module docstring)
 DENSE = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -86,6 +89,28 @@ def test_dense_model_built_trained_and_stepped_on_the_device(dtype):
         assert norm.device == ACCEL
         opt.clip_and_update(grads, norm)
         assert all(p.device == ACCEL for p in opt.main_params)
+        for state in opt.optimizer.state.values():
+            assert all(v.device == ACCEL for v in state.values() if torch.is_tensor(v)
+                       and v.dim() > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_distributed_optimizer_buffers_and_step_on_the_device(dtype):
+    """--use-distributed-optimizer (one rank): flat parameter and grad buffers, main
+    slices, the norm, clipping, AdamW's states and the all-gather all on the device."""
+    model, mesh = _parallelized(DENSE, dtype)
+    with _fake_mode():
+        model = materialize(model, mesh, seed=1)
+        opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-3, clip_grad=1.0),
+                                   tp_group=None, dp_group=None)
+        for buf in opt.buffers:
+            assert buf.param_buffer.device == ACCEL and buf.grad_buffer.device == ACCEL
+        tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
+        model(tokens, labels=tokens).float().mean().backward()
+        norm = opt.reduce_and_norm()
+        assert norm.device == ACCEL and norm.dim() == 0
+        opt.clip_and_update(norm)
+        assert all(p.device == ACCEL for p in model.parameters())
         for state in opt.optimizer.state.values():
             assert all(v.device == ACCEL for v in state.values() if torch.is_tensor(v)
                        and v.dim() > 0)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.optim import build_optimizer
+from megamoe.training.optim import build_optimizer, common
+from megamoe.training.optim.distributed import DistributedOptimizer
 
 
 def _model(dtype=torch.float32) -> torch.nn.Module:
@@ -128,22 +131,42 @@ class _ApexLikeFusedAdam(torch.optim.AdamW):
                 self.state[p]["step_"] = self.state[p].pop("step")
 
 
-def test_apex_fused_adam_contract(monkeypatch):
-    """On GPU main parameters with apex importable the inner optimizer is apex's FusedAdam
-    in AdamW mode, and the layout-free checkpoint state keeps its step count (per group)."""
-    from megamoe.training.optim import common
+def _distributed(model, config):
+    return DistributedOptimizer(model, config, tp_group=None, dp_group=None)
 
+
+@pytest.mark.parametrize("build", [build_optimizer, _distributed], ids=["plain", "distributed"])
+def test_apex_fused_adam_contract(monkeypatch, build):
+    """On GPU main parameters with apex importable the inner optimizer is apex's FusedAdam
+    in AdamW mode, and the layout-free checkpoint state keeps its step count (per group),
+    in the plain and the distributed optimizer."""
     monkeypatch.setattr(common, "_ApexFusedAdam", _ApexLikeFusedAdam)
     monkeypatch.setattr(common, "_on_gpu", lambda groups: True)
     model = torch.nn.Linear(4, 3)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    opt = build(model, OptimizerConfig(lr=1e-2))
     assert isinstance(opt.optimizer, _ApexLikeFusedAdam)
     for _ in range(2):
         opt.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
-    states, step = opt.param_states()
+    states, step, _ = opt.param_states()
     assert float(step) == 2 and all("exp_avg" in s for s in states)
-    again = build_optimizer(torch.nn.Linear(4, 3), OptimizerConfig(lr=1e-2))
+    again = build(torch.nn.Linear(4, 3), OptimizerConfig(lr=1e-2))
     again.load_param_states(states, step)
     assert all(g["step"] == 2 for g in again.optimizer.param_groups)
+
+
+def test_saved_step_count_is_a_host_scalar_restored_where_the_optimizer_keeps_it():
+    """A fused or capturable torch Adam keeps its step on the parameter's device: the
+    checkpoint's copy is a host fp32 scalar (the common file loads anywhere), and loading
+    puts it back on the device ("meta" stands in for the GPU)."""
+    p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    state = {"step": torch.tensor(5.0, dtype=torch.float64)}
+    saved = common.step_count(torch.optim.SGD([torch.zeros(1)], lr=1.0), state)
+    assert saved.device.type == "cpu" and saved.dtype == torch.float32 and float(saved) == 5
+    host = torch.tensor(5.0)
+    for flags, device in (({"fused": True}, "meta"), ({"capturable": True}, "meta"),
+                          ({"fused": None}, "cpu")):
+        fake = SimpleNamespace(param_groups=[{"params": [p], **flags}])
+        restored = common.restored_step(fake, host, p)
+        assert restored.device.type == device and restored.dtype == torch.float32

@@ -49,12 +49,24 @@ def _on_gpu(groups: list[dict]) -> bool:
 
 
 def step_count(optimizer: torch.optim.Optimizer, state: dict) -> Optional[torch.Tensor]:
-    """How many updates `optimizer` made: torch keeps it per parameter (state["step"]),
-    apex's FusedAdam per group (group["step"], an int); None before the first."""
+    """How many updates `optimizer` made, as a host fp32 scalar (checkpoints keep it in
+    their common file, which must load on any machine): torch keeps it per parameter
+    (state["step"], on the parameter's device when fused), apex's FusedAdam per group
+    (group["step"], an int); None before the first."""
     if "step" in state:
-        return state["step"]
+        return state["step"].detach().to(device="cpu", dtype=torch.float32)  # host copy
     step = optimizer.param_groups[0].get("step") if optimizer.param_groups else None
     return None if step is None else torch.tensor(float(step), device="cpu")  # a counter
+
+
+def restored_step(optimizer: torch.optim.Optimizer, step: torch.Tensor,
+                  param: torch.Tensor) -> torch.Tensor:
+    """A saved step count as `optimizer` keeps it for `param` (torch's own load rule): fp32
+    on the parameter's device for a fused or capturable group, else a host scalar."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    if group.get("fused") or group.get("capturable"):
+        return step.to(device=param.device, dtype=torch.float32)
+    return step.clone()
 
 
 def set_step_count(optimizer: torch.optim.Optimizer, step: Optional[torch.Tensor]) -> None:

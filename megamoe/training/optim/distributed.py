@@ -35,9 +35,15 @@ import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_size
-from megamoe.training.optim.common import build_inner_optimizer, param_groups
+from megamoe.training.optim.common import (
+    build_inner_optimizer,
+    param_groups,
+    restored_step,
+    set_step_count,
+    step_count,
+)
 from megamoe.training.optim.flat_shards import FlatShards, Piece
-from megamoe.training.optim.grads import sum_marked
+from megamoe.training.optim.grads import clip_coefficient, sum_marked
 
 Group = Optional[dist.ProcessGroup]
 ParamStates = list[Optional[dict[str, torch.Tensor]]]
@@ -105,10 +111,10 @@ class DistributedOptimizer:
                 views[i] = buf.grad_buffer[off:off + p.numel()].view(p.shape)
         return views
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> torch.Tensor:
         """Every parameter once: [tp-sharded, tp-replicated] dense squares summed over dp
         (then the first over tp), expert squares [etp-replicated, etp-sharded] over edp,
-        the second over etp, both over ep, everything over pp."""
+        the second over etp, both over ep, everything over pp. A 0-d device tensor."""
         device = self.buffers[0].grad_buffer.device if self.buffers else "cpu"
         dense = torch.zeros(2, dtype=torch.float32, device=device)
         expert = torch.zeros(2, dtype=torch.float32, device=device)
@@ -130,30 +136,43 @@ class DistributedOptimizer:
         total = (dense.sum() + expert.sum()).reshape(1)
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
-        return float(total.sqrt())
+        return total.sqrt().reshape(())
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, None]:
+        """As MixedPrecisionOptimizer.step: reading the norm is the one host sync."""
+        norm = self.reduce_and_norm()
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, None
+        self.clip_and_update(norm)
+        return True, grad_norm, None
+
+    @torch.no_grad()
+    def reduce_and_norm(self) -> torch.Tensor:
+        """Sum the TP / embedding partial gradients, reduce-scatter every grad buffer (this
+        rank keeps its slice of the mean), and return the global norm (a device tensor)."""
         grads = self._grad_views()
         sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
         sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
         dp_size = group_size(self.dp_group)
         for buf in self.buffers:
             buf.reduce_scatter(dp_size)
-        grad_norm = self._grad_norm()
-        if not math.isfinite(grad_norm):
-            return False, grad_norm, None
-        coeff = 1.0
-        if self.config.clip_grad > 0:
-            coeff = min(1.0, self.config.clip_grad / (grad_norm + 1e-6))
-        for piece in self._pieces():
-            if coeff != 1.0:
-                piece.grad.mul_(coeff)
+        return self._grad_norm()
+
+    @torch.no_grad()
+    def clip_and_update(self, norm: torch.Tensor) -> None:
+        """Clip the slices (a device-side coefficient), update the main slices, all-gather
+        the updated parameters into every rank's model."""
+        pieces = self._pieces()
+        if self.config.clip_grad > 0 and pieces:  # a device-side coefficient
+            torch._foreach_mul_([piece.grad for piece in pieces],
+                                clip_coefficient(norm, self.config.clip_grad))
+        for piece in pieces:
             piece.main.grad = piece.grad
         self.optimizer.step()
         for buf in self.buffers:
             buf.all_gather_params()
-        return True, grad_norm, None
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer beyond the parameters and the grad
@@ -186,8 +205,9 @@ class DistributedOptimizer:
         """(stepped, step count) agreed over dp and edp (a rank may own no piece)."""
         local = [st for st in self.optimizer.state.values() if st]
         device = self.buffers[0].grad_buffer.device if self.buffers else "cpu"
-        t = torch.tensor([1.0 if local else 0.0,
-                          float(local[0].get("step", -1.0)) if local else -1.0], device=device)
+        count = step_count(self.optimizer, local[0]) if local else None
+        t = torch.tensor([1.0 if local else 0.0, -1.0 if count is None else float(count)],
+                         device=device)
         for group in (self.dp_group, self.edp_group):
             if group is not None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -243,8 +263,10 @@ class DistributedOptimizer:
             tensors = {k: v.reshape(-1)[piece.start:piece.end].float().clone()
                        for k, v in st.items() if k != "main"}
             if tensors:
-                self.optimizer.state[piece.main] = ({"step": step.clone()}
-                                                    if step is not None else {}) | tensors
+                set_step_count(self.optimizer, step)
+                self.optimizer.state[piece.main] = (
+                    {"step": restored_step(self.optimizer, step, piece.main)}
+                    if step is not None else {}) | tensors
         for buf in self.buffers:
             buf.all_gather_params()
 

@@ -24,6 +24,7 @@ from megamoe.training.optim.common import (
     build_inner_optimizer,
     fp32_accumulate_hook,
     param_groups,
+    restored_step,
     set_step_count,
     step_count,
 )
@@ -162,8 +163,8 @@ class MixedPrecisionOptimizer:
             tensors = {k: v.detach().clone() for k, v in st.items() if k != "main"}
             if tensors:
                 set_step_count(self.optimizer, step)
-                self.optimizer.state[main] = ({"step": step.clone()} if step is not None
-                                              else {}) | tensors
+                self.optimizer.state[main] = ({"step": restored_step(self.optimizer, step, main)}
+                                              if step is not None else {}) | tensors
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
