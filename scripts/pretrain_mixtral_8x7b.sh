@@ -14,7 +14,7 @@
 # optimizer, sharded torch_dist checkpoints that load under any other layout). Override
 # them from the environment (TP, EP, PP, DIST_OPT) and ask tools/plan_parallel.py which
 # layout fits your cluster; DRY_RUN=1 prints the per-rank memory of the layout
-# (68.6 GiB per GPU for the defaults on 16 GPUs).
+# (59.2 GiB per GPU for the defaults on 16 GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -12,10 +12,12 @@ The static part follows megamoe's actual layout (stage_parameters / stage_bytes)
 tensor by tensor against runs of configs/tiny.yaml under DP, ZeRO-1, TP+SP, PP, EP and
 combinations (tests/tools/test_plan_parallel.py: exact to the byte): norms, routers,
 row-parallel biases and shared experts are replicated over TP; routed experts are split
-over EP only (ETP = TP keeps whole experts on each TP rank); a tied embedding has a copy on
-the last stage; fp32 gradients are full size on every rank; the distributed optimizer
-keeps 16 bytes per owned element (fp32 main slice, fp32 reduced-gradient slice, two Adam
-moments) over DP for dense and expert-DP for expert parameters. Activations are checked
+over EP and their matrices over ETP; a tied embedding has a copy on the last stage; fp32
+gradients are full size on every rank; the distributed optimizer keeps two fp32 Adam
+moments per owned element (8 bytes; a bf16 model adds its fp32 main slice: 12) over DP for
+dense and expert-DP for expert parameters (the fp32 main and reduced-gradient slices are
+views of the parameter and gradient buffers), and the step's and a checkpoint save's
+transients count too (megamoe/planning/optimizer_memory.py). Activations are checked
 against autograd's saved tensors of one tiny fp32 forward (within 25%; measured -16%).
 Step time = GEMM FLOPs at peak x efficiency + TP/SP collectives + EP all-to-all, stretched
 by the pipeline bubble, + the gradient all-reduce and pipeline p2p. Link speeds are GB/s

@@ -12,9 +12,10 @@ main for a bf16 model).
 Step. The gradients are reduce-scattered in place in the flat fp32 grad buffer and the
 parameters all-gathered in place in the flat model-dtype param buffer: no full-size copy.
 What remains:
-  - AdamW's temporaries. On a GPU (foreach) one fp32 tensor per main piece, the whole
-    shard: 4 (S_dense + S_expert). (The CPU for-loop keeps at most three piece-size
-    temporaries instead.)
+  - AdamW's temporaries: none on a GPU, where megamoe runs Adam fused (torch's fused AdamW
+    or apex's FusedAdam update in place: training/optim/common.py); with torch's foreach
+    implementation (`fused_adam=False`) one fp32 tensor per main piece, the whole shard:
+    4 (S_dense + S_expert). (The CPU for-loop keeps at most three piece-size temporaries.)
   - with TP (sequence parallel): one flat fp32 bucket of the TP-replicated gradients
     (norms, routers, row-parallel biases) summed over TP;
   - the largest piece's squared gradient for the norm, freed at once.
@@ -94,15 +95,17 @@ def shard_groups(model: ModelConfig, lay: Layout, stage: int) -> list[tuple[int,
 
 
 def optimizer_transient_bytes(model: ModelConfig, lay: Layout, stage: int,
-                              param_bytes: int = 2) -> dict[str, float]:
+                              param_bytes: int = 2, fused_adam: bool = True
+                              ) -> dict[str, float]:
     """{"step", "save_device", "save_host"}: bytes one rank of `stage` allocates on top of
     memory.stage_bytes during an optimizer step and a torch_dist save (zeros without the
-    distributed optimizer, which this does not model)."""
+    distributed optimizer, which this does not model). `fused_adam`: Adam updates in
+    place (megamoe on a GPU); else torch's foreach temporaries."""
     if not lay.distributed_optimizer:
         return {"step": 0.0, "save_device": 0.0, "save_host": 0.0}
     groups = shard_groups(model, lay, stage)
     k = 2 if param_bytes == 4 else 3
-    adam = 4 * sum(s for _, s, _ in groups)
+    adam = 0 if fused_adam else 4 * sum(s for _, s, _ in groups)
     largest_piece = max((min(s, p) for _, s, p in groups), default=0)
     step = max(adam, 4 * _tp_replicated(model, lay, stage), 4 * largest_piece)
     device = sum(4 * k * p for n, s, p in groups if s < n)
