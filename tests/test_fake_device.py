@@ -11,9 +11,9 @@ dispatch runs, while fake meta tensors behave as a GPU's would for everything ch
 this process standing in for an accelerator rank: a tensor created on the host by mistake
 and mixed with the model's, or a host sync where none is allowed, fails the test. What
 needs a value (the skip decision on the grad norm: the step's one host read) is left out:
-the tests call the steps around it. MoE layers are not run here (the dropless
-permutation's sizes are data-dependent shapes a fake mode cannot follow); their placement
-is held by the device lint and their host reads by tests/moe/test_host_syncs.py.
+the tests call the steps around it. MoE layers, whose dispatch sizes are data-dependent,
+run under the same fake device in tests/moe/test_fake_device_moe.py with their host reads
+replayed from a real CPU run.
 """
 
 from __future__ import annotations

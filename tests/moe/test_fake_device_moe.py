@@ -1,0 +1,127 @@
+"""The MoE layer's path on the accelerator, checked on a CPU machine: router, permutation,
+dispatch (one rank, and EP=2 with the all-to-all and all-gather dispatchers), grouped
+experts, combine and the balancing losses, forward and backward, in a GPT model built and
+materialised on the stand-in accelerator (tests/test_fake_device.py: "meta" under
+FakeTensorMode, where any CPU/device mix fails).
+
+Fake tensors have no values, so the dispatch's data-dependent sizes (the permutation's
+`nonzero`, the split sizes' and host group sizes' `tolist`) come from a real CPU run of the
+same model, routing and layout (tests/host_reads.py records and replays them in order).
+Expert-parallel ranks run one at a time in a fresh process on torch's fake process group
+(collectives on fake tensors move nothing), each replaying its own rank's reads from a
+real 2-rank gloo run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megamoe.config import MoEConfig, MoEExecutionConfig, ParallelConfig
+from megamoe.model.gpt_model import GPTModel
+from megamoe.parallel.mesh import Mesh, build_mesh, single_process_mesh
+from megamoe.parallelize import parallelize
+from megamoe.training.materialize import materialize
+from tests.distributed import run_distributed
+from tests.host_reads import HostReads
+from tests.test_fake_device import ACCEL, DENSE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MOE = dataclasses.replace(DENSE, moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48,
+                                               aux_loss_coeffs=[1e-2], z_loss_coeff=1e-3))
+
+
+def _model(mesh: Mesh, parallel: ParallelConfig, execution: MoEExecutionConfig,
+           dtype: torch.dtype) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = GPTModel(MOE)
+    return parallelize(model, mesh, parallel, execution, seed=1, dtype=dtype)
+
+
+def _tokens(rank: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    return torch.randint(0, MOE.vocab_size, (2, MOE.seq_length), generator=g).to(device)
+
+
+def _step(model: torch.nn.Module, tokens: torch.Tensor, reads: HostReads) -> None:
+    with reads.active():
+        model(tokens, labels=tokens).float().mean().backward()
+
+
+def _check_on_device(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        assert p.device == ACCEL and p.grad is not None and p.grad.device == ACCEL, name
+
+
+@pytest.mark.parametrize("grouped, dtype", [(True, torch.bfloat16), (False, torch.bfloat16),
+                                            (False, torch.float32)],
+                         ids=["torch-grouped-bf16", "loop-bf16", "loop-fp32"])
+def test_single_rank_moe_forward_backward_on_the_device(grouped, dtype):
+    execution = MoEExecutionConfig(grouped_gemm=grouped)
+    cpu = single_process_mesh(torch.device("cpu"))
+    real = materialize(_model(cpu, ParallelConfig(), execution, dtype), cpu, seed=1)
+    recorded = HostReads()
+    _step(real, _tokens(0, cpu.device), recorded)
+    assert [k for k, _ in recorded.log].count("nonzero") == 2  # one per MoE layer
+    mesh = single_process_mesh(ACCEL)
+    model = _model(mesh, ParallelConfig(), execution, dtype)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = materialize(model, mesh, seed=1)
+        replay = HostReads(recorded.log)
+        _step(model, _tokens(0, ACCEL), replay)
+        assert replay.log == []  # every recorded read made, none more
+        _check_on_device(model)
+
+
+EP2 = ParallelConfig(world_size=2, expert_model_parallel_size=2)
+
+
+def _record_rank(rank: int, world_size: int, dispatcher: str) -> list:
+    mesh = build_mesh(EP2, "gloo", torch.device("cpu"))
+    execution = MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher)
+    model = materialize(_model(mesh, EP2, execution, torch.bfloat16), mesh, seed=1)
+    reads = HostReads()
+    _step(model, _tokens(rank, mesh.device), reads)
+    return reads.log
+
+
+def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
+    """Rank `rank` of EP=2 on the fake process group and the fake device (a fresh
+    process: the fake group must be its only process group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    with open(log_path, "rb") as f:
+        log = pickle.load(f)
+    mesh = build_mesh(EP2, "fake", ACCEL)
+    execution = MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher)
+    model = _model(mesh, EP2, execution, torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = materialize(model, mesh, seed=1)
+        replay = HostReads(log)
+        _step(model, _tokens(rank, ACCEL), replay)
+        assert replay.log == [], replay.log
+        _check_on_device(model)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall",
+                                        pytest.param("allgather", marks=pytest.mark.slow)])
+def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
+    logs = run_distributed(_record_rank, 2, 120, dispatcher)
+    if dispatcher == "alltoall":  # the split sizes: one host copy per MoE layer call
+        assert all([k for k, _ in log].count("tolist") == 2 for log in logs)
+    for rank, log in enumerate(logs):
+        path = tmp_path / f"reads{rank}.pkl"
+        path.write_bytes(pickle.dumps(log))
+        code = ("from tests.moe.test_fake_device_moe import replay_rank; "
+                f"replay_rank({rank}, {dispatcher!r}, {str(path)!r})")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
