@@ -59,15 +59,16 @@ class HostReads(TorchDispatchMode):
     def active(self) -> Iterator[HostReads]:
         """This mode, with Tensor.tolist (a C++ method no dispatch mode sees on the CPU)
         and FakeTensor.tolist routed through the log."""
-        saved = torch.Tensor.tolist, FakeTensor.__dict__.get("tolist")
-        torch.Tensor.tolist = self._tolist(saved[0])
-        FakeTensor.tolist = self._tolist(saved[0])
+        original = torch.Tensor.tolist
+        own = {cls: cls.__dict__.get("tolist") for cls in (torch.Tensor, FakeTensor)}
+        for cls in own:
+            cls.tolist = self._tolist(original)
         try:
             with self:
                 yield self
-        finally:
-            torch.Tensor.tolist = saved[0]
-            if saved[1] is None:
-                del FakeTensor.tolist
-            else:
-                FakeTensor.tolist = saved[1]
+        finally:  # put back exactly what each class had (or had not) itself
+            for cls, method in own.items():
+                if method is None:
+                    del cls.tolist
+                else:
+                    cls.tolist = method
