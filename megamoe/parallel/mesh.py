@@ -8,12 +8,13 @@ Rank layout (Megatron-Core order, tensor-parallel fastest):
 Both layouts cover the same ranks with the same pipeline groups, so a pipeline stage is the
 contiguous block of world / PP ranks in either view; EDP = world / (ETP * EP * PP).
 `rank_groups` computes every group's rank lists as a pure function (unit-tested without
-processes); `init_mesh` creates them. The single-dimension groups come from two
-`torch.distributed.device_mesh.DeviceMesh`es over the same ranks (dense pp x dp x cp x tp
-and expert pp x edp x ep x etp, exposed for DTensor/FSDP users); the combined groups
-(tp-cp, dp-cp, tp-dp-cp, tp-ep, model parallel, embedding) are created from the pure rank
-lists. Layers never look groups up globally: whoever needs a group is handed it from the
-`Mesh`.
+processes); `build_mesh` creates them, every one with `new_group(timeout=...)` as Megatron
+does: a group created without a timeout gets torch's default (30 minutes on gloo) instead of
+--distributed-timeout-minutes, so a hang in it would outlive the flag. The single-dimension
+groups also form two `torch.distributed.device_mesh.DeviceMesh`es over the same ranks (dense
+pp x dp x cp x tp and expert pp x edp x ep x etp, for DTensor checkpoints). Layers never
+look groups up globally: whoever needs a group is handed it from the `Mesh`, which can also
+name any of its groups (`Mesh.describe`) for error messages.
 
 The mesh also owns this rank's one device (`Mesh.device`: cuda:LOCAL_RANK on a GPU
 machine, else the CPU): the model is materialised there, batches are moved there, and
@@ -132,6 +133,19 @@ class Mesh:
         if self.world_size > 1 and dist.is_initialized():
             dist.barrier()
 
+    def describe(self, group: Optional[dist.ProcessGroup]) -> str:
+        """A group's name and members for messages ("dp group (ranks [0, 1])"); None is the
+        world group."""
+        if group is None:
+            return f"world group ({self.world_size} ranks)"
+        for name, g in self.groups.items():
+            if g is group:
+                return f"{name} group (ranks {self.group_ranks[name]})"
+        try:
+            return f"group of ranks {dist.get_process_group_ranks(group)}"
+        except (RuntimeError, ValueError):
+            return "a group this rank is not a member of"
+
 
 def default_device() -> torch.device:
     """This process's device: cuda:LOCAL_RANK when CUDA is available (torchrun starts one
@@ -150,40 +164,47 @@ def single_process_mesh(device: Optional[torch.device] = None) -> Mesh:
                 group_ranks={n: [0] for n in groups}, device=device or default_device())
 
 
+SINGLE_DIMS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
+
+
 def build_mesh(parallel: ParallelConfig, backend: str,
                device: Optional[torch.device] = None) -> Mesh:
     """Create every group of the layout on an initialised default process group; the
     mesh's device is `device` (default_device()).
 
-    All ranks create all groups in the same order (torch.distributed requires it); groups
-    of size 1 are None so single-rank dimensions cost no collectives.
+    All ranks create all groups in the same order (torch.distributed requires it), each
+    with --distributed-timeout-minutes and its name as group_desc (NCCL's watchdog names
+    it when a collective times out). In `Mesh.groups`, groups of size 1 are None so
+    single-rank dimensions cost no collectives; the DeviceMeshes hold every dimension.
     """
     device = device or default_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     if parallel.world_size != world:
         raise ValueError(f"the layout is for {parallel.world_size} ranks, the process group "
                          f"has {world}")
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     resolved = parallel.sizes()
     lists = rank_groups(parallel)
-    meshes = {layout: DeviceMesh(device.type, _grid(resolved, dims), mesh_dim_names=dims)
-              for layout, dims in (("dense", DENSE_DIMS), ("expert", EXPERT_DIMS))}
     # A middle pipeline stage belongs to no embedding group: None, no members.
     groups: dict[str, Optional[dist.ProcessGroup]] = {name: None for name in lists}
     mine: dict[str, list[int]] = {name: [] for name in lists}
+    dims_pg: dict[str, dist.ProcessGroup] = {}  # every dimension, size 1 included
     for name, rank_lists in lists.items():
-        layout, inside = GROUP_DIMS.get(name, (None, ()))
-        if len(inside) == 1:  # one mesh dimension: the DeviceMesh already made it
-            pg = meshes[layout].get_group(inside[0])
-            members = next(m for m in rank_lists if rank in m)
-            groups[name] = pg if len(members) > 1 else None
-            mine[name] = members
-            continue
+        single = name in SINGLE_DIMS
         for members in rank_lists:
-            pg = dist.new_group(members) if len(members) > 1 else None
+            if len(members) == 1 and not single:
+                pg = None
+            else:
+                pg = dist.new_group(members, timeout=timeout, group_desc=name)
             if rank in members:
-                groups[name] = pg
+                groups[name] = pg if len(members) > 1 else None
                 mine[name] = members
-    ranks = {d: mine[d].index(rank) for d in ("tp", "cp", "dp", "pp", "ep", "etp", "edp")}
+                if single:
+                    dims_pg[name] = pg
+    meshes = {layout: DeviceMesh.from_group([dims_pg[d] for d in dims], device.type,
+                                            mesh=_grid(resolved, dims), mesh_dim_names=dims)
+              for layout, dims in (("dense", DENSE_DIMS), ("expert", EXPERT_DIMS))}
+    ranks = {d: mine[d].index(rank) for d in SINGLE_DIMS}
     return Mesh(rank=rank, world_size=world, backend=backend, sizes=resolved, ranks=ranks,
                 groups=groups, group_ranks=mine, device=device,
                 device_mesh=meshes["dense"], expert_device_mesh=meshes["expert"])
@@ -196,8 +217,8 @@ def init_mesh(parallel: ParallelConfig) -> Mesh:
     The device is chosen (and made current) before the process group exists, and handed
     to NCCL as its device_id, so every rank binds its own GPU from the start. One process
     with all sizes 1 needs no process group (on a GPU it still runs there). The timeout
-    (--distributed-timeout-minutes) applies to every collective, so a hung one ends with
-    an error instead of blocking forever.
+    (--distributed-timeout-minutes) applies to the rendezvous, every group's creation and
+    every collective, so a hung one ends with an error instead of blocking forever.
     """
     device = default_device()
     if device.type == "cuda":
@@ -209,9 +230,26 @@ def init_mesh(parallel: ParallelConfig) -> Mesh:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
-        device_id = device if backend == "nccl" else None
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+        store, rank, world = _restart_store(timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
     return build_mesh(parallel, backend, device)
+
+
+def _restart_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
+    """torchrun's env:// store, seen through a prefix named after this restart round.
+
+    When torchrun (--max-restarts) restarts the workers after one died, they reconnect to
+    the agent's store, which still holds the keys the failed round wrote (each group's
+    addresses, barrier counters). A new round reading them waits for peers that are dead:
+    on torch 2.13 the restarted workers hung in process-group creation. Keys under
+    "megamoe/restart<TORCHELASTIC_RESTART_COUNT>/" are fresh in every round.
+    """
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megamoe/restart{restart}/", store), rank, world
 
 
 def destroy_mesh(mesh: Mesh) -> None:
