@@ -1,7 +1,8 @@
 """`pretrain_gpt.py`: Megatron-style flags -> validated configs -> a pretraining run.
 
-Errors a user can cause (bad flags, missing or corrupt data, unusable checkpoints) end as
-one line on stderr and a non-zero exit; anything else is a bug and keeps its traceback.
+Errors a user or the cluster can cause (bad flags, missing or corrupt data, unusable
+checkpoints, a collective that timed out or lost a peer) end as one line on stderr and a
+non-zero exit; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import config_from_args, run_config_from_args
 from megamoe.config import DataConfig
 from megamoe.data import DataError, tokenizer_for
+from megamoe.parallel.failures import DistributedFailure
 from megamoe.planning.dry_run import dry_run
 from megamoe.training import pretrain as training
 from megamoe.training.checkpoint import CheckpointError
 from megamoe.training.loop import TrainState
 
-USER_ERRORS = (DataError, CheckpointError, FileNotFoundError)
+USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure)
 
 
 def _dry_run_vocab_size(data: DataConfig) -> int:

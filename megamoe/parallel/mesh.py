@@ -136,7 +136,7 @@ class Mesh:
     def describe(self, group: Optional[dist.ProcessGroup]) -> str:
         """A group's name and members for messages ("dp group (ranks [0, 1])"); None is the
         world group."""
-        if group is None:
+        if group is None or group is dist.group.WORLD:
             return f"world group ({self.world_size} ranks)"
         for name, g in self.groups.items():
             if g is group:

@@ -4,6 +4,7 @@ RunConfig and the tokenizer; nothing here sees an argument namespace.)"""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -14,6 +15,7 @@ from megamoe.config import RunConfig
 from megamoe.data import DataError, build_gpt_datasets, make_iterator
 from megamoe.model.flops import num_parameters
 from megamoe.moe.stats import describe_choice
+from megamoe.parallel.failures import explain
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.training.build import build_model
 from megamoe.training.checkpoint.manager import CheckpointManager
@@ -26,12 +28,31 @@ Log = Callable[[str], None]
 
 
 def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
-    """Train `run` on this rank (torchrun starts one process per rank)."""
-    mesh = init_mesh(run.parallel)
+    """Train `run` on this rank (torchrun starts one process per rank).
+
+    A collective that times out or loses a peer (or a process group that cannot be created)
+    ends this rank with a DistributedFailure: one line naming the operation, the group and
+    the caller. The process group is then left as it is (tearing down a broken NCCL
+    communicator can itself hang); the process is about to exit.
+    """
+    timeout = run.parallel.distributed_timeout_minutes
     try:
-        return _pretrain(run, tokenizer, mesh, print_fn)
-    finally:
-        destroy_mesh(mesh)
+        mesh = init_mesh(run.parallel)
+    except Exception as e:
+        failure = explain(e, None, timeout, rank=int(os.environ.get("RANK", "0")))
+        if failure is None:
+            raise
+        raise failure from e
+    try:
+        state = _pretrain(run, tokenizer, mesh, print_fn)
+    except Exception as e:
+        failure = explain(e, mesh, timeout)
+        if failure is None:
+            destroy_mesh(mesh)
+            raise
+        raise failure from e
+    destroy_mesh(mesh)
+    return state
 
 
 def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log) -> TrainState:
