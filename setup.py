@@ -26,8 +26,9 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "tensorboard", "transformers>=4.46"],
-        "logging": ["tensorboard", "wandb"],
+        "test": ["pytest", "pytest-timeout", "ruff", "tensorboard", "matplotlib",
+                 "transformers>=4.46"],
+        "logging": ["tensorboard", "wandb", "matplotlib"],  # matplotlib: expert-load heatmap
         # CUDA clusters only: never install these on a CPU-only machine (they build against
         # a CUDA torch). NVIDIA apex is installed from NVIDIA's repository, not PyPI.
         "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],

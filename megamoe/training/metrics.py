@@ -5,8 +5,9 @@ TensorBoard and W&B are optional: each is used only when asked for, and W&B runs
 when no API key is configured (no network needed). `TrainingObserver` turns one training
 step into scalars: per-layer expert load (max/mean, coefficient of variation, dropped
 fraction, summed over data-parallel ranks), MFU against --peak-tflops (or a measured
-matmul peak), memory, and an expert-load heatmap (layers x experts) per --log-interval,
-because a heatmap shows a collapsing router faster than a table.
+matmul peak), memory, and an expert-load heatmap (MoE layers x experts, share of routed
+tokens; drawn by heatmap.py) per --log-interval, because a heatmap shows a collapsing
+router faster than a table.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -24,6 +26,9 @@ from megamoe.config import RunConfig
 from megamoe.model.flops import flops_per_token
 from megamoe.moe.dispatchers import PARALLEL_MODES
 from megamoe.moe.stats import mode_counts, routing_stats
+from megamoe.training.heatmap import expert_load_heatmap, routed_shares
+
+_WARNED: set[str] = set()  # optional features already reported missing in this process
 
 
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
@@ -139,34 +144,6 @@ def expert_load_scalars(stats: dict[int, dict[str, np.ndarray]],
     return out
 
 
-# Viridis at 9 points (matplotlib's data), interpolated when matplotlib is not installed.
-_VIRIDIS = np.array([
-    [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37]], dtype=np.float64)
-
-
-def colormap(values: np.ndarray) -> np.ndarray:
-    """values in [0, 1], any shape -> uint8 RGB with a trailing channel axis (viridis)."""
-    v = np.clip(np.nan_to_num(values), 0.0, 1.0)
-    try:
-        from matplotlib import colormaps
-
-        return (colormaps["viridis"](v)[..., :3] * 255).round().astype(np.uint8)
-    except ImportError:
-        pos = v * (len(_VIRIDIS) - 1)
-        lo = np.floor(pos).astype(int).clip(0, len(_VIRIDIS) - 2)
-        frac = (pos - lo)[..., None]
-        rgb = _VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac
-        return rgb.round().astype(np.uint8)
-
-
-def expert_load_heatmap(load_LE: np.ndarray, cell: int = 12, vmax: float = 2.0) -> np.ndarray:
-    """[layers, experts] load relative to the layer mean (1 = balanced) -> RGB image
-    [layers*cell, experts*cell, 3]; colour 0..vmax, so balanced layers are mid-scale."""
-    img = colormap(load_LE / vmax)
-    return np.repeat(np.repeat(img, cell, axis=0), cell, axis=1)
-
-
 # ------------------------------------------------------------------------- MFU and memory
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of the GPUs MFU is usually quoted
 # for, by the name torch.cuda.get_device_name() reports; the first match wins.
@@ -219,12 +196,12 @@ class TrainingObserver:
         self.flops_per_token = flops_per_token(run.model)
         self.device = next(model.parameters()).device
         self.peak_tflops = peak_tflops(self.device, run.logging.peak_tflops)
-        self._load_LE: dict[int, np.ndarray] = {}
+        self._routed_LE: dict[int, np.ndarray] = {}  # {layer: routed assignments [E]}
 
     def after_step(self) -> dict[str, float]:
         stats = reduced_routing_stats(self.model, self.dp_group, self.device)
         for layer, s in stats.items():
-            self._load_LE[layer] = self._load_LE.get(layer, 0.0) + s["kept"]
+            self._routed_LE[layer] = self._routed_LE.get(layer, 0.0) + s["routed"]
         out = expert_load_scalars(stats, self.per_layer)
         if self.run.model.moe is not None and self.run.moe_execution.adaptive_parallelism:
             counts = mode_counts(self.model)  # MoE layer calls this step, per mode
@@ -241,18 +218,29 @@ class TrainingObserver:
         return out
 
     def write_heatmap(self, logger: Optional[MetricsLogger], step: int) -> Optional[np.ndarray]:
-        """Expert load of the interval (layers x experts, relative to each layer's mean)."""
-        if not self._load_LE:
+        """Each expert's share of its layer's routed assignments over the interval
+        [MoE layers, experts] (see heatmap.routed_shares), drawn to `logger` as the
+        labelled heatmap, its rows labelled with the layers' own numbers (the keys of the
+        routing statistics, as in moe_layer_numbers); None when no MoE layer routed
+        anything. The router's choice
+        (before capacity), not the kept assignments: those are clipped at the capacity, so
+        an overloaded expert would look capped exactly where it matters (dropless: equal).
+        Without matplotlib the image is skipped, with one warning per process."""
+        if not self._routed_LE:
             return None
-        counts_LE = np.stack([self._load_LE[i] for i in sorted(self._load_LE)])
-        self._load_LE = {}
-        mean_L1 = counts_LE.mean(axis=1, keepdims=True)
-        load_LE = np.divide(counts_LE, mean_L1, out=np.zeros_like(counts_LE),
-                            where=mean_L1 > 0)
-        img = expert_load_heatmap(load_LE)
-        if logger is not None:
-            logger.log_image("moe/expert_load_heatmap", img, step)
-        return load_LE
+        layers = sorted(self._routed_LE)
+        share_LE = routed_shares(np.stack([self._routed_LE[i] for i in layers]))
+        self._routed_LE = {}
+        if logger is not None and "matplotlib" not in _WARNED:
+            try:
+                img = expert_load_heatmap(share_LE, layers, step)
+            except ImportError as e:  # matplotlib is optional, like the logging itself
+                _WARNED.add("matplotlib")
+                warnings.warn(f"expert-load heatmap not logged: {e} (pip install matplotlib)",
+                              stacklevel=2)
+            else:
+                logger.log_image("moe/expert_load_heatmap", img, step)
+        return share_LE
 
 
 def moe_layer_numbers(model: torch.nn.Module) -> list[int]:

@@ -1,5 +1,6 @@
 """Observability: TensorBoard event file and W&B offline run carry every scalar family and
-the expert-load heatmap; the expert-load statistics equal a direct count of the routing."""
+the expert-load heatmap (a labelled figure; its geometry, labels and colours in
+test_heatmap.py); the expert-load statistics equal a direct count of the routing."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import torch
 
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.main import pretrain
+from megamoe.training.heatmap import heatmap_geometry
 from megamoe.training.metrics import (
-    colormap,
-    expert_load_heatmap,
     expert_load_scalars,
     format_log_line,
     memory_scalars,
@@ -69,7 +69,9 @@ def test_tensorboard_has_every_scalar_family_and_the_heatmap(logged_run):
     assert all(e.value == 0.0 for e in acc.Scalars("moe/dropped_fraction"))  # dropless
     images = acc.Images("moe/expert_load_heatmap")
     assert [im.step for im in images] == [2, 4]
-    assert images[0].height == 2 * 12 and images[0].width == 4 * 12  # 2 layers x 4 experts
+    g = heatmap_geometry(2, 4)  # the labelled figure of 2 MoE layers x 4 experts
+    assert (images[0].height, images[0].width) == (g.height, g.width)
+    assert g.width > 300 and g.height > 200
 
 
 def test_per_layer_losses_average_to_the_console_value(logged_run):
@@ -116,13 +118,6 @@ def test_expert_load_scalars_against_direct_count():
     assert out["moe/layer_03/load_cv"] == pytest.approx(np.std(kept) / 2.0)
     assert out["moe/layer_03/dropped_fraction"] == pytest.approx(4.0 / 12.0)
     assert out["moe/load_cv"] == out["moe/layer_03/load_cv"]
-
-
-def test_heatmap_colours():
-    img = expert_load_heatmap(np.array([[0.0, 1.0, 2.0]]), cell=2)
-    assert img.shape == (2, 6, 3) and img.dtype == np.uint8
-    assert tuple(img[0, 0]) == (68, 1, 84) and tuple(img[0, -1]) == (253, 231, 37)
-    assert tuple(colormap(np.array(0.5))) == (33, 144, 141)
 
 
 def test_peak_is_given_or_a_known_gpu_never_a_cpu_matmul(monkeypatch):
