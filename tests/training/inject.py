@@ -3,8 +3,8 @@
     nan-loss:STEP:RANK      the final norm's output is NaN on RANK during training step
                             STEP (counted from 1 in this process): the loss and every
                             gradient behind it are NaN there
-    inf-grad:STEP:RANK      the gradient reaching the final norm's output is +Inf on RANK
-                            during step STEP; the loss stays finite
+    inf-grad:STEP:RANK      every parameter's gradient is +Inf on RANK during step STEP
+                            (leaf gradients: Inf, no NaN); the loss stays finite
     enospc-file:ITER        --ckpt-format torch: the write of iteration ITER's
                             model_optim_rng.pt goes to /dev/full (the kernel's ENOSPC)
     enospc-dist:ITER:RANK   torch_dist: RANK's *.distcp writes of iteration ITER go to
@@ -43,6 +43,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def poison(model: torch.nn.Module, kind: str, active: Callable[[], bool]) -> None:
+    """While `active()` (and training): "nan-loss" makes the final norm's output NaN (on
+    the stage that has it), "inf-grad" every parameter's gradient +Inf."""
+    if kind == "nan-loss":
+        for name, module in model.named_modules():
+            if name.endswith("final_layernorm"):
+                module.register_forward_hook(lambda m, args, out: out * float("nan")
+                                             if active() and m.training else None)
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: torch.full_like(g, float("inf")) if active() else None)
+
+
 def _poison(kind: str, step: int, rank: int, setattr_: SetAttr) -> None:
     calls = {"n": 0, "active": False}
     forward_backward, build_model = loop.forward_backward, pretrain.build_model
@@ -57,20 +71,10 @@ def _poison(kind: str, step: int, rank: int, setattr_: SetAttr) -> None:
         finally:
             calls["active"] = False
 
-    def hook(module, args, output):
-        if not (calls["active"] and module.training):
-            return None
-        if kind == "nan-loss":
-            return output * float("nan")
-        output.register_hook(lambda g: torch.full_like(g, float("inf")))
-        return None
-
     def build(run, mesh=None):
         model = build_model(run, mesh)
         if (mesh.rank if mesh is not None else 0) == rank:
-            for name, module in model.named_modules():
-                if name.endswith("final_layernorm"):
-                    module.register_forward_hook(hook)
+            poison(model, kind, lambda: calls["active"])
         return model
 
     setattr_(loop, "forward_backward", counted)

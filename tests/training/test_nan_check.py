@@ -3,7 +3,8 @@ gradients stops the run before the optimizer step, on every rank, with one line 
 iteration and the rank; the last checkpoint stays the last. Off, the step is skipped.
 
 Faults are injected deterministically (tests/training/inject.py): the final norm's output
-made NaN, or the gradient reaching it made +Inf, on one rank during one training step.
+made NaN, or every parameter's gradient +Inf (no NaN anywhere, the loss finite), on one
+rank during one training step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from megamoe.training.nonfinite import NonFiniteError
 from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
-from tests.training.inject import install
+from tests.moe.test_host_syncs import HostSyncCounter
+from tests.training.inject import install, poison
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
 OFF = "--no-check-for-nan-in-loss-and-grad"
@@ -86,6 +88,16 @@ def test_nan_loss_stops_pretrain_gpt_with_one_line_and_keeps_the_last_checkpoint
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
+def _components(flags: str):
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {flags}"), world_size=1)
+    run = run_config_from_args(args, 97)
+    mesh = single_process_mesh(torch.device("cpu"))
+    model = build_model(run, mesh)
+    optimizer = build_optimizer(model, run.optim, mesh=mesh)
+    return run, mesh, model, optimizer, LRScheduler(optimizer, run.optim,
+                                                    run.train.train_iters)
+
+
 def _batches(seed: int):
     g = torch.Generator(device="cpu").manual_seed(seed)  # host test data
     while True:
@@ -95,34 +107,18 @@ def _batches(seed: int):
                "position_ids": torch.arange(16, device="cpu").expand(2, 16)}
 
 
-def _poison_final_norm(model: torch.nn.Module, kind: str) -> None:
-    def hook(module, args, output):
-        if kind == "nan-loss":
-            return output * float("nan")
-        output.register_hook(lambda g: torch.full_like(g, float("inf")))
-        return None
-
-    norm = next(m for n, m in model.named_modules() if n.endswith("final_layernorm"))
-    norm.register_forward_hook(hook)
-
-
 @pytest.mark.parametrize("precision", ["", "--bf16"])
 @pytest.mark.parametrize("kind, what", [("nan-loss", "the loss"), ("inf-grad", "the gradients")])
 def test_check_raises_before_the_optimizer_step(kind, what, precision):
     """Weights, fp32 main weights, Adam states and step count, and the LR schedule are
     exactly as before the failing step."""
-    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {precision}"), world_size=1)
-    run = run_config_from_args(args, 97)
-    mesh = single_process_mesh(torch.device("cpu"))
-    model = build_model(run, mesh)
-    optimizer = build_optimizer(model, run.optim, mesh=mesh)
-    scheduler = LRScheduler(optimizer, run.optim, run.train.train_iters)
+    run, mesh, model, optimizer, scheduler = _components(precision)
     data = _batches(0)
     train_step(run, mesh, model, optimizer, scheduler, data, 1)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt_state = copy.deepcopy(optimizer.state_dict())
     sched_state = copy.deepcopy(scheduler.state_dict())
-    _poison_final_norm(model, kind)
+    poison(model, kind, lambda: True)
     with pytest.raises(NonFiniteError) as e:
         train_step(run, mesh, model, optimizer, scheduler, data, 2)
     assert str(e.value).startswith(f"iteration 2: NaN/Inf in {what} on rank 0"), e.value
@@ -188,6 +184,7 @@ def _two_rank_worker(rank: int, world_size: int, spec: str, flags: str) -> tuple
     # DP=2: only rank 1's local gradients are Inf; after the reduction every rank's are,
     # so this names rank 1 only if the check looks before the reduction
     ("inf-grad:2:1", "", "the gradients"),
+    ("inf-grad:2:1", "--use-distributed-optimizer", "the gradients"),
     # PP=2: the loss is the last stage's (rank 1); the first stage gets an all-reduced copy
     ("nan-loss:2:1", "--pipeline-model-parallel-size 2", "the loss"),
 ])
@@ -199,3 +196,16 @@ def test_two_ranks_stop_together_naming_the_rank(tmp_path, spec, flags, what):
         _one_line(code, err, ["iteration 2:", f"NaN/Inf in {what} on rank 1"])
     assert read_tracker(str(save)) == 1
     assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]
+
+
+def test_the_check_adds_no_host_sync_to_a_step():
+    """The agreed verdict is read with the gradient norm, in the step's one host read."""
+    totals = {}
+    for flags in ("", OFF):
+        run, mesh, model, optimizer, scheduler = _components(flags)
+        data = _batches(0)
+        train_step(run, mesh, model, optimizer, scheduler, data, 1)
+        with HostSyncCounter() as counter:
+            train_step(run, mesh, model, optimizer, scheduler, data, 2)
+        totals[flags] = counter.total
+    assert totals[""] == totals[OFF], totals
