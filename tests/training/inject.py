@@ -11,6 +11,8 @@
                             /dev/full
     enospc-common:ITER      torch_dist: rank 0's common.pt of iteration ITER goes to
                             /dev/full
+    eacces-tmp:ITER         making iteration ITER's temporary directory fails with EACCES
+                            (as in a --save directory this user may not write to)
 
 `install(spec, setattr)` installs one (`setattr`: pytest's monkeypatch.setattr, or the
 builtin one in a child process). As a program it runs the real pretrain_gpt.py with faults
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import os
 import runpy
 import sys
@@ -111,6 +114,18 @@ def _full_disk_dist(iteration: int, rank: int, setattr_: SetAttr) -> None:
     setattr_(filesystem.FileSystem, "create_stream", fake)
 
 
+def _no_permission(iteration: int, setattr_: SetAttr) -> None:
+    tag = f"iter_{iteration:07d}.tmp."
+    makedirs = os.makedirs
+
+    def fake(path, *args, **kwargs):
+        if tag in os.path.basename(str(path)):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return makedirs(path, *args, **kwargs)
+
+    setattr_(os, "makedirs", fake)
+
+
 def install(spec: str, setattr_: SetAttr) -> None:
     kind, *nums = spec.split(":")
     values = [int(v) for v in nums]
@@ -122,6 +137,8 @@ def install(spec: str, setattr_: SetAttr) -> None:
         _full_disk_file(values[0], publish.COMMON, setattr_)
     elif kind == "enospc-dist":
         _full_disk_dist(values[0], values[1], setattr_)
+    elif kind == "eacces-tmp":
+        _no_permission(values[0], setattr_)
     else:
         raise ValueError(f"unknown fault {spec!r}")
 
