@@ -21,8 +21,10 @@ from megamoe.planning.dry_run import dry_run
 from megamoe.training import pretrain as training
 from megamoe.training.checkpoint import CheckpointError
 from megamoe.training.loop import TrainState
+from megamoe.training.nonfinite import NonFiniteError
 
-USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure)
+USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure,
+               NonFiniteError)
 
 
 def _dry_run_vocab_size(data: DataConfig) -> int:

@@ -124,6 +124,8 @@ def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
         args.lr_decay_iters = args.train_iters
     if args.moe_router_dtype is None:
         args.moe_router_dtype = "fp32"
+    if args.fp16 and not args.loss_scale:  # as Megatron: with dynamic loss scaling a
+        args.check_for_nan_in_loss_and_grad = False  # NaN/Inf grad is the scaler's signal
     if args.position_embedding_type == "learned_absolute" and not args.add_position_embedding:
         args.position_embedding_type = "none"
     _derive_moe_defaults(args)

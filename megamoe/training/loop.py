@@ -24,6 +24,7 @@ from megamoe.training.metrics import (
     format_log_line,
     moe_layer_numbers,
 )
+from megamoe.training.nonfinite import NonFiniteCheck
 from megamoe.training.schedules import Batch, forward_backward
 
 
@@ -61,13 +62,28 @@ def _moe_scalars(report: dict[str, torch.Tensor],
     return out
 
 
+def _nonfinite_check(run: RunConfig, mesh: Mesh, lm_loss: torch.Tensor,
+                     iteration: int) -> Optional[NonFiniteCheck]:
+    """--check-for-nan-in-loss-and-grad: this rank's loss (the last pipeline stage holds
+    the loss; the schedule hands the other stages its all-reduced copy) and, through the
+    optimizer, its local gradients (training/nonfinite.py)."""
+    if not run.train.check_for_nan_in_loss_and_grad:
+        return None
+    own_loss = lm_loss if mesh.pp_rank == mesh.pp_size - 1 else None
+    return NonFiniteCheck(iteration, mesh.rank, mesh.world_size, own_loss, mesh.device)
+
+
 def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
-               data_iter: Iterator[Batch]) -> dict[str, float]:
+               data_iter: Iterator[Batch], iteration: int) -> dict[str, float]:
+    """One iteration (`iteration`: its number, for messages). With the NaN/Inf check on,
+    a non-finite loss or gradient on any rank raises NonFiniteError on every rank before
+    the optimizer step: weights, optimizer state and the schedule stay as they were."""
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh)
     lm_loss = forward_backward(model, data_iter, n_micro)
-    success, grad_norm, _ = optimizer.step()
+    check = _nonfinite_check(run, mesh, lm_loss, iteration)
+    success, grad_norm, _ = optimizer.step(check)
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:
         scheduler.step(increment=1)
@@ -160,7 +176,8 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     interval = _Interval(run, mesh, observer, print_fn)
     while state.iteration < t.train_iters:
-        metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter)
+        metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
+                             state.iteration + 1)
         metrics.update(observer.after_step())  # expert load, summed over data parallel
         lr = optimizer.param_groups[0]["lr"]
         _record(state, metrics, t.global_batch_size, lr)

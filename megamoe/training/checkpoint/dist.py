@@ -45,10 +45,14 @@ from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.publish import (
     COMMON,
+    agree,
+    discard_tmp,
+    failure_message,
     fsync_dir,
     pause_point,
     prepare_tmp,
     publish_tmp,
+    save_torch_file,
 )
 from megamoe.training.checkpoint.rng_state import rng_state, set_rng_state
 from megamoe.training.checkpoint.safe_load import (
@@ -72,8 +76,8 @@ def _world(single: bool = False) -> tuple[int, int]:
 def _cause(e: BaseException) -> str:
     """The first rank's underlying error of a DCP failure (a truncated shard: EOFError)."""
     if isinstance(e, CheckpointException) and e.failures:
-        inner = next(iter(e.failures.values()))
-        e = getattr(inner, "exception", inner)
+        inner = next(iter(e.failures.values()))  # (exception, stack summary)
+        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
     text = str(e).strip().splitlines()
     return f"{e.__class__.__name__}: {text[0][:160]}" if text else e.__class__.__name__
 
@@ -163,9 +167,33 @@ def _common(iteration: int, consumed_samples: int, args: dict, model_config, sch
             "layout": dict(getattr(mesh, "sizes", {}) or {}), **(extra or {})}
 
 
+def _agreed(phase: Callable[[], Any], root: str, iteration: int, tmp: Optional[str],
+            rank: int, world: int) -> Any:
+    """Run one phase of a save on this rank, then learn every rank's outcome (a collective,
+    also the phase's barrier). If any rank failed (an OSError, or DCP's report of one on
+    any rank), rank 0 removes the temporary directory and every rank raises the same
+    CheckpointError naming the --save directory: no rank is left waiting for another."""
+    result, error, cause = None, None, None
+    try:
+        result = phase()
+    except (Exception, CheckpointException) as e:
+        if not isinstance(e, (OSError, CheckpointException)):
+            cause = e  # not a storage failure: a bug, its traceback is kept
+        error = failure_message(root, iteration, e, rank, world)
+    error = agree(error, world)
+    if error is not None:
+        if rank == 0:
+            discard_tmp(tmp)
+        if cause is not None:
+            raise cause
+        raise CheckpointError(error)
+    return result
+
+
 def _prepare(root: str, iteration: int, rank: int, world: int) -> str:
     """Rank 0 makes the tmp directory; every rank learns its name."""
-    tmp = prepare_tmp(root, iteration) if rank == 0 else None
+    tmp = _agreed(lambda: prepare_tmp(root, iteration) if rank == 0 else None,
+                  root, iteration, None, rank, world)
     if world > 1:
         box = [tmp]
         dist.broadcast_object_list(box, src=0)
@@ -175,24 +203,24 @@ def _prepare(root: str, iteration: int, rank: int, world: int) -> str:
     return tmp
 
 
+def _write_common(tmp: str, common: Optional[dict], rank: int) -> None:
+    if rank == 0:
+        save_torch_file(common, os.path.join(tmp, COMMON))
+        fsync_dir(tmp)
+
+
 def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
             keep_last: Optional[int], rank: int, world: int) -> str:
-    """After every rank's shards are written: common.pt, barrier, publish, barrier."""
-    if rank == 0:
-        with open(os.path.join(tmp, COMMON), "wb") as f:
-            torch.save(common, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-    if world > 1:
-        dist.barrier()
-    final = tmp
-    if rank == 0:
+    """After every rank's shards are written: common.pt, agree, publish, agree."""
+    _agreed(lambda: _write_common(tmp, common, rank), root, iteration, tmp, rank, world)
+
+    def publish() -> str:
+        if rank != 0:
+            return tmp
         pause_point("after_write", iteration)
-        final = publish_tmp(root, iteration, tmp, keep_last)
-    if world > 1:
-        dist.barrier()
-    return final
+        return publish_tmp(root, iteration, tmp, keep_last)
+
+    return _agreed(publish, root, iteration, tmp, rank, world)
 
 
 def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer, scheduler,
@@ -207,7 +235,9 @@ def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer,
     common = _common(iteration, consumed_samples, args, model_config, scheduler, optim_common,
                      save_rng, mesh, rank, world, extra)
     tmp = _prepare(root, iteration, rank, world)
-    dcp.save(state, checkpoint_id=tmp, no_dist=world == 1)
+    # A failed write on any rank reaches every rank through DCP's own collectives.
+    _agreed(lambda: dcp.save(state, checkpoint_id=tmp, no_dist=world == 1), root,
+            iteration, tmp, rank, world)
     return _finish(root, iteration, tmp, common, keep_last, rank, world)
 
 
@@ -244,10 +274,7 @@ class AsyncDistSaver:
             return
         future, root, iteration, tmp, common, keep_last = self._pending
         self._pending = None
-        try:
-            future.result()
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"{tmp}: async save failed ({_cause(e)})") from None
+        _agreed(future.result, root, iteration, tmp, self.rank, self.world)
         _finish(root, iteration, tmp, common, keep_last, self.rank, self.world)
 
 

@@ -21,7 +21,7 @@ from megamoe.training.checkpoint.dist import (
     load_dist_checkpoint,
     save_dist_checkpoint,
 )
-from megamoe.training.checkpoint.publish import checkpoint_file, is_dist_checkpoint
+from megamoe.training.checkpoint.publish import agree, checkpoint_file, is_dist_checkpoint
 from megamoe.training.checkpoint.rng_state import reseed
 from megamoe.training.checkpoint.safe_load import CheckpointError
 from megamoe.training.checkpoint.single_file import (
@@ -60,7 +60,7 @@ class CheckpointManager:
             how = "saving (in the background)" if self.writer is not None else "saved"
             self._log(f"> {how} checkpoint at iteration {iteration} to {c.save}")
             return
-        if self.mesh.rank == 0:
+        def write() -> None:
             state = build_state(iteration, self.model, self.optimizer, self.scheduler,
                                 consumed_samples, self.run.command_line,
                                 save_optim=not c.no_save_optim, save_rng=not c.no_save_rng,
@@ -70,12 +70,33 @@ class CheckpointManager:
             else:
                 write_checkpoint(c.save, iteration, state, c.ckpt_keep_last)
             self._log(f"> saved checkpoint at iteration {iteration} to {c.save}")
-        self.mesh.barrier()
+
+        self._rank0_agreed(write)  # (also the barrier after the save)
 
     def finalize(self) -> None:
-        """The last background save is complete (and published) when this returns."""
-        if self.writer is not None:
-            self.writer.finalize()
+        """The last background save is complete (and published) when this returns; a
+        failed one raises CheckpointError on every rank."""
+        if self.dist_format and self.writer is not None:
+            self.writer.finalize()  # collective
+        elif self.config.async_save:
+            self._rank0_agreed(self.writer.finalize if self.writer is not None else None)
+
+    def _rank0_agreed(self, fn) -> None:
+        """Single-file format: rank 0 runs `fn` (writing), every rank learns whether it
+        failed (CheckpointError: the one line naming --save), so none waits forever."""
+        error, bug = None, None
+        if self.mesh.rank == 0 and fn is not None:
+            try:
+                fn()
+            except CheckpointError as e:
+                error = str(e)
+            except Exception as e:  # not a storage failure: rank 0 keeps the traceback
+                bug, error = e, f"rank 0 failed to save a checkpoint to {self.config.save}"
+        error = agree(error, self.mesh.world_size)
+        if bug is not None:
+            raise bug
+        if error is not None:
+            raise CheckpointError(error)
 
     def load(self) -> tuple[int, int]:
         """--load: (iteration, consumed samples) to resume from; (0, 0) when --load names a

@@ -16,6 +16,12 @@ loadable and the pointer valid):
      never the one the pointer names
 Leftovers of a killed save (`*.tmp.*`, `*.old.*`, `*.del.*`) are cleaned by the next save.
 Loading detects the format from the directory's contents, whatever --ckpt-format says.
+
+A save that fails (a full disk, a permission: any OSError) removes its `iter_N.tmp.PID`
+and raises CheckpointError naming the --save directory and the error, on every rank
+(`agree`): the previous checkpoint and the pointer are untouched, since the pointer is
+replaced only after the new directory is complete. (A failure while replacing the pointer
+itself leaves the new, complete `iter_N` unnamed; loading still finds the previous one.)
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ import os
 import re
 import shutil
 import time
-from typing import Optional
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megamoe.training.checkpoint.safe_load import CheckpointError
 
@@ -60,12 +70,93 @@ def fsync_dir(path: str) -> None:
 
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+class _RecordingWriter:
+    """A file's write() for torch.save that keeps the OSError it raised: torch's zip
+    writer swallows it and reports a short write ("unexpected pos ...") instead."""
+
+    def __init__(self, f) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_torch_file(obj: Any, path: str) -> None:
+    """torch.save `obj` to `path`, flushed and fsynced; a failed write raises its OSError
+    (ENOSPC, EACCES, ...), not torch's "unexpected pos"."""
+    with open(path, "wb") as f:
+        writer = _RecordingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+
+
+def failure_reason(e: BaseException) -> tuple[Optional[int], str]:
+    """(the failing rank if DCP names one, what went wrong in one line): the OSError in
+    the exception's chain where there is one ("[Errno 28] No space left on device")."""
+    rank = None
+    if isinstance(e, CheckpointException) and e.failures:
+        rank = min(e.failures)
+        inner = e.failures[rank]
+        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return rank, str(cur).strip().splitlines()[0]
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    text = str(e).strip().splitlines()
+    return rank, f"{e.__class__.__name__}: {text[0][:200]}" if text else e.__class__.__name__
+
+
+def failure_message(root: str, iteration: int, e: BaseException, rank: int,
+                    world: int) -> str:
+    """One line: which save of which --save directory failed, where and why."""
+    failing, reason = failure_reason(e)
+    failing = rank if failing is None else failing
+    where = f" on rank {failing}" if world > 1 else ""
+    return f"saving checkpoint iteration {iteration} to {root} failed{where}: {reason}"
+
+
+def agree(error: Optional[str], world: int, group=None) -> Optional[str]:
+    """Collective (also a barrier): every rank learns the lowest failing rank's message,
+    or None when no rank failed."""
+    if world == 1:
+        return error
+    errors: list[Optional[str]] = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e), None)
+
+
+def discard_tmp(tmp: Optional[str]) -> None:
+    """Remove a failed save's temporary directory (nothing once it was published)."""
+    if tmp is not None and os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _clean_leftovers(root: str) -> None:

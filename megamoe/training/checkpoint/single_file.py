@@ -16,10 +16,13 @@ from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.publish import (
     FILENAME,
     checkpoint_file,
+    discard_tmp,
+    failure_message,
     fsync_dir,
     pause_point,
     prepare_tmp,
     publish_tmp,
+    save_torch_file,
 )
 from megamoe.training.checkpoint.rng_state import rng_state, set_rng_state
 from megamoe.training.checkpoint.safe_load import CheckpointError, load_torch_file
@@ -43,16 +46,22 @@ def build_state(iteration: int, model: torch.nn.Module, optimizer, scheduler,
 
 def write_checkpoint(root: str, iteration: int, state: dict,
                      keep_last: Optional[int] = None) -> str:
-    """Publish `state` as iteration `iteration` under `root`; returns the directory."""
-    tmp = prepare_tmp(root, iteration)
-    pause_point("before_write", iteration)
-    with open(os.path.join(tmp, FILENAME), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    pause_point("after_write", iteration)
-    return publish_tmp(root, iteration, tmp, keep_last)
+    """Publish `state` as iteration `iteration` under `root`; returns the directory. A
+    failed write (OSError: full disk, permissions) removes the temporary directory and
+    raises CheckpointError naming `root`; the previous checkpoint and pointer stay."""
+    tmp = None
+    try:
+        tmp = prepare_tmp(root, iteration)
+        pause_point("before_write", iteration)
+        save_torch_file(state, os.path.join(tmp, FILENAME))
+        fsync_dir(tmp)
+        pause_point("after_write", iteration)
+        return publish_tmp(root, iteration, tmp, keep_last)
+    except BaseException as e:
+        discard_tmp(tmp)
+        if isinstance(e, OSError):
+            raise CheckpointError(failure_message(root, iteration, e, 0, 1)) from e
+        raise
 
 
 def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler,
@@ -81,7 +90,7 @@ class AsyncCheckpointWriter:
     serialise, fsync and publish it on a background thread while training continues.
 
     At most one save is in flight: the next `save` and `finalize` join the previous one and
-    re-raise its error, so a failed write is never silently lost.
+    re-raise its error (CheckpointError), so a failed write is never silently lost.
     """
 
     def __init__(self) -> None:
@@ -110,6 +119,8 @@ class AsyncCheckpointWriter:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, CheckpointError):  # write_checkpoint's one line
+                raise CheckpointError(str(e)) from e
             raise CheckpointError(f"async save failed: {e}") from e
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_size
+from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
 from megamoe.training.optim.common import (
     build_inner_optimizer,
     param_groups,
@@ -139,10 +140,13 @@ class DistributedOptimizer:
         return total.sqrt().reshape(())
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
-        """As MixedPrecisionOptimizer.step: reading the norm is the one host sync."""
+    def step(self, check: Optional[NonFiniteCheck] = None) -> tuple[bool, float, None]:
+        """As MixedPrecisionOptimizer.step: reading the norm is the one host sync; a
+        `check` sees the whole local grad buffers before they are reduced."""
+        if check is not None:
+            check.see_grads(self.grad_buffers)
         norm = self.reduce_and_norm()
-        grad_norm = float(norm)
+        grad_norm = read_grad_norm(norm, check)
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         self.clip_and_update(norm)

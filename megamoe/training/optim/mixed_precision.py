@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from megamoe.config import OptimizerConfig
+from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
 from megamoe.training.optim.common import (
     build_inner_optimizer,
     fp32_accumulate_hook,
@@ -88,15 +89,19 @@ class MixedPrecisionOptimizer:
         return grads
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
+    def step(self, check: Optional[NonFiniteCheck] = None) -> tuple[bool, float, None]:
         """Returns (updated, grad norm before clipping, number of zero grads (not counted)).
         Reading the norm is the step's one device->host synchronisation (the skip
-        decision and the log need it); clipping uses it on the device."""
+        decision and the log need it); clipping uses it on the device. With a `check`
+        (--check-for-nan-in-loss-and-grad) the local gradients are checked before the
+        reduction, and a NaN/Inf on any rank raises NonFiniteError before the update."""
         grads = self.main_grads()
+        if check is not None:
+            check.see_grads(grads)
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
         norm = self.grad_norm_fn(grads)
-        grad_norm = float(norm)
+        grad_norm = read_grad_norm(norm, check)
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
         self.clip_and_update(grads, norm)

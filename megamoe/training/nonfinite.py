@@ -1,0 +1,83 @@
+"""--check-for-nan-in-loss-and-grad (Megatron's default: on): a NaN or Inf in a rank's loss
+or in its own gradients stops the run before the optimizer step, on every rank, with one
+line naming the iteration and the first rank that saw it.
+
+As in Megatron, each rank checks what it computed itself, before anything is reduced: its
+LM loss (pretrain_gpt.py's loss_func; only the last pipeline stage has one) and the norm
+of its local gradients (the DDP buckets' check before the data-parallel collective), so
+the rank named is the one where the NaN arose, not every rank the reduction spread it to.
+The two verdicts are agreed over all ranks with one small all-reduce (MIN over
+[rank or world size]), and the optimizer reads them together with the gradient norm it
+reads anyway: the check adds no device->host synchronisation to a step.
+
+With --no-check-for-nan-in-loss-and-grad a non-finite step is skipped instead (the
+optimizer's non-finite grad norm rule; counted in the log line's skipped and nan
+iterations). As in Megatron, --fp16 with dynamic loss scaling turns the check off:
+overflowing gradients are the loss scaler's signal there (cli/rules.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+OFF_FLAG = "--no-check-for-nan-in-loss-and-grad"
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf in the loss or the gradients with the check on; the message names the
+    iteration and the rank. Raised on every rank, before the optimizer step."""
+
+
+class NonFiniteCheck:
+    """One training step's check on this rank: `loss` is this rank's LM loss (None where
+    the rank holds no loss: not the last pipeline stage); the optimizer hands its local
+    gradients to `see_grads` before reducing them, then `read` instead of reading the
+    norm alone."""
+
+    def __init__(self, iteration: int, rank: int, world_size: int,
+                 loss: Optional[torch.Tensor], device: torch.device) -> None:
+        self.iteration, self.rank, self.world_size = iteration, rank, world_size
+        self.loss_bad = (torch.zeros((), dtype=torch.bool, device=device) if loss is None
+                         else ~torch.isfinite(loss.detach().float()))
+        self.grads_bad = torch.zeros((), dtype=torch.bool, device=device)
+
+    @torch.no_grad()
+    def see_grads(self, grads: list[torch.Tensor]) -> None:
+        """This rank's gradients before any reduction: is their norm finite (on the
+        device, no sync; one fused norm pass, as Megatron's per-bucket check)?"""
+        if grads:
+            norms = torch._foreach_norm(grads)
+            total = torch.stack([n.float() for n in norms]).sum()
+            self.grads_bad = ~torch.isfinite(total.to(self.grads_bad.device))
+
+    def _agreed(self) -> torch.Tensor:
+        """[first rank with a bad loss, first rank with bad gradients] (the world size
+        where none), the same on every rank: one all-reduce over all ranks."""
+        first = torch.where(torch.stack([self.loss_bad, self.grads_bad]), self.rank,
+                            self.world_size).float()
+        if self.world_size > 1:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        return first
+
+    def read(self, norm: torch.Tensor) -> float:
+        """The global gradient norm as a float, read in the same host sync as the agreed
+        verdict; raises NonFiniteError (on every rank) when a rank saw a NaN/Inf."""
+        values = torch.cat([norm.detach().float().reshape(1), self._agreed()]).tolist()
+        loss_rank, grads_rank = int(values[1]), int(values[2])
+        if loss_rank < self.world_size:
+            raise NonFiniteError(self._message("the loss", loss_rank))
+        if grads_rank < self.world_size:
+            raise NonFiniteError(self._message("the gradients", grads_rank))
+        return values[0]
+
+    def _message(self, what: str, rank: int) -> str:
+        return (f"iteration {self.iteration}: NaN/Inf in {what} on rank {rank}, before the "
+                f"optimizer step ({OFF_FLAG} skips such steps instead)")
+
+
+def read_grad_norm(norm: torch.Tensor, check: Optional[NonFiniteCheck]) -> float:
+    """The optimizer's one host read of a step: the norm, with the check's verdict."""
+    return float(norm) if check is None else check.read(norm)
