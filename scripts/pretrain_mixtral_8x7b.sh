@@ -39,13 +39,21 @@ TOKENIZER_MODEL=$2
 DATA_PATH=$3
 shift 3
 
+# A dead worker (or node) makes torchrun restart the group up to MAX_RESTARTS times; it
+# resumes from the last complete checkpoint in $CHECKPOINT_PATH (--save = --load).
+# On SIGTERM (preemption) torchrun forwards the signal and kills the workers after
+# SHUTDOWN_TIMEOUT seconds: --exit-signal-handler saves within that grace period.
 DISTRIBUTED_ARGS=(
   --nproc_per_node "$GPUS_PER_NODE"
   --nnodes "$NNODES"
   --node_rank "$NODE_RANK"
   --master_addr "$MASTER_ADDR"
   --master_port "$MASTER_PORT"
+  --max-restarts "${MAX_RESTARTS:-3}"
 )
+if torchrun --help 2>/dev/null | grep -q -- --shutdown-timeout; then  # torch >= 2.8
+  DISTRIBUTED_ARGS+=(--shutdown-timeout "${SHUTDOWN_TIMEOUT:-300}")
+fi
 
 MODEL_ARGS=(
   --use-mcore-models            # accepted: megamoe has one model implementation
@@ -99,6 +107,7 @@ TRAINING_ARGS=(
   --lr-warmup-iters 500
   --clip-grad 1.0
   --bf16
+  --exit-signal-handler         # SIGTERM: finish the step, save, exit 0
 )
 
 MODEL_PARALLEL_ARGS=(
@@ -119,9 +128,13 @@ LOGGING_ARGS=(
   --load "$CHECKPOINT_PATH"
   --tensorboard-dir "${CHECKPOINT_PATH}/tensorboard"
   --log-throughput
-  --no-load-optim
-  --no-load-rng
 )
+if [ "${FROM_HF:-0}" = "1" ]; then
+  # Starting from a checkpoint converted from Hugging Face (tools/checkpoint/convert.py):
+  # it has no optimizer state or RNG, as in Megatron's Mixtral script. Never for a
+  # restart or a resubmission: those resume the optimizer and RNG exactly.
+  LOGGING_ARGS+=(--no-load-optim --no-load-rng)
+fi
 if [ -n "${PEAK_TFLOPS:-}" ]; then
   LOGGING_ARGS+=(--peak-tflops "$PEAK_TFLOPS")  # for MFU; measured with a matmul if unset
 fi

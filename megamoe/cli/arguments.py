@@ -159,6 +159,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the step, save a checkpoint and exit 0")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="skip steps with a NaN/Inf loss or gradient instead of stopping")

@@ -21,6 +21,7 @@ class TrainConfig:
     skip_train: bool = flag("--skip-train", False)
     exit_interval: Optional[int] = flag("--exit-interval", None)
     exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", None)
+    exit_signal_handler: bool = flag("--exit-signal-handler", False)
     # Megatron's default: a NaN/Inf in a rank's loss or gradients stops the run before the
     # optimizer step (training/nonfinite.py); off, such steps are skipped.
     check_for_nan_in_loss_and_grad: bool = flag("--no-check-for-nan-in-loss-and-grad", True,

@@ -18,6 +18,7 @@ from megamoe.config import RunConfig
 from megamoe.moe.global_batch import update_expert_biases
 from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
+from megamoe.training.exits import ExitConditions
 from megamoe.training.metrics import (
     MetricsLogger,
     TrainingObserver,
@@ -35,6 +36,7 @@ class TrainState:
     skipped_iters: int = 0
     nan_iters: int = 0
     history: list[dict] = field(default_factory=list)  # one entry per iteration (rank-local)
+    exit_reason: Optional[str] = None  # why training stopped before --train-iters
 
 
 def num_microbatches(run: RunConfig, mesh: Mesh) -> int:
@@ -168,11 +170,14 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
           train_iter: Iterator[Batch], valid_iter: Optional[Iterator[Batch]],
           logger: Optional[MetricsLogger], state: TrainState,
           save_fn: Optional[Callable[[TrainState], None]] = None,
-          print_fn: Callable[[str], None] = print) -> TrainState:
-    """Train from state.iteration to --train-iters; returns the final state."""
+          print_fn: Callable[[str], None] = print,
+          exits: Optional[ExitConditions] = None) -> TrainState:
+    """Train from state.iteration to --train-iters, or until `exits` (--exit-interval,
+    --exit-duration-in-mins, --exit-signal-handler) stops it after a step, which it records
+    in state.exit_reason; returns the final state."""
     MoELossTracker.clear()  # values left by an earlier run in this process are not ours
     t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
-    start_wall = time.time()
+    exits = exits or ExitConditions(t, mesh, time.time())
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     interval = _Interval(run, mesh, observer, print_fn)
     while state.iteration < t.train_iters:
@@ -195,9 +200,8 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
             state.history[-1]["valid lm loss"] = loss
         if save_fn is not None and save_interval and state.iteration % save_interval == 0:
             save_fn(state)
-        if t.exit_interval and state.iteration % t.exit_interval == 0:
-            break
-        if t.exit_duration_in_mins and (time.time() - start_wall) / 60 > t.exit_duration_in_mins:
+        state.exit_reason = exits.reason(state.iteration)
+        if state.exit_reason is not None:
             break
     return state
 

@@ -19,6 +19,7 @@ from megamoe.parallel.failures import explain
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.training.build import build_model
 from megamoe.training.checkpoint.manager import CheckpointManager
+from megamoe.training.exits import ExitConditions
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
 from megamoe.training.metrics import MetricsLogger
 from megamoe.training.optim import build_optimizer
@@ -36,6 +37,7 @@ def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
     communicator can itself hang); the process is about to exit.
     """
     timeout = run.parallel.distributed_timeout_minutes
+    started = time.time()  # --exit-duration-in-mins counts from here, as Megatron's start
     try:
         mesh = init_mesh(run.parallel)
     except Exception as e:
@@ -44,7 +46,7 @@ def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
             raise
         raise failure from e
     try:
-        state = _pretrain(run, tokenizer, mesh, print_fn)
+        state = _pretrain(run, tokenizer, mesh, print_fn, started)
     except Exception as e:
         failure = explain(e, mesh, timeout)
         if failure is None:
@@ -55,7 +57,8 @@ def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
     return state
 
 
-def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log) -> TrainState:
+def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
+              started: float) -> TrainState:
     def log(msg: str) -> None:
         if mesh.rank == 0:
             print_fn(msg)
@@ -77,8 +80,12 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log) -> TrainStat
                                lg.wandb_save_dir, config_dict=run.command_line)
     start = time.time()
     try:
-        state = _train(run, mesh, model, optimizer, scheduler, data, logger, state,
-                       checkpoints, print_fn)
+        with ExitConditions(run.train, mesh, started) as exits:
+            state = _train(run, mesh, model, optimizer, scheduler, data, logger, state,
+                           checkpoints, print_fn, exits)
+        if state.exit_reason is not None:  # as Megatron: saved, no final evaluation
+            log(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
+            return state
         log(f"> training done: {state.iteration} iterations in {time.time() - start:.1f} s")
         _final_evaluation(run, mesh, model, data, logger, state, print_fn)
     finally:
@@ -137,7 +144,10 @@ def _iterator(run: RunConfig, mesh: Mesh, dataset, consumed: int, num_workers: i
 
 
 def _train(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, data: _Data, logger,
-           state: TrainState, checkpoints: CheckpointManager, print_fn: Log) -> TrainState:
+           state: TrainState, checkpoints: CheckpointManager, print_fn: Log,
+           exits: ExitConditions) -> TrainState:
+    """The training loop, then a save of the last iteration unless the loop just saved
+    it (also when an exit condition stopped it early)."""
     t, c = run.train, run.checkpoint
     if t.skip_train or state.iteration >= t.train_iters:
         return state
@@ -148,7 +158,8 @@ def _train(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, data: _Data,
         checkpoints.save(st.iteration, st.consumed_train_samples)
 
     state = train(run, mesh, model, optimizer, scheduler, data.train_iter, data.valid_iter,
-                  logger, state, save_fn=save if c.save else None, print_fn=print_fn)
+                  logger, state, save_fn=save if c.save else None, print_fn=print_fn,
+                  exits=exits)
     if c.save and (not c.save_interval or state.iteration % c.save_interval):
         save(state)
     return state

@@ -9,11 +9,15 @@ kinds:
   stall_mesh   sleep before creating the mesh's process groups (stuck group creation)
   stall_init   sleep before initialising torch.distributed at all
   die_step     exit at once (os._exit(9), as if killed) before step <iteration>
+  kill_step    SIGKILL itself before step <iteration> of this process (a resumed process
+               counts from its first step, so a restarted rank does not die again)
+  late_clock   this rank's run started <seconds> earlier (--exit-duration-in-mins differs)
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -32,7 +36,7 @@ def _install(kind: str, rank: int, iteration: int, seconds: float) -> None:
     me = int(os.environ.get("RANK", "0"))
     if me != rank:
         return
-    if kind in ("stall_step", "extra_allreduce", "die_step"):
+    if kind in ("stall_step", "extra_allreduce", "die_step", "kill_step"):
         original = loop.train_step
         calls = {"n": 0}
 
@@ -43,6 +47,8 @@ def _install(kind: str, rank: int, iteration: int, seconds: float) -> None:
                     time.sleep(seconds)
                 elif kind == "die_step":
                     os._exit(9)
+                elif kind == "kill_step":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 else:
                     dist.all_reduce(torch.ones(3))
             return original(*args, **kwargs)
@@ -56,6 +62,9 @@ def _install(kind: str, rank: int, iteration: int, seconds: float) -> None:
             return build(*args, **kwargs)
 
         mesh_module.build_mesh = build_mesh
+    elif kind == "late_clock":
+        real = time.time
+        pretrain.time = type("Clock", (), {"time": staticmethod(lambda: real() - seconds)})
     elif kind == "stall_init":
         init = pretrain.init_mesh
 

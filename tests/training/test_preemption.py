@@ -1,0 +1,154 @@
+"""Preemption: --exit-signal-handler (SIGTERM), --exit-duration-in-mins and --exit-interval
+stop every rank after the same step, save, exit 0, and the resumed run continues bitwise.
+
+The signal is delivered as a cluster delivers it: to a single-process run, to the torchrun
+agent (which forwards SIGTERM to its workers and kills them after a 30-second grace
+period), and to one worker only (the ranks must still agree on the step to stop after).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megamoe.training.checkpoint import read_tracker
+from tests.training.test_crash_resume import _run
+from tests.training.test_pretrain import ROOT, TINY_MOE
+
+LONG = "--train-iters 2000"  # the schedule of a long run
+EXITED = re.compile(r"exiting after iteration (\d+): (.*)")
+
+
+def _start(argv: list[str], extra: str, env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch.get_num_threads()),
+               **(env or {}))
+    return subprocess.Popen([*argv, *shlex.split(f"{TINY_MOE} {extra}")], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_line(p: subprocess.Popen, needle: str, timeout: float = 120.0) -> list[str]:
+    """Read p's output until a line contains `needle`; returns the lines read."""
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = p.stdout.readline()
+        if not line and p.poll() is not None:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    p.kill()
+    raise AssertionError(f"never saw {needle!r}: {''.join(lines)[-3000:]}")
+
+
+def _finish(p: subprocess.Popen, lines: list[str], timeout: float = 120.0) -> tuple[int, str]:
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, "".join(lines) + out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return sorted(out)
+
+
+def _exited_at(log: str) -> tuple[int, str]:
+    found = EXITED.findall(log)
+    assert found, log[-3000:]
+    return int(found[-1][0]), found[-1][1]
+
+
+def test_sigterm_saves_and_exits_0_and_the_resumed_run_is_bitwise(tmp_path):
+    save = tmp_path / "ck"
+    p = _start([sys.executable, "pretrain_gpt.py"],
+               f"{LONG} --exit-signal-handler --save {save} --save-interval 1000")
+    lines = _wait_for_line(p, "iteration        3/")
+    p.send_signal(signal.SIGTERM)
+    rc, log = _finish(p, lines)
+    assert rc == 0, log[-3000:]
+    stop, why = _exited_at(log)
+    assert "SIGTERM" in why and stop >= 3
+    assert read_tracker(str(save)) == stop
+    assert "validation loss" not in log  # as Megatron: no final evaluation on an exit
+    # The resumed run (same schedule) continues exactly where the straight run would be.
+    end = f"--exit-interval {stop + 2}"
+    straight = _run(f"{LONG} {end}")
+    resumed = _run(f"{LONG} {end} --load {save}")
+    assert [h["iteration"] for h in resumed] == [stop + 1, stop + 2]
+    assert resumed == straight[stop:]
+
+
+def test_exit_interval_saves_and_skips_the_final_evaluation(tmp_path):
+    save = tmp_path / "ck"
+    hist = _run(f"{LONG} --exit-interval 3 --save {save} --eval-iters 1")
+    assert [h["iteration"] for h in hist] == [1, 2, 3]
+    assert read_tracker(str(save)) == 3
+
+
+def _torchrun(extra: str) -> subprocess.Popen:
+    return _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", "2", "pretrain_gpt.py"], extra)
+
+
+def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM reaches rank 0 only: both ranks stop after the same iteration (the last
+    rank logs it), save it and exit 0; torchrun then exits 0."""
+    save = tmp_path / "ck"
+    p = _torchrun(f"{LONG} --exit-signal-handler --save {save} --save-interval 1000")
+    lines = _wait_for_line(p, "iteration        3/")
+    workers = _children(p.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGTERM)  # rank 0 (started first)
+    rc, log = _finish(p, lines)
+    assert rc == 0, log[-3000:]
+    stop, why = _exited_at(log)
+    assert "SIGTERM" in why
+    assert read_tracker(str(save)) == stop
+    assert f"iteration {stop + 1:8d}/" not in log  # no rank ran a step past it
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_torchrun_agent(tmp_path):
+    """The agent forwards SIGTERM to every worker; they save within its grace period."""
+    save = tmp_path / "ck"
+    p = _torchrun(f"{LONG} --exit-signal-handler --save {save} --save-interval 1000")
+    lines = _wait_for_line(p, "iteration        3/")
+    p.send_signal(signal.SIGTERM)
+    _rc, log = _finish(p, lines)  # the agent itself reports the signal (non-zero)
+    stop, why = _exited_at(log)
+    assert "SIGTERM" in why and read_tracker(str(save)) == stop
+    resumed = _torchrun(f"{LONG} --exit-interval {stop + 1} --load {save} --save {save}")
+    rc, log2 = _finish(resumed, [])
+    assert rc == 0 and f"loaded checkpoint from {save} at iteration {stop}" in log2
+    assert read_tracker(str(save)) == stop + 1
+
+
+def test_exit_duration_is_agreed_across_ranks(tmp_path):
+    """Rank 1's clock says the run started an hour ago: it is past --exit-duration-in-mins
+    after step 1, rank 0 is not. The ranks agree, so both stop after step 1 and save it
+    (deciding alone, rank 1 would leave rank 0 waiting in step 2's collectives)."""
+    save = tmp_path / "ck"
+    worker = os.path.join(ROOT, "tests", "training", "fault_worker.py")
+    p = _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", worker],
+               f"{LONG} --exit-duration-in-mins 30 --save {save} "
+               "--distributed-timeout-minutes 0.2",
+               env={"MEGAMOE_FAULT": "late_clock:1:0:3600"})
+    rc, log = _finish(p, [])
+    assert rc == 0, log[-3000:]
+    assert _exited_at(log) == (1, "ran past --exit-duration-in-mins 30")
+    assert read_tracker(str(save)) == 1
