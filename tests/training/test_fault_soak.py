@@ -58,6 +58,7 @@ def _mid_save(layout: str, save: str, it: int, phase: str, marker: str) -> str:
     deadline = time.time() + 180
     while not os.path.exists(marker) and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
+    assert os.path.exists(marker), f"the save never reached {phase} at iteration {it}"
     for pid in [*_children(p.pid), p.pid]:  # the workers, then the agent: a dead node
         try:
             os.kill(pid, signal.SIGKILL)
