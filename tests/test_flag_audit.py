@@ -1,0 +1,350 @@
+"""The flag audit: every flag pretrain_gpt.py accepts is
+  (a) read: a named test fails when megamoe stops reading it,
+  (b) refused with "not supported yet" (any value but the default), or
+  (c) a deliberate no-op, listed here with the reason.
+A flag added to the parser without one of the three fails `test_every_flag_is_classified`.
+
+For (a), the flags that set a config field are read by cli/mapping.py, and
+`test_flag_reaches_its_config_field[FLAG]` is their named test; `test_every_config_field_is_
+used` checks that each such field is used by megamoe outside config/ (a field nobody reads
+would be a flag accepted and ignored). The few flags the command line handles itself name
+their own tests in CLI_READ. `tools/audit_flags.py` stubs each flag's read (the parsed value
+goes back to the default, tests/audit/sitecustomize.py) and runs its named test, which must
+fail; the closing note of issue 16 records that run.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import shlex
+
+import pytest
+
+from megamoe import config as C
+from megamoe.cli.arguments import build_parser, parse_args
+from megamoe.cli.mapping import run_config_from_args
+from megamoe.cli.rules import NOT_SUPPORTED_YET
+from tests.training.test_pretrain import ROOT, TINY_MOE
+
+CONFIGS = (C.ModelConfig, C.MoEConfig, C.ParallelConfig, C.DataConfig, C.OptimizerConfig,
+           C.TrainConfig, C.CheckpointConfig, C.LoggingConfig, C.MoEExecutionConfig,
+           C.MoETrainingConfig)
+SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "parallel",
+           C.DataConfig: "data", C.OptimizerConfig: "optim", C.TrainConfig: "train",
+           C.CheckpointConfig: "checkpoint", C.LoggingConfig: "logging",
+           C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training"}
+
+FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
+NO_OP = {
+    "--help": "argparse's help",
+    "--use-mcore-models": "megamoe has one model implementation (Megatron-Core's)",
+    "--no-masked-softmax-fusion": FUSION,
+    "--no-bias-gelu-fusion": FUSION,
+    "--no-bias-swiglu-fusion": FUSION,
+    "--no-bias-dropout-fusion": FUSION,
+    "--no-rope-fusion": FUSION,
+    "--no-gradient-accumulation-fusion": FUSION,
+    "--no-persist-layer-norm": FUSION,
+    "--attention-softmax-in-fp32": "attention softmax always runs in fp32 (SDPA)",
+    "--no-create-attention-mask-in-dataloader":
+        "megamoe never materialises attention masks (causal SDPA)",
+    "--accumulate-allreduce-grads-in-fp32":
+        "with --bf16 gradients always accumulate and are reduced in fp32",
+    "--log-memory-to-tensorboard": "memory scalars are always written to TensorBoard",
+    "--log-validation-ppl-to-tensorboard":
+        "validation perplexity is always written to TensorBoard",
+}
+
+# Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py).
+REFUSED_VALUES = {
+    "--transformer-impl": "transformer_engine is refused; local is what runs",
+}
+
+# Flags the command line reads itself (no config field): flag -> named test.
+CLI_READ = {
+    "--group-query-attention": "tests/test_flag_audit.py::test_group_query_attention_flag",
+    "--no-position-embedding": "tests/test_flag_audit.py::test_no_position_embedding_flag",
+    "--moe-layer-freq": "tests/test_flag_audit.py::test_moe_layer_freq_flag",
+    "--moe-token-dropping": "tests/moe/test_cli_options.py::test_flags_map_to_config",
+    "--dry-run":
+        "tests/training/test_pretrain.py::test_dry_run_reports_per_rank_memory_of_the_layout",
+    "--config": "tests/test_arguments.py::test_config_file_and_override",
+}
+
+
+def parser_flags() -> dict[str, object]:
+    return {s: a for a in build_parser()._actions for s in a.option_strings
+            if s.startswith("--")}
+
+
+def config_flags() -> dict[str, tuple[type, dataclasses.Field]]:
+    return {f.metadata["flag"]: (cls, f) for cls in CONFIGS for f in dataclasses.fields(cls)
+            if "flag" in f.metadata}
+
+
+def test_every_flag_is_classified():
+    classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET),
+               "cli": set(CLI_READ), "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES),
+               "no-op": set(NO_OP)}
+    names = list(classes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not classes[a] & classes[b], (a, b, classes[a] & classes[b])
+    classified = set().union(*classes.values())
+    assert set(parser_flags()) - classified == set(), "flags nobody audited"
+    assert classified - set(parser_flags()) == set(), "audited flags the parser lacks"
+
+
+def test_named_tests_exist():
+    for flag, node in CLI_READ.items():
+        path, name = node.split("::")
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, \
+            (flag, node)
+
+
+def test_no_ops_change_nothing():
+    base = run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1")), 97)
+    flags = " ".join(f for f, a in parser_flags().items()
+                     if f in NO_OP and f != "--help" and not a.option_strings[0] != f)
+    other = run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 "
+                                                        f"{flags}")), 97)
+    strip = lambda rc: dataclasses.replace(rc, command_line={})
+    assert strip(base) == strip(other)
+
+
+def _used_names() -> set[str]:
+    """Attribute names megamoe reads (a field's declaration is not an attribute access;
+    `getattr(x, "name")` strings count)."""
+    names: set[str] = set()
+    pkg = os.path.join(ROOT, "megamoe")
+    for dirpath, _, files in os.walk(pkg):
+        for fn in files:
+            if fn.endswith(".py"):
+                with open(os.path.join(dirpath, fn), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+                names |= {n.value for n in ast.walk(tree)
+                          if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return names
+
+
+def test_every_config_field_is_used():
+    used = _used_names()
+    unused = [flag for flag, (_cls, f) in config_flags().items()
+              if f.name not in used and flag not in NOT_SUPPORTED_YET]
+    assert unused == [], f"config fields no code reads: {unused}"
+
+
+# flag -> (extra flags, world size, expected field value); "{tmp}" is a temporary directory
+# holding empty .bin/.idx files and a tokenizer file.
+SAMPLES: dict[str, tuple[str, int, object]] = {
+    "--num-layers": ("--num-layers 4", 1, 4),
+    "--hidden-size": ("--hidden-size 64", 1, 64),
+    "--ffn-hidden-size": ("--ffn-hidden-size 40", 1, 40),
+    "--num-attention-heads": ("--num-attention-heads 8", 1, 8),
+    "--num-query-groups": ("--num-query-groups 4", 1, 4),
+    "--kv-channels": ("--kv-channels 16", 1, 16),
+    "--seq-length": ("--seq-length 8", 1, 8),
+    "--max-position-embeddings": ("--max-position-embeddings 64", 1, 64),
+    "--make-vocab-size-divisible-by": ("--make-vocab-size-divisible-by 64", 1, 64),
+    "--normalization": ("--normalization LayerNorm", 1, "LayerNorm"),
+    "--norm-epsilon": ("--norm-epsilon 1e-3", 1, 1e-3),
+    "--position-embedding-type": ("--position-embedding-type none", 1, "none"),
+    "--rotary-base": ("--rotary-base 500000", 1, 500000.0),
+    "--rotary-percent": ("--rotary-percent 0.5", 1, 0.5),
+    "--hidden-dropout": ("--hidden-dropout 0.2", 1, 0.2),
+    "--attention-dropout": ("--attention-dropout 0.2", 1, 0.2),
+    "--init-method-std": ("--init-method-std 0.05", 1, 0.05),
+    "--swiglu": ("", 1, True),
+    "--disable-bias-linear": ("", 1, False),
+    "--untie-embeddings-and-output-weights": ("", 1, True),
+    "--use-flash-attn": ("--use-flash-attn", 1, True),
+    "--num-experts": ("--num-experts 8", 1, 8),
+    "--moe-router-topk": ("--moe-router-topk 3", 1, 3),
+    "--moe-ffn-hidden-size": ("--moe-ffn-hidden-size 24", 1, 24),
+    "--moe-shared-expert-intermediate-size":
+        ("--moe-shared-expert-intermediate-size 32", 1, 32),
+    "--moe-shared-expert-gate":
+        ("--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate", 1, True),
+    "--moe-router-score-function": ("--moe-router-score-function sigmoid", 1, "sigmoid"),
+    "--moe-router-pre-softmax": ("--moe-router-pre-softmax", 1, True),
+    "--moe-router-topk-scaling-factor": ("--moe-router-topk-scaling-factor 2.5", 1, 2.5),
+    "--moe-router-num-groups": ("--moe-router-num-groups 2 --moe-router-group-topk 1", 1, 2),
+    "--moe-router-group-topk": ("--moe-router-num-groups 4 --moe-router-group-topk 2", 1, 2),
+    "--moe-router-dtype": ("--moe-router-dtype fp64", 1, "fp64"),
+    "--moe-router-enable-expert-bias":
+        ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias", 1, True),
+    "--moe-router-bias-update-rate": ("--moe-router-bias-update-rate 0.01", 1, 0.01),
+    "--moe-router-load-balancing-type":
+        ("--moe-router-load-balancing-type seq_aux_loss", 1, ["seq_aux_loss"]),
+    "--moe-aux-loss-coeff": ("--moe-aux-loss-coeff 0.5", 1, [0.5]),
+    "--moe-z-loss-coeff": ("--moe-z-loss-coeff 0.25", 1, 0.25),
+    "--moe-input-jitter-eps": ("--moe-input-jitter-eps 0.01", 1, 0.01),
+    "--moe-expert-capacity-factor": ("--moe-expert-capacity-factor 1.5", 1, 1.5),
+    "--moe-pad-expert-input-to-capacity":
+        ("--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity", 1, True),
+    "--moe-token-drop-policy": ("--moe-expert-capacity-factor 1.5 "
+                                "--moe-token-drop-policy position", 1, "position"),
+    "--moe-grouped-gemm": ("", 1, True),
+    "--moe-use-upcycling": ("--moe-ffn-hidden-size 64 --moe-use-upcycling", 1, True),
+    "--moe-per-layer-logging": ("--moe-per-layer-logging", 1, True),
+    "--moe-adaptive-parallelism": ("--expert-model-parallel-size 2 --moe-token-dispatcher-"
+                                   "type alltoall --moe-adaptive-parallelism", 2, True),
+    "--moe-token-dispatcher-type": ("--moe-token-dispatcher-type alltoall", 1, "alltoall"),
+    "--moe-a2a-overlap-degree": ("--expert-model-parallel-size 2 --moe-token-dispatcher-type "
+                                 "alltoall --moe-a2a-overlap-degree 2", 2, 2),
+    "--tensor-model-parallel-size": ("--tensor-model-parallel-size 2 --sequence-parallel",
+                                     2, 2),
+    "--sequence-parallel": ("--tensor-model-parallel-size 2 --sequence-parallel", 2, True),
+    "--pipeline-model-parallel-size": ("--pipeline-model-parallel-size 2", 2, 2),
+    "--expert-model-parallel-size": ("--expert-model-parallel-size 2", 2, 2),
+    "--expert-tensor-parallel-size": ("--tensor-model-parallel-size 2 --sequence-parallel "
+                                      "--expert-tensor-parallel-size 1", 2, 1),
+    "--num-layers-per-virtual-pipeline-stage":
+        ("--num-layers 4 --pipeline-model-parallel-size 2 "
+         "--num-layers-per-virtual-pipeline-stage 1", 2, 1),
+    "--decoder-first-pipeline-num-layers":
+        ("--num-layers 4 --pipeline-model-parallel-size 2 "
+         "--decoder-first-pipeline-num-layers 1", 2, 1),
+    "--decoder-last-pipeline-num-layers":
+        ("--num-layers 4 --pipeline-model-parallel-size 2 "
+         "--decoder-last-pipeline-num-layers 1", 2, 1),
+    "--use-distributed-optimizer": ("--use-distributed-optimizer", 2, True),
+    "--use-cpu-initialization": ("--use-cpu-initialization", 1, True),
+    "--distributed-backend": ("--distributed-backend gloo", 1, "gloo"),
+    "--distributed-timeout-minutes": ("--distributed-timeout-minutes 3", 1, 3.0),
+    "--data-path": ("--data-path {tmp}/a", 1, ["{tmp}/a"]),
+    "--train-data-path": ("--train-data-path {tmp}/a", 1, ["{tmp}/a"]),
+    "--valid-data-path": ("--train-data-path {tmp}/a --valid-data-path {tmp}/a", 1,
+                          ["{tmp}/a"]),
+    "--test-data-path": ("--train-data-path {tmp}/a --test-data-path {tmp}/a", 1,
+                         ["{tmp}/a"]),
+    "--mock-data": ("", 1, True),
+    "--split": ("--split 90,5,5", 1, "90,5,5"),
+    "--data-cache-path": ("--data-cache-path {tmp}/cache", 1, "{tmp}/cache"),
+    "--tokenizer-type": ("--tokenizer-type GPT2BPETokenizer --vocab-file {tmp}/tok "
+                         "--merge-file {tmp}/tok", 1, "GPT2BPETokenizer"),
+    "--tokenizer-model": ("--tokenizer-type SentencePieceTokenizer --tokenizer-model "
+                          "{tmp}/tok", 1, "{tmp}/tok"),
+    "--vocab-file": ("--tokenizer-type GPT2BPETokenizer --vocab-file {tmp}/tok "
+                     "--merge-file {tmp}/tok", 1, "{tmp}/tok"),
+    "--merge-file": ("--tokenizer-type GPT2BPETokenizer --vocab-file {tmp}/tok "
+                     "--merge-file {tmp}/tok", 1, "{tmp}/tok"),
+    "--vocab-size": ("--vocab-size 200", 1, 200),
+    "--num-workers": ("--num-workers 1", 1, 1),
+    "--reset-position-ids": ("--reset-position-ids", 1, True),
+    "--eod-mask-loss": ("--eod-mask-loss", 1, True),
+    "--optimizer": ("--optimizer sgd", 1, "sgd"),
+    "--lr": ("--lr 0.25", 1, 0.25),
+    "--min-lr": ("--min-lr 1e-5", 1, 1e-5),
+    "--weight-decay": ("--weight-decay 0.3", 1, 0.3),
+    "--adam-beta1": ("--adam-beta1 0.8", 1, 0.8),
+    "--adam-beta2": ("--adam-beta2 0.95", 1, 0.95),
+    "--adam-eps": ("--adam-eps 1e-5", 1, 1e-5),
+    "--sgd-momentum": ("--sgd-momentum 0.5", 1, 0.5),
+    "--clip-grad": ("--clip-grad 0.5", 1, 0.5),
+    "--lr-warmup-iters": ("--lr-warmup-iters 3", 1, 3),
+    "--lr-warmup-fraction": ("--lr-warmup-iters 0 --lr-warmup-fraction 0.1", 1, 0.1),
+    "--lr-warmup-init": ("--lr-warmup-init 1e-4", 1, 1e-4),
+    "--lr-decay-iters": ("--lr-decay-iters 7", 1, 7),
+    "--lr-decay-style": ("--lr-decay-style linear", 1, "linear"),
+    "--lr-wsd-decay-iters": ("--lr-decay-style WSD --lr-wsd-decay-iters 2", 1, 2),
+    "--lr-wsd-decay-style": ("--lr-decay-style WSD --lr-wsd-decay-iters 2 "
+                             "--lr-wsd-decay-style cosine", 1, "cosine"),
+    "--bf16": ("--bf16", 1, True),
+    "--micro-batch-size": ("--micro-batch-size 4", 1, 4),
+    "--global-batch-size": ("--global-batch-size 16", 1, 16),
+    "--train-iters": ("--train-iters 5", 1, 5),
+    "--seed": ("--seed 99", 1, 99),
+    "--eval-interval": ("--eval-interval 3", 1, 3),
+    "--eval-iters": ("--eval-iters 2", 1, 2),
+    "--skip-train": ("--skip-train", 1, True),
+    "--exit-interval": ("--exit-interval 2", 1, 2),
+    "--exit-duration-in-mins": ("--exit-duration-in-mins 5", 1, 5.0),
+    "--exit-signal-handler": ("--exit-signal-handler", 1, True),
+    "--no-check-for-nan-in-loss-and-grad": ("--no-check-for-nan-in-loss-and-grad", 1, False),
+    "--save": ("--save {tmp}/ck", 1, "{tmp}/ck"),
+    "--load": ("--load {tmp}/ck", 1, "{tmp}/ck"),
+    "--save-interval": ("--save {tmp}/ck --save-interval 3", 1, 3),
+    "--no-load-optim": ("--no-load-optim", 1, True),
+    "--no-load-rng": ("--no-load-rng", 1, True),
+    "--no-save-optim": ("--no-save-optim", 1, True),
+    "--no-save-rng": ("--no-save-rng", 1, True),
+    "--finetune": ("--finetune", 1, True),
+    "--async-save": ("--save {tmp}/ck --async-save", 1, True),
+    "--ckpt-keep-last": ("--save {tmp}/ck --ckpt-keep-last 2", 1, 2),
+    "--ckpt-format": ("--ckpt-format torch", 1, "torch"),
+    "--log-interval": ("--log-interval 7", 1, 7),
+    "--tensorboard-dir": ("--tensorboard-dir {tmp}/tb", 1, "{tmp}/tb"),
+    "--tensorboard-log-interval": ("--tensorboard-log-interval 5", 1, 5),
+    "--wandb-project": ("--wandb-project p", 1, "p"),
+    "--wandb-exp-name": ("--wandb-exp-name e", 1, "e"),
+    "--wandb-save-dir": ("--wandb-save-dir {tmp}/wb", 1, "{tmp}/wb"),
+    "--log-throughput": ("--log-throughput", 1, True),
+    "--peak-tflops": ("--peak-tflops 123", 1, 123.0),
+}
+
+
+def _field(run, flag: str):
+    cls, f = config_flags()[flag]
+    obj = run
+    for part in SECTION[cls].split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, f.name)
+
+
+def test_every_config_flag_has_a_sample():
+    missing = sorted(set(config_flags()) - set(NOT_SUPPORTED_YET) - set(SAMPLES))
+    assert missing == []
+
+
+@pytest.mark.parametrize("flag", sorted(SAMPLES))
+def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
+    """The flag, given with a value that is neither the default nor the tiny model's, sets
+    its config field (a flag given only in TINY_MOE is checked with TINY_MOE's value)."""
+    extra, world, expected = SAMPLES[flag]
+    tmp = str(tmp_path)
+    for name in ("a.bin", "a.idx", "tok"):
+        (tmp_path / name).write_text("")
+    sub = lambda v: v.replace("{tmp}", tmp) if isinstance(v, str) else v
+    expected = [sub(e) for e in expected] if isinstance(expected, list) else sub(expected)
+    base = TINY_MOE
+    if re.search(r"--(data-path|train-data-path|tokenizer-type|tokenizer-model)", extra):
+        base = base.replace("--mock-data ", "").replace("--tokenizer-type NullTokenizer ", "")
+        base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
+        base += "" if "data-path" in extra else " --mock-data"
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = parse_args(shlex.split(f"{base} --train-iters 10 {extra.replace('{tmp}', tmp)}"),
+                      world_size=world)
+    run = run_config_from_args(args, 97)
+    assert _field(run, flag) == expected
+
+
+def _model(extra: str):
+    return run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}")),
+                                97).model
+
+
+def test_group_query_attention_flag():
+    """--num-query-groups counts only with --group-query-attention (as in Megatron)."""
+    assert _model("").num_query_groups == 2  # TINY_MOE: --group-query-attention, 2 groups
+    plain = TINY_MOE.replace("--group-query-attention ", "")
+    args = parse_args(shlex.split(f"{plain} --train-iters 1"))
+    assert run_config_from_args(args, 97).model.num_query_groups == 4
+
+
+def test_moe_layer_freq_flag():
+    assert _model("--num-layers 4 --moe-layer-freq 2").moe_layer_pattern == [1, 0, 1, 0]
+    assert _model("--num-layers 4").moe_layer_pattern == [1, 1, 1, 1]
+
+
+def test_no_position_embedding_flag():
+    model = _model("--position-embedding-type learned_absolute --no-position-embedding")
+    assert model.position_embedding_type == "none"
+    assert _model("--position-embedding-type learned_absolute").position_embedding_type == \
+        "learned_absolute"
