@@ -105,12 +105,12 @@ def test_sample_based_schedule_is_megatrons_formula_in_samples(style):
 
 def test_sample_based_defaults_fraction_and_wsd():
     # decay over --train-samples by default; the warm-up fraction is of the decay samples
-    # (not rounded: 0.15 * 60 = 9.0); WSD anneals over --lr-wsd-decay-samples
+    # (not rounded: 0.15 * 62 = 9.3); WSD anneals over --lr-wsd-decay-samples
     batches = [4] * 16
     consumed = [4 * i for i in range(17)]
-    lrs = _sample_lrs(batches, train_samples=60, lr_warmup_fraction=0.15,
+    lrs = _sample_lrs(batches, train_samples=62, lr_warmup_fraction=0.15,
                       lr_decay_style="cosine")
-    assert lrs == pytest.approx([megatron_lr(n, 0.15 * 60, 60, "cosine") for n in consumed],
+    assert lrs == pytest.approx([megatron_lr(n, 0.15 * 62, 62, "cosine") for n in consumed],
                                 rel=1e-13, abs=0)
     lrs = _sample_lrs(batches, train_samples=60, lr_decay_samples=50, lr_decay_style="WSD",
                       lr_wsd_decay_samples=20, lr_wsd_decay_style="linear")
