@@ -16,10 +16,12 @@ import os
 import re
 import shlex
 
+import numpy as np
 import pytest
 
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.main import pretrain
+from megamoe.data import IndexedDatasetBuilder
 from megamoe.training.checkpoint import read_checkpoint, read_tracker
 from megamoe.training.loop import TrainState
 from tests.distributed import run_distributed
@@ -36,9 +38,11 @@ LINE = re.compile(r"iteration +(\d+)/ *(\d+) \| consumed samples: +(\d+) .*"
 
 def _run(extra: str, world_size: int = 1) -> tuple[TrainState, list[tuple]]:
     """The final state and, per step, (iteration, of, consumed, lr, global batch size)
-    from the console lines (--log-interval 1)."""
+    from the console lines (--log-interval 1). A --data-path in `extra` replaces the mock
+    data."""
     out: list[str] = []
-    args = parse_args(shlex.split(f"{BASE} {extra}"), world_size=world_size)
+    base = BASE.replace("--mock-data ", "") if "--data-path" in extra else BASE
+    args = parse_args(shlex.split(f"{base} {extra}"), world_size=world_size)
     state = pretrain(args, print_fn=out.append)
     steps = [m.groups() for line in out for m in [LINE.search(line)] if m]
     return state, [(int(i), int(n), int(c), float(lr), int(b)) for i, n, c, lr, b in steps]
@@ -87,29 +91,46 @@ def test_train_samples_stops_at_the_sample_count_with_megatrons_lr():
     assert [s[3] for s in steps] == pytest.approx(want, rel=1e-6)  # printed with 7 digits
 
 
-def test_rampup_batch_sizes_samples_and_lr_follow_megatron():
-    """--rampup-batch-size 2 2 24 to --global-batch-size 8: 3 increments, one every 8
-    samples; every step's batch size, consumed samples and rate as Megatron's."""
-    want = megatron_rampup(60, 8, 2, 2, 24)
-    assert want == [2, 2, 2, 2, 4, 4, 6, 6, 8, 8, 8, 8]  # the formula, spelled out
-    state, steps = _run("--train-samples 60 --rampup-batch-size 2 2 24 "
+@pytest.mark.parametrize("ramp,sizes", [
+    ("2 2 24", [2, 2, 2, 2, 4, 4, 6, 6, 8, 8, 8, 8]),  # an increment every 24 / 3 = 8
+    ("2 2 20", [2, 2, 2, 2, 4, 4, 6, 8, 8, 8, 8]),  # every 20 / 3 = 6.67 samples
+])
+def test_rampup_batch_sizes_samples_and_lr_follow_megatron(ramp, sizes):
+    """--rampup-batch-size to --global-batch-size 8 with --train-samples 60: every step's
+    batch size, consumed samples, the number of steps and the rate as Megatron's."""
+    want = megatron_rampup(60, 8, *map(int, ramp.split()))
+    assert want == sizes  # the formula, spelled out
+    state, steps = _run(f"--train-samples 60 --rampup-batch-size {ramp} "
                         "--lr-warmup-samples 10 --lr-decay-style linear")
     assert [s[4] for s in steps] == want
     consumed = _cumulative(want)
     assert [s[2] for s in steps] == consumed
     assert [(s[0], s[1]) for s in steps] == [(i + 1, len(want)) for i in range(len(want))]
-    assert state.consumed_train_samples == consumed[-1] == 60
+    assert state.consumed_train_samples == consumed[-1] == sum(sizes)
     lrs = [megatron_lr(c, 10, 60, "linear", max_lr=1e-3, min_lr=0.0) for c in consumed]
     assert [h["lr"] for h in state.history] == pytest.approx(lrs, rel=1e-12, abs=0)
 
 
-def test_rampup_last_step_may_pass_train_samples_as_megatron():
+def _corpus(prefix: str, seed: int, eod: int = 97) -> str:
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(prefix + ".bin", np.int32) as b:
+        for _ in range(100):
+            b.add_document(list(rng.integers(0, eod, int(rng.integers(5, 40)))) + [eod])
+        b.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_rampup_last_step_may_pass_train_samples_as_megatron(tmp_path):
     """Megatron counts ramp-up steps while consumed <= --train-samples, so its last
-    ramp-up step can take more: 10 samples asked, 6 steps, 14 consumed."""
+    ramp-up step can take more: 10 samples asked, 6 steps, 14 consumed. The training set
+    holds the samples the steps take, also where a blend of datasets has exactly the size
+    asked for."""
     want = megatron_rampup(10, 8, 2, 2, 30)
     assert want == [2, 2, 2, 2, 2, 4]
-    state, steps = _run("--train-samples 10 --rampup-batch-size 2 2 30")
-    assert [s[4] for s in steps] == want and state.consumed_train_samples == 14
+    a, b = _corpus(str(tmp_path / "a"), 0), _corpus(str(tmp_path / "b"), 1)
+    for data in ("", f"--data-path 0.5 {a} 0.5 {b} --split 100,0,0"):
+        state, steps = _run(f"--train-samples 10 --rampup-batch-size 2 2 30 {data}")
+        assert [s[4] for s in steps] == want and state.consumed_train_samples == 14
 
 
 def test_rampup_saves_a_checkpoint_before_each_batch_size_change(tmp_path):
@@ -148,6 +169,8 @@ def test_rampup_data_parallel_matches_single_process():
 
 @pytest.mark.parametrize("flags,world,message", [
     ("--train-iters 4 --train-samples 40", 1,
+     "--train-iters and --train-samples are mutually exclusive"),
+    ("--train-iters 5 --train-samples 40", 1,  # even where they agree (40 / 8 = 5)
      "--train-iters and --train-samples are mutually exclusive"),
     ("", 1, "one of --train-iters or --train-samples is required"),
     ("--train-samples 0", 1, "--train-samples must be positive, got 0"),
@@ -191,3 +214,19 @@ def test_rampup_data_parallel_matches_single_process():
 def test_refused_in_one_line(capsys, flags, world, message):
     err = parse_error(capsys, f"{BASE} {flags}", world)
     assert message in err, err
+
+
+def test_train_config_derives_the_iterations_for_library_users():
+    from megamoe.config import TrainConfig
+    from megamoe.config.fields import ConfigError
+
+    assert TrainConfig().train_iters == 10  # neither length given: the library default
+    t = TrainConfig(global_batch_size=8, micro_batch_size=2, train_samples=60,
+                    rampup_batch_size=[2, 2, 20])
+    sizes = megatron_rampup(60, 8, 2, 2, 20)
+    assert t.train_iters == len(sizes) == 11
+    assert [t.global_batch_size_at(sum(sizes[:i])) for i in range(11)] == sizes
+    assert t.samples_for_iters(11) == sum(sizes) and t.samples_for_iters(3) == 6
+    t.validate()  # validating again keeps the derived length
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        TrainConfig(global_batch_size=8, train_samples=60, train_iters=3)
