@@ -149,19 +149,27 @@ def test_rampup_saves_a_checkpoint_before_each_batch_size_change(tmp_path):
     assert ckpt["consumed_train_samples"] == sum(sizes)
 
 
-def _dp_worker(rank: int, world_size: int) -> tuple[list[float], list[int]]:
-    state, steps = _run("--train-samples 56 --rampup-batch-size 4 4 8", world_size)
+RAMP_4_LAYERS = "--train-samples 56 --rampup-batch-size 4 4 8 --num-layers 4"
+
+
+def _layout_worker(rank: int, world_size: int, layout: str) -> tuple[list[float], list[int]]:
+    state, steps = _run(f"{RAMP_4_LAYERS} {layout}", world_size)
     return [h["lm loss"] for h in state.history], [s[4] for s in steps]
 
 
-def test_rampup_data_parallel_matches_single_process():
-    """The same global batches (micro-batch 2 x dp 2 per chunk) and losses on 2 ranks."""
-    state, steps = _run("--train-samples 56 --rampup-batch-size 4 4 8")
+@pytest.mark.parametrize("layout", [
+    "",  # data parallel: micro-batch 2 x dp 2 per chunk of the global batch
+    "--pipeline-model-parallel-size 2",  # 1F1B over 2, then 4 micro-batches
+    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+])
+def test_rampup_on_two_ranks_matches_single_process(layout):
+    """The same global batches, batch sizes and losses on 2 ranks as on one."""
+    state, steps = _run(RAMP_4_LAYERS)
     assert [s[4] for s in steps] == megatron_rampup(56, 8, 4, 4, 8) == [4, 4] + [8] * 6
-    ranks = run_distributed(_dp_worker, 2, timeout=180)
+    ranks = run_distributed(_layout_worker, 2, 180, layout)
     logged = [sizes for _, sizes in ranks if sizes]  # the logging rank's console lines
     assert logged == [[s[4] for s in steps]]
-    for losses, _ in ranks:
+    for losses, _ in ranks:  # every rank holds the step's loss (pipelining: a copy)
         assert len(losses) == len(state.history)
         for a, b in zip([h["lm loss"] for h in state.history], losses):
             assert abs(a - b) <= 1e-5 * abs(a)
