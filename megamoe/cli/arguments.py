@@ -150,9 +150,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro batch size x data-parallel size")
-    g.add_argument("--rampup-batch-size", nargs=3, default=None)
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch size from START by INCREMENT over SAMPLES "
+                        "samples (needs --train-samples)")
     g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train on this many samples (instead of --train-iters)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
@@ -191,10 +195,16 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     o.add_argument("--lr-decay-iters", type=int, default=None)
+    o.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples (default: --train-samples)")
     o.add_argument("--lr-warmup-iters", type=int, default=0)
+    o.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples")
     o.add_argument("--lr-warmup-fraction", type=float, default=None)
     o.add_argument("--lr-warmup-init", type=float, default=0.0)
     o.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    o.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="with --train-samples")
     o.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
     o.add_argument("--weight-decay", type=float, default=0.01)

@@ -36,8 +36,6 @@ NOT_SUPPORTED_YET = (
     "--moe-permute-fusion",
     "--moe-shared-expert-overlap",
     "--moe-layer-recompute",
-    "--rampup-batch-size",
-    "--train-samples",
     "--recompute-activations",
     "--recompute-granularity",
     "--recompute-method",
@@ -187,13 +185,16 @@ def _check_required(args: argparse.Namespace) -> None:
     """What a training launch must say (a dry run or --skip-train needs less), then the
     values the configs take in place of "not given"."""
     training = not args.skip_train and not args.dry_run
-    if training and args.train_iters is None:
-        raise ArgumentError("--train-iters is required")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ArgumentError("--train-iters and --train-samples are mutually exclusive")
+    if training and args.train_iters is None and args.train_samples is None:
+        raise ArgumentError("one of --train-iters or --train-samples is required")
     if training and args.lr is None:
         raise ArgumentError("--lr is required")
     if args.train_iters is not None and args.train_iters < 0:
         raise ArgumentError(f"--train-iters must be >= 0, got {args.train_iters}")
-    args.train_iters = args.train_iters or 0
+    if args.train_samples is None:  # with --train-samples the iterations are derived
+        args.train_iters = args.train_iters or 0
     if args.lr is None:
         args.lr = 0.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megamoe.config.fields import flag, require
+from megamoe.config.fields import check_positive, flag, require
 
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -25,13 +25,17 @@ class OptimizerConfig:
     clip_grad: float = flag("--clip-grad", 1.0)
     bf16: bool = flag("--bf16", False)
     fp16: bool = flag("--fp16", False)
-    # LR schedule.
+    # LR schedule: the *-iters flags with --train-iters, the *-samples flags with
+    # --train-samples (RunConfig checks the pairing, as Megatron's validate_args).
     lr_warmup_iters: int = flag("--lr-warmup-iters", 0)
+    lr_warmup_samples: int = flag("--lr-warmup-samples", 0)
     lr_warmup_fraction: Optional[float] = flag("--lr-warmup-fraction", None)
     lr_warmup_init: float = flag("--lr-warmup-init", 0.0)
     lr_decay_iters: Optional[int] = flag("--lr-decay-iters", None)
+    lr_decay_samples: Optional[int] = flag("--lr-decay-samples", None)
     lr_decay_style: str = flag("--lr-decay-style", "linear")
     lr_wsd_decay_iters: Optional[int] = flag("--lr-wsd-decay-iters", None)
+    lr_wsd_decay_samples: Optional[int] = flag("--lr-wsd-decay-samples", None)
     lr_wsd_decay_style: str = flag("--lr-wsd-decay-style", "exponential")
 
     def __post_init__(self) -> None:
@@ -45,3 +49,5 @@ class OptimizerConfig:
             require(value in allowed,
                     f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
+        check_positive(self, "lr_decay_samples")
+        check_positive(self, "lr_warmup_samples", "lr_wsd_decay_samples", allow_zero=True)

@@ -40,6 +40,7 @@ class RunConfig:
     def validate(self) -> None:
         self._validate_tensor_parallel()
         self._validate_pipeline_and_batch()
+        self._validate_schedule_units()
         if self.model.moe is not None:
             self._validate_moe()
         else:
@@ -79,6 +80,40 @@ class RunConfig:
                 f"--num-layers-per-virtual-pipeline-stage needs the number of micro-batches "
                 f"({self.num_microbatches}) to be divisible by --pipeline-model-parallel-size "
                 f"({pp})")
+        for size in t.ramp_batch_sizes()[:-1]:  # Megatron checks each as the ramp reaches it
+            require(size % (t.micro_batch_size * dp) == 0,
+                    f"--rampup-batch-size: global batch size {size} of the ramp-up must be "
+                    f"divisible by --micro-batch-size ({t.micro_batch_size}) x data-parallel "
+                    f"size ({dp})")
+            require(p.num_layers_per_virtual_pipeline_stage is None
+                    or size // (t.micro_batch_size * dp) % pp == 0,
+                    f"--rampup-batch-size: global batch size {size} of the ramp-up gives "
+                    f"{size // (t.micro_batch_size * dp)} micro-batches, not divisible by "
+                    f"--pipeline-model-parallel-size ({pp}) as "
+                    f"--num-layers-per-virtual-pipeline-stage needs")
+
+    def _validate_schedule_units(self) -> None:
+        """As Megatron's validate_args: iteration-based training takes the LR schedule in
+        iterations, sample-based training (--train-samples) in samples; --lr-warmup-fraction
+        replaces the other warm-up flag. (Not checked with --skip-train: no schedule runs.)"""
+        t, o = self.train, self.optim
+        if t.skip_train:
+            return
+        by_samples = t.train_samples is not None
+        given = {"--lr-decay-iters": o.lr_decay_iters is not None,
+                 "--lr-warmup-iters": o.lr_warmup_iters != 0,
+                 "--lr-decay-samples": o.lr_decay_samples is not None,
+                 "--lr-warmup-samples": o.lr_warmup_samples != 0}
+        for name, is_set in given.items():
+            if is_set and name.endswith("-iters") and by_samples:
+                raise ConfigError(f"{name} is for iteration-based training: with "
+                                  f"--train-samples use {name[:-6]}-samples")
+            if is_set and name.endswith("-samples") and not by_samples:
+                raise ConfigError(f"{name} needs --train-samples (iteration-based training "
+                                  f"uses {name[:-8]}-iters)")
+        warmup = "--lr-warmup-samples" if by_samples else "--lr-warmup-iters"
+        require(o.lr_warmup_fraction is None or not given[warmup],
+                f"--lr-warmup-fraction and {warmup} are mutually exclusive")
 
     def _validate_moe(self) -> None:
         moe, p, exe = self.model.moe, self.parallel, self.moe_execution

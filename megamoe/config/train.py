@@ -1,4 +1,4 @@
-"""The training run: batches and iterations, checkpointing, logging."""
+"""The training run: batches and iterations (or samples), checkpointing, logging."""
 
 from __future__ import annotations
 
@@ -8,13 +8,21 @@ from typing import Optional
 from megamoe.config.fields import check_positive, flag, require
 
 CKPT_FORMATS = ("torch", "torch_dist")
+DEFAULT_TRAIN_ITERS = 10  # a library user's TrainConfig() (the command line needs a length)
 
 
 @dataclass
 class TrainConfig:
     micro_batch_size: int = flag("--micro-batch-size", 1)
     global_batch_size: int = flag("--global-batch-size", 1)
-    train_iters: int = flag("--train-iters", 10)
+    # [start batch size, increment, ramp-up samples]: Megatron's batch-size ramp-up
+    # (sample-based training only); global_batch_size is the size after the ramp.
+    rampup_batch_size: Optional[list[int]] = flag("--rampup-batch-size", None)
+    # Iteration- or sample-based training, as in Megatron: give one. With --train-samples,
+    # train_iters becomes the number of iterations that consume them (Megatron's
+    # update_train_iters); it is None only before __post_init__ derives it.
+    train_iters: Optional[int] = flag("--train-iters", None)
+    train_samples: Optional[int] = flag("--train-samples", None)
     seed: int = flag("--seed", 1234)
     eval_interval: int = flag("--eval-interval", 1000)
     eval_iters: int = flag("--eval-iters", 10)
@@ -28,12 +36,88 @@ class TrainConfig:
                                                 dest="check_for_nan_in_loss_and_grad")
 
     def __post_init__(self) -> None:
+        if self.rampup_batch_size is not None:
+            self.rampup_batch_size = [int(v) for v in self.rampup_batch_size]
         self.validate()
 
     def validate(self) -> None:
         check_positive(self, "micro_batch_size", "global_batch_size", "eval_interval",
-                       "exit_interval")
-        check_positive(self, "train_iters", "eval_iters", allow_zero=True)
+                       "exit_interval", "train_samples")
+        check_positive(self, "eval_iters", allow_zero=True)
+        self._check_rampup()
+        if self.train_iters is None:
+            self.train_iters = (self._iters_for_samples() if self.train_samples is not None
+                                else DEFAULT_TRAIN_ITERS)
+        check_positive(self, "train_iters", allow_zero=True)
+        # with --train-samples, train_iters is derived (and equal to it when validated again)
+        require(self.train_samples is None or self.train_iters == self._iters_for_samples(),
+                "--train-iters and --train-samples are mutually exclusive")
+
+    def _check_rampup(self) -> None:
+        """Megatron's RampupBatchsizeNumMicroBatchesCalculator rules (it divides by the
+        number of increments and by the ramp-up samples, so neither may be 0)."""
+        r = self.rampup_batch_size
+        if r is None:
+            return
+        require(self.train_samples is not None,
+                "--rampup-batch-size needs --train-samples (no batch-size ramp-up in "
+                "iteration-based training)")
+        require(len(r) == 3, "--rampup-batch-size takes <start batch size> "
+                             "<batch size increment> <ramp-up samples>")
+        start, increment, samples = r
+        for name, value in (("start batch size", start), ("batch size increment", increment),
+                            ("ramp-up samples", samples)):
+            require(value > 0, f"--rampup-batch-size: {name} must be positive, got {value}")
+        diff = self.global_batch_size - start
+        require(diff > 0, f"--rampup-batch-size: start batch size ({start}) must be smaller "
+                          f"than --global-batch-size ({self.global_batch_size})")
+        require(diff % increment == 0,
+                f"--rampup-batch-size: --global-batch-size ({self.global_batch_size}) minus "
+                f"the start batch size ({start}) must be divisible by the batch size "
+                f"increment ({increment})")
+
+    def ramp_batch_sizes(self) -> list[int]:
+        """Every global batch size of the ramp-up, then the final one."""
+        if self.rampup_batch_size is None:
+            return [self.global_batch_size]
+        start, increment, _ = self.rampup_batch_size
+        return list(range(start, self.global_batch_size + 1, increment))
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of the step that starts after `consumed_samples`
+        (Megatron's RampupBatchsizeNumMicroBatchesCalculator.update): it grows from the
+        start size by one increment every ramp-up samples / increments samples, and is
+        --global-batch-size once more than the ramp-up samples are consumed."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup_batch_size
+        if consumed_samples > samples:
+            return self.global_batch_size
+        samples_per_increment = samples / ((self.global_batch_size - start) // increment)
+        return start + int(consumed_samples / samples_per_increment) * increment
+
+    def _iters_for_samples(self) -> int:
+        """Megatron's update_train_iters: the iterations of --train-samples, counted step by
+        step through the ramp-up (whose last step may pass --train-samples), then whole
+        global batches (a partial last batch is dropped)."""
+        if self.rampup_batch_size is None:
+            return self.train_samples // self.global_batch_size
+        iterations = consumed = 0
+        while consumed <= self.rampup_batch_size[2] and consumed <= self.train_samples:
+            consumed += self.global_batch_size_at(consumed)
+            iterations += 1
+        if self.train_samples > consumed:
+            iterations += (self.train_samples - consumed) // self.global_batch_size
+        return iterations
+
+    def samples_for_iters(self, iterations: int) -> int:
+        """Samples consumed by the first `iterations` steps (ramp-up included)."""
+        consumed = done = 0
+        while done < iterations and self.global_batch_size_at(consumed) != \
+                self.global_batch_size:
+            consumed += self.global_batch_size_at(consumed)
+            done += 1
+        return consumed + (iterations - done) * self.global_batch_size
 
 
 @dataclass

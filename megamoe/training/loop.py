@@ -39,8 +39,11 @@ class TrainState:
     exit_reason: Optional[str] = None  # why training stopped before --train-iters
 
 
-def num_microbatches(run: RunConfig, mesh: Mesh) -> int:
-    return run.train.global_batch_size // (run.train.micro_batch_size * mesh.dp_size)
+def num_microbatches(run: RunConfig, mesh: Mesh, global_batch_size: Optional[int] = None) -> int:
+    """Micro-batches per step for `global_batch_size` (default --global-batch-size: the
+    size after any --rampup-batch-size, which evaluation always uses, as Megatron)."""
+    gbs = global_batch_size or run.train.global_batch_size
+    return gbs // (run.train.micro_batch_size * mesh.dp_size)
 
 
 def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
@@ -76,19 +79,21 @@ def _nonfinite_check(run: RunConfig, mesh: Mesh, lm_loss: torch.Tensor,
 
 
 def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
-               data_iter: Iterator[Batch], iteration: int) -> dict[str, float]:
-    """One iteration (`iteration`: its number, for messages). With the NaN/Inf check on,
-    a non-finite loss or gradient on any rank raises NonFiniteError on every rank before
-    the optimizer step: weights, optimizer state and the schedule stay as they were."""
+               data_iter: Iterator[Batch], iteration: int,
+               global_batch_size: Optional[int] = None) -> dict[str, float]:
+    """One iteration (`iteration`: its number, for messages) of `global_batch_size` samples
+    (default --global-batch-size). With the NaN/Inf check on, a non-finite loss or gradient
+    on any rank raises NonFiniteError on every rank before the optimizer step: weights,
+    optimizer state and the schedule stay as they were."""
     model.train()
     optimizer.zero_grad()
-    n_micro = num_microbatches(run, mesh)
+    n_micro = num_microbatches(run, mesh, global_batch_size)
     lm_loss = forward_backward(model, data_iter, n_micro)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     success, grad_norm, _ = optimizer.step(check)
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
-    if success:
-        scheduler.step(increment=1)
+    if success:  # as Megatron: the schedule advances by the samples of the step
+        scheduler.step(increment=n_micro * run.train.micro_batch_size * mesh.dp_size)
     per_layer = run.model.moe is not None and run.moe_training.per_layer_logging
     moe = _moe_scalars(MoELossTracker.report(n_micro),
                        moe_layer_numbers(model) if per_layer else None)
@@ -121,30 +126,32 @@ class _Interval:
     def __init__(self, run: RunConfig, mesh: Mesh, observer: TrainingObserver,
                  print_fn: Callable[[str], None]) -> None:
         self.run, self.mesh, self.observer, self.print_fn = run, mesh, observer, print_fn
-        self.tokens_per_iter = run.train.global_batch_size * run.model.seq_length
         self.sums: dict[str, float] = {}
-        self.iters, self.tick = 0, time.time()
+        self.iters, self.samples, self.batch_size, self.tick = 0, 0, 0, time.time()
 
-    def add(self, metrics: dict[str, float]) -> None:
+    def add(self, metrics: dict[str, float], global_batch_size: int) -> None:
         for k, v in metrics.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
         self.iters += 1
+        self.samples += global_batch_size
+        self.batch_size = global_batch_size  # the last step's, as Megatron's log line
 
     def report(self, state: TrainState, optimizer, logger: Optional[MetricsLogger]) -> None:
         """Console line (logging rank), throughput/MFU/memory scalars and the expert-load
         heatmap (logger); then a new interval starts."""
         run, lg, mesh = self.run, self.run.logging, self.mesh
         ms_per_iter = 1000.0 * (time.time() - self.tick) / self.iters
+        tokens_per_iter = self.samples * run.model.seq_length / self.iters
         means = {k: v / self.iters for k, v in self.sums.items()}
-        extra = (self.observer.interval_scalars(ms_per_iter, self.tokens_per_iter)
+        extra = (self.observer.interval_scalars(ms_per_iter, tokens_per_iter)
                  if mesh.is_logging_rank and (logger is not None or lg.log_throughput) else {})
         if mesh.is_logging_rank:
             self.print_fn(format_log_line(
                 iteration=state.iteration, train_iters=run.train.train_iters,
                 consumed_samples=state.consumed_train_samples, elapsed_ms_per_iter=ms_per_iter,
-                tokens_per_sec=self.tokens_per_iter / (ms_per_iter / 1000.0),
+                tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
                 learning_rate=optimizer.param_groups[0]["lr"],
-                global_batch_size=run.train.global_batch_size,
+                global_batch_size=self.batch_size,
                 losses={k: v for k, v in means.items() if k != "grad norm" and "/" not in k},
                 loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
                 skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
@@ -153,7 +160,7 @@ class _Interval:
         if logger is not None:
             logger.log_scalars(extra, state.iteration)
             self.observer.write_heatmap(logger, state.iteration)
-        self.sums, self.iters, self.tick = {}, 0, time.time()
+        self.sums, self.iters, self.samples, self.tick = {}, 0, 0, time.time()
 
 
 def _record(state: TrainState, metrics: dict[str, float], global_batch_size: int,
@@ -172,26 +179,33 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
           save_fn: Optional[Callable[[TrainState], None]] = None,
           print_fn: Callable[[str], None] = print,
           exits: Optional[ExitConditions] = None) -> TrainState:
-    """Train from state.iteration to --train-iters, or until `exits` (--exit-interval,
-    --exit-duration-in-mins, --exit-signal-handler) stops it after a step, which it records
-    in state.exit_reason; returns the final state."""
+    """Train from state.iteration to --train-iters (with --train-samples: the iterations
+    that consume them), or until `exits` (--exit-interval, --exit-duration-in-mins,
+    --exit-signal-handler) stops it after a step, which it records in state.exit_reason;
+    returns the final state. Each step's global batch size follows the samples consumed
+    (--rampup-batch-size); as in Megatron, a checkpoint is saved before it changes."""
     MoELossTracker.clear()  # values left by an earlier run in this process are not ours
     t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
     exits = exits or ExitConditions(t, mesh, time.time())
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     interval = _Interval(run, mesh, observer, print_fn)
+    batch_size, saved_at = t.global_batch_size_at(state.consumed_train_samples), state.iteration
     while state.iteration < t.train_iters:
+        gbs = t.global_batch_size_at(state.consumed_train_samples)
+        if gbs != batch_size and save_fn is not None and saved_at != state.iteration:
+            save_fn(state)
+        batch_size = gbs
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
-                             state.iteration + 1)
+                             state.iteration + 1, gbs)
         metrics.update(observer.after_step())  # expert load, summed over data parallel
         lr = optimizer.param_groups[0]["lr"]
-        _record(state, metrics, t.global_batch_size, lr)
-        interval.add(metrics)
+        _record(state, metrics, gbs, lr)
+        interval.add(metrics, gbs)
         if logger is not None and state.iteration % lg.tensorboard_log_interval == 0:
             logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
                                 "learning_rate": lr, "loss_scale": optimizer.get_loss_scale(),
-                                "consumed_samples": state.consumed_train_samples},
-                               state.iteration)
+                                "consumed_samples": state.consumed_train_samples,
+                                "global_batch_size": gbs}, state.iteration)
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
         if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
@@ -200,6 +214,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
             state.history[-1]["valid lm loss"] = loss
         if save_fn is not None and save_interval and state.iteration % save_interval == 0:
             save_fn(state)
+            saved_at = state.iteration
         state.exit_reason = exits.reason(state.iteration)
         if state.exit_reason is not None:
             break

@@ -68,7 +68,9 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
     _log_model(run, mesh, model, log)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
                                 distributed=run.parallel.use_distributed_optimizer)
-    scheduler = LRScheduler(optimizer, run.optim, run.train.train_iters)
+    t = run.train
+    scheduler = LRScheduler(optimizer, run.optim, t.train_iters, t.global_batch_size,
+                            t.train_samples)
     checkpoints = CheckpointManager(run, mesh, model, optimizer, scheduler, log)
     state = TrainState()
     state.iteration, state.consumed_train_samples = checkpoints.load()
@@ -121,7 +123,10 @@ class _Data:
         t = run.train
         gbs = t.global_batch_size
         eval_runs = t.train_iters // t.eval_interval + 1
-        num_samples = (t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
+        # as Megatron: --train-samples, or --train-iters global batches (and never fewer
+        # than the iterations take: the last step of a ramp-up may pass --train-samples)
+        train_samples = max(t.train_samples or 0, t.samples_for_iters(t.train_iters))
+        num_samples = (train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
         # DataLoader iterators draw their base seed from the global torch RNG: keep that
         # draw out of the training RNG stream, so a resumed run (RNG restored from the
         # checkpoint) continues with exactly the dropout masks of a run that never stopped.

@@ -34,6 +34,7 @@ from megamoe.training.checkpoint import (
     read_tracker,
 )
 from tests.training.test_pretrain import ROOT, TINY_MOE
+from tests.training.test_train_samples import LINE
 
 SAVE_EVERY = "--train-iters 4 --save-interval 1 --ckpt-keep-last 2"
 
@@ -196,6 +197,58 @@ def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path, fmt):
         for name, t in oa[i].items():
             assert torch.equal(t, ob[i][name]), (i, name)
     assert torch.equal(sa["rng"]["torch"], sb["rng"]["torch"])
+
+
+# Sample-based runs (flags, N): (a) the schedule in samples; (b) --rampup-batch-size 2 2 24
+# to 8, one increment every 8 samples: batch sizes 2 2 2 2 | 4 4 6 6 8, so the first step
+# after the stop at N = 4 is the first with a larger batch.
+SAMPLE_RUNS = {
+    "lr_samples": ("--train-samples 48 --lr-warmup-samples 12 --lr-decay-samples 40 "
+                   "--min-lr 1e-4", 3),
+    "rampup": ("--train-samples 40 --rampup-batch-size 2 2 24 --lr-warmup-samples 6", 4),
+}
+
+
+def _logged_batch_sizes(out: list[str]) -> list[int]:
+    """Each step's global batch size, from the console lines."""
+    return [int(m.group(5)) for line in out for m in [LINE.search(line)] if m]
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLE_RUNS))
+def test_exact_resume_of_sample_based_training_is_bitwise(tmp_path, name):
+    """--train-samples runs stopped after N steps (--exit-interval) and resumed from the
+    checkpoint continue bitwise like the run that never stopped (fp32, dropout on, GPT
+    dataset): losses, grad norms, rates, batch sizes, data position, saved tensors. The
+    ramp-up's batch size and the schedule's position come back from the consumed samples
+    and the scheduler state in the checkpoint."""
+    flags, n = SAMPLE_RUNS[name]
+    prefix = _gpt_corpus(str(tmp_path / "corpus"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    runs = {}
+    for key, extra in (("straight", f"--save {a}"),
+                       ("first", f"--exit-interval {n} --save {b}"),
+                       ("second", f"--load {b} --save {b}")):
+        out: list[str] = []
+        args = parse_args(shlex.split(f"{_real_data_args(prefix)} {flags} {extra}"
+                                      .replace("--lr-warmup-iters 1 ", "")), world_size=1)
+        runs[key] = (pretrain(args, print_fn=out.append).history, _logged_batch_sizes(out))
+    (straight, sizes), (first, sizes1), (second, sizes2) = (runs[k] for k in runs)
+    assert len(first) == n and [h["iteration"] for h in first + second] == \
+        list(range(1, len(straight) + 1))
+    assert sizes1 + sizes2 == sizes
+    if name == "rampup":
+        assert sizes == [2, 2, 2, 2, 4, 4, 6, 6, 8] and sizes2[0] > sizes1[-1]
+    for x, y in zip(straight, first + second):
+        assert x["lm loss"] == y["lm loss"] and x["grad norm"] == y["grad norm"], (x, y)
+        assert x["lr"] == y["lr"]
+    sa, sb = read_checkpoint(str(a)), read_checkpoint(str(b))
+    assert sa["iteration"] == sb["iteration"] == len(straight)
+    assert sa["consumed_train_samples"] == sb["consumed_train_samples"] == sum(sizes)
+    assert sa["scheduler"] == sb["scheduler"]
+    ta, tb = read_dist_tensors(sa["_file"]), read_dist_tensors(sb["_file"])
+    assert ta.keys() == tb.keys() and any(k.endswith(".exp_avg_sq") for k in ta)
+    for k, v in ta.items():
+        assert torch.equal(v, tb[k]), k
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
