@@ -260,6 +260,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--micro-batch-size": ("--micro-batch-size 4", 1, 4),
     "--global-batch-size": ("--global-batch-size 16", 1, 16),
     "--train-iters": ("--train-iters 5", 1, 5),
+    "--train-samples": ("--train-samples 48", 1, 48),
+    "--rampup-batch-size": ("--train-samples 48 --rampup-batch-size 2 2 16", 1, [2, 2, 16]),
+    "--lr-warmup-samples": ("--train-samples 48 --lr-warmup-samples 8", 1, 8),
+    "--lr-decay-samples": ("--train-samples 48 --lr-decay-samples 40", 1, 40),
+    "--lr-wsd-decay-samples": ("--train-samples 48 --lr-decay-style WSD "
+                               "--lr-wsd-decay-samples 16", 1, 16),
     "--seed": ("--seed 99", 1, 99),
     "--eval-interval": ("--eval-interval 3", 1, 3),
     "--eval-iters": ("--eval-iters 2", 1, 2),
@@ -319,7 +325,10 @@ def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
         base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
         base += "" if "data-path" in extra else " --mock-data"
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    args = parse_args(shlex.split(f"{base} --train-iters 10 {extra.replace('{tmp}', tmp)}"),
+    length = "--train-iters 10"
+    if "--train-samples" in extra:  # training by samples: no iteration-based lengths
+        length, base = "", base.replace("--lr-warmup-iters 1 ", "")
+    args = parse_args(shlex.split(f"{base} {length} {extra.replace('{tmp}', tmp)}"),
                       world_size=world)
     run = run_config_from_args(args, 97)
     assert _field(run, flag) == expected
