@@ -140,8 +140,9 @@ def test_every_config_field_is_used():
     assert unused == [], f"config fields no code reads: {unused}"
 
 
-# flag -> (extra flags, world size, expected field value); "{tmp}" is a temporary directory
-# holding empty .bin/.idx files and a tokenizer file.
+# flag -> (extra flags, world size, expected field value), the value never the parser's
+# default (else the stub could not show); "{tmp}" is a temporary directory holding empty
+# .bin/.idx files and a tokenizer file.
 SAMPLES: dict[str, tuple[str, int, object]] = {
     "--num-layers": ("--num-layers 4", 1, 4),
     "--hidden-size": ("--hidden-size 64", 1, 64),
@@ -152,7 +153,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--seq-length": ("--seq-length 8", 1, 8),
     "--max-position-embeddings": ("--max-position-embeddings 64", 1, 64),
     "--make-vocab-size-divisible-by": ("--make-vocab-size-divisible-by 64", 1, 64),
-    "--normalization": ("--normalization LayerNorm", 1, "LayerNorm"),
+    "--normalization": ("--normalization RMSNorm", 1, "RMSNorm"),
     "--norm-epsilon": ("--norm-epsilon 1e-3", 1, 1e-3),
     "--position-embedding-type": ("--position-embedding-type none", 1, "none"),
     "--rotary-base": ("--rotary-base 500000", 1, 500000.0),
@@ -252,7 +253,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--lr-warmup-fraction": ("--lr-warmup-iters 0 --lr-warmup-fraction 0.1", 1, 0.1),
     "--lr-warmup-init": ("--lr-warmup-init 1e-4", 1, 1e-4),
     "--lr-decay-iters": ("--lr-decay-iters 7", 1, 7),
-    "--lr-decay-style": ("--lr-decay-style linear", 1, "linear"),
+    "--lr-decay-style": ("--lr-decay-style constant", 1, "constant"),
     "--lr-wsd-decay-iters": ("--lr-decay-style WSD --lr-wsd-decay-iters 2", 1, 2),
     "--lr-wsd-decay-style": ("--lr-decay-style WSD --lr-wsd-decay-iters 2 "
                              "--lr-wsd-decay-style cosine", 1, "cosine"),
@@ -302,6 +303,14 @@ def _field(run, flag: str):
     for part in SECTION[cls].split("."):
         obj = getattr(obj, part)
     return getattr(obj, f.name)
+
+
+def test_samples_differ_from_the_parser_default():
+    """A sample equal to the default would pass with the flag unread."""
+    actions = parser_flags()
+    same = [f for f, (_, _, value) in SAMPLES.items() if value == actions[f].default
+            or (isinstance(value, list) and len(value) == 1 and value[0] == actions[f].default)]
+    assert same == []
 
 
 def test_every_config_flag_has_a_sample():
