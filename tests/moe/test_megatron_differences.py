@@ -175,6 +175,25 @@ def test_expert_bias_with_softmax_is_accepted_and_steers_selection():
     torch.testing.assert_close(probs[0, [0, 3]], torch.softmax(logits[0, [0, 3]], -1))
 
 
+def test_router_computes_in_fp32_when_router_dtype_is_unset():
+    """Megatron's Router.gating computes the logits in the input's dtype (bf16 under --bf16)
+    unless --moe-router-dtype fp32/fp64 is given; megamoe always routes in >= fp32."""
+    args = parse_args(shlex.split(
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 2 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data "
+        "--num-experts 4 --moe-router-topk 2 --bf16"), world_size=1)
+    moe = run_config_from_args(args, 97).model.moe
+    assert args.bf16 and moe.router_dtype == "fp32"
+    router = TopKRouter(32, moe, 0, 1, 0.5).to(torch.bfloat16)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    probs, _ = router.eval()(x)
+    weight = router.weight.detach()
+    megatron, _ = topk_routing(x @ weight.to(torch.bfloat16).t(), 2)
+    assert probs.dtype == torch.float32 and megatron.dtype == torch.bfloat16
+    torch.testing.assert_close(probs, topk_routing(x.float() @ weight.float().t(), 2)[0])
+    assert not torch.equal(probs, megatron.float())
+
+
 # --- 4 and 5. expert-bias counts: after capacity drops, without padding ---------------------
 
 def _bias_layer(pad: bool, before: bool) -> MoELayer:
