@@ -223,6 +223,7 @@ def test_expert_bias_counts_after_capacity_drops(pad, before):
     layer = _bias_layer(pad, before)
     x = torch.randn(16, H, generator=torch.Generator().manual_seed(4))  # routed 10/12/2/8
     layer(x).sum().backward()
+    counted = layer.router.local_tokens_per_expert.tolist()
     layer.router.update_expert_bias(None)
     # By hand: sigmoid scores, top-2, normalised probs, capacity ceil(0.75 x 16 x 2 / 4).
     s = torch.sigmoid(x @ layer.router.weight.detach().t())
@@ -237,6 +238,7 @@ def test_expert_bias_counts_after_capacity_drops(pad, before):
     assert kept_counts != routed_counts  # the data drops
     after, pre = _sign_update(kept_counts), _sign_update(routed_counts)
     assert not torch.equal(after, pre)  # and the two counts move the bias differently
+    assert counted == (routed_counts if before else kept_counts)
     torch.testing.assert_close(layer.router.expert_bias, pre if before else after)
     if pad and not before:  # Megatron's padded map: C per expert, sign(0) = 0
         assert torch.equal(_sign_update([capacity] * E), torch.zeros(E))
