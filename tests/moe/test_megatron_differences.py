@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import re
 import shlex
 
 import pytest
@@ -175,6 +177,8 @@ def test_expert_bias_with_softmax_is_accepted_and_steers_selection():
     torch.testing.assert_close(probs[0, [0, 3]], torch.softmax(logits[0, [0, 3]], -1))
 
 
+# --- 4. the router computes in fp32 when --moe-router-dtype is unset ------------------------
+
 def test_router_computes_in_fp32_when_router_dtype_is_unset():
     """Megatron's Router.gating computes the logits in the input's dtype (bf16 under --bf16)
     unless --moe-router-dtype fp32/fp64 is given; megamoe always routes in >= fp32."""
@@ -194,7 +198,7 @@ def test_router_computes_in_fp32_when_router_dtype_is_unset():
     assert not torch.equal(probs, megatron.float())
 
 
-# --- 4 and 5. expert-bias counts: after capacity drops, without padding ---------------------
+# --- 5. expert-bias counts: after capacity drops, without padding -------------------------
 
 def _bias_layer(pad: bool, before: bool) -> MoELayer:
     torch.manual_seed(2)
@@ -212,8 +216,8 @@ def _sign_update(counts):
     return 0.1 * torch.sign(counts.mean() - counts).float()
 
 
-@pytest.mark.parametrize("pad", [False, True])
-@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("before", [False, True], ids=["default", "before_flag"])
 def test_expert_bias_counts_after_capacity_drops(pad, before):
     """Megatron (router.py `_apply_expert_bias` after `apply_router_token_dropping`) counts
     the assignments kept by capacity, the default; --moe-expert-bias-counts-before-capacity
@@ -305,7 +309,7 @@ def _tp_capacity_worker(rank: int, world: int, etp: int) -> list[bool]:
     return differs
 
 
-@pytest.mark.parametrize("etp", [1, 2])
+@pytest.mark.parametrize("etp", [1, 2], ids=["etp1", "etp2"])
 def test_tp_capacity_counts_each_ranks_shard(etp):
     """TP = 2 + SP, capacity factor 0.5, shard 0 overloading expert 0: by default each
     rank keeps what its shard alone would keep (Megatron's router drops on each rank's
@@ -313,3 +317,23 @@ def test_tp_capacity_counts_each_ranks_shard(etp):
     what the gathered sequence would (megamoe's earlier behaviour)."""
     per_rank = run_distributed(_tp_capacity_worker, 2, 180, etp)
     assert any(any(flags) for flags in per_rank)  # the two counts keep different sets
+
+
+# --- the README's list ------------------------------------------------------------------------
+
+def test_readme_differences_name_tests_that_exist():
+    """Every test the README section "Where megamoe differs from Megatron-LM, and why"
+    names exists, and this file's tests are all named there."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme.split("## Where megamoe differs from Megatron-LM, and why")[1]
+    section = section.split("\n## ")[0]
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[\w-]+\])?`", section)
+    assert len(named) >= 12
+    for path, name in named:
+        with open(os.path.join(root, path), encoding="utf-8") as f:
+            assert f"def {name}(" in f.read(), (path, name)
+    here = {n for p, n in named if p.endswith("test_megatron_differences.py")}
+    mine = {n for n in globals() if n.startswith("test_") and "readme" not in n}
+    assert mine <= here, mine - here
