@@ -15,9 +15,9 @@ nothing here is proportional to T * E * C.
 parallelism, the TP ranks' sequence shards of the gathered sequence) and capacity is
 counted in each block separately, with T / S tokens each, as Megatron's router does on
 each rank's shard. One C serves every block: for cf > 0 the blocks' capacities are equal;
-for cf <= 0, C = the largest block capacity drops exactly what each block's own capacity
-would (a block whose largest load is below C drops nothing either way) and is the padding
-every block fits in.
+for cf <= 0, C is the largest of the blocks' own capacities, which drops exactly what each
+block's own capacity would (a block whose largest load is below C drops nothing either
+way) and is the tightest padding every block fits in.
 """
 
 from __future__ import annotations

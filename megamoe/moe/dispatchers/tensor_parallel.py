@@ -4,7 +4,8 @@ the layer's (local or expert-parallel) dispatcher.
 
 Under TP the decoder keeps [S/TP, B, H] sequence shards. The layer gathers the whole
 sequence (`gather_sequence`: every TP rank routes the same tokens, so routing and the aux
-losses equal the single-process ones and the router needs no TP reduction) and returns
+losses equal the single-process ones and the router needs no TP reduction; capacity drops
+are counted per shard, below) and returns
 this rank's [S/TP, B, H] shard. Between those, the routed experts run in one of two ways:
 
   ETP = TP  every expert's hidden dimension F is split over the etp group (= the tp
