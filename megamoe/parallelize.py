@@ -143,8 +143,9 @@ def parallelize_moe(model: nn.Module, *, ep_group: Group = None, tp_group: Group
             shard_experts(layer.experts, dispatcher.local_start, dispatcher.num_local_experts)
         if tp > 1 or etp > 1:  # after the ep slice, which makes new parameters
             shard_expert_hidden(layer.experts, etp, group_rank(etp_group))
-            dispatcher = TensorParallelDispatcher(dispatcher, tp_group,
-                                                  etp_group if etp > 1 else None)
+            dispatcher = TensorParallelDispatcher(
+                dispatcher, tp_group, etp_group if etp > 1 else None,
+                capacity_per_shard=not layer.config.capacity_over_tp_gathered_sequence)
         mark_expert_parallel(layer.experts)
         layer.dispatcher = dispatcher
     return model

@@ -100,6 +100,12 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    g.add_argument("--moe-capacity-over-tp-gathered-sequence", action="store_true",
+                   help="not a Megatron flag: under TP + SP count capacity over the gathered "
+                        "sequence, not over each TP rank's shard (Megatron's)")
+    g.add_argument("--moe-expert-bias-counts-before-capacity", action="store_true",
+                   help="not a Megatron flag: the expert-bias update counts routed "
+                        "assignments before capacity drops, not the kept ones (Megatron's)")
     g.add_argument("--moe-token-dropping", action="store_true",
                    help="old spelling of token dropping (use --moe-expert-capacity-factor)")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",

@@ -61,6 +61,15 @@ class MoEConfig:
     capacity_factor: Optional[float] = flag("--moe-expert-capacity-factor", None)
     pad_to_capacity: bool = flag("--moe-pad-expert-input-to-capacity", False)
     token_drop_policy: str = flag("--moe-token-drop-policy", "probs")
+    # Not Megatron flags: megamoe's earlier choices, kept behind a name (README, "Where
+    # megamoe differs from Megatron-LM"). Under TP + SP, capacity is counted over each TP
+    # rank's sequence shard (Megatron) unless this counts it over the gathered sequence.
+    capacity_over_tp_gathered_sequence: bool = flag(
+        "--moe-capacity-over-tp-gathered-sequence", False)
+    # The expert-bias update counts the kept assignments, after capacity drops (Megatron),
+    # unless this counts the routed ones, before the drops.
+    expert_bias_counts_before_capacity: bool = flag(
+        "--moe-expert-bias-counts-before-capacity", False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +97,11 @@ class MoEConfig:
                 f"--moe-input-jitter-eps must be in [0, 1), got {eps}")
         require(not self.pad_to_capacity or self.capacity_factor is not None,
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        require(not self.capacity_over_tp_gathered_sequence or self.capacity_factor is not None,
+                "--moe-capacity-over-tp-gathered-sequence needs --moe-expert-capacity-factor")
+        require(not self.expert_bias_counts_before_capacity or self.enable_expert_bias,
+                "--moe-expert-bias-counts-before-capacity needs "
+                "--moe-router-enable-expert-bias")
         require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
                 "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
 

@@ -98,14 +98,19 @@ class MoELayer(nn.Module):
 
     def apply_capacity(self, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, Optional[int]]:
-        """Drop assignments beyond capacity; returns the padding capacity (None = no pad)."""
+        """Drop assignments beyond capacity; returns the padding capacity (None = no pad).
+
+        Under TP + SP the routed tokens are the gathered sequence, and capacity is counted
+        in each TP rank's shard of it (Megatron: each rank routes, and drops, its shard),
+        or over the whole of it with --moe-capacity-over-tp-gathered-sequence."""
         cfg = self.config
         cf = cfg.capacity_factor
         if cf is None or cfg.router_type != "topk":
             return probs_TE, routing_map_TE, None
-        capacity = expert_capacity(routing_map_TE, cfg.topk, cf)
+        shards = self.dispatcher.capacity_shards()
+        capacity = expert_capacity(routing_map_TE, cfg.topk, cf, shards)
         probs_TE, routing_map_TE = apply_capacity(probs_TE, routing_map_TE, capacity,
-                                                  cfg.token_drop_policy)
+                                                  cfg.token_drop_policy, shards)
         pad = capacity if (cfg.pad_to_capacity or cf == 0) else None
         return probs_TE, routing_map_TE, pad
 
@@ -126,10 +131,14 @@ class MoELayer(nn.Module):
         full = self.dispatcher.gather_sequence(hidden)  # the tokens this rank routes
         x_TH = full.reshape(-1, self.hidden_size)
         probs_TE, routing_map_TE, aux_loss = self.router.route(
-            x_TH, *self._sequence_ids(full.shape))
+            x_TH, *self._sequence_ids(full.shape), count_expert_bias=False)
         routed_E = routing_map_TE.sum(dim=0)
         probs_TE, routing_map_TE, pad = self.apply_capacity(probs_TE, routing_map_TE)
-        self._count(routed_E, routing_map_TE.sum(dim=0), x_TH.shape[0])
+        kept_E = routing_map_TE.sum(dim=0)
+        self._count(routed_E, kept_E, x_TH.shape[0])
+        # Expert bias: Megatron counts the kept assignments (after the drops).
+        before = self.config.expert_bias_counts_before_capacity
+        self.router.count_for_expert_bias(routed_E if before else kept_E)
         out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode)
         if self.shared_experts is not None:
             shared_TH = self.shared_experts(x_TH).to(out_TH.dtype)

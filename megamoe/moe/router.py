@@ -227,20 +227,27 @@ class TopKRouter(nn.Module):
             expert_bias=self.expert_bias)
 
     def route(self, x_TH: torch.Tensor, seq_ids_T: Optional[torch.Tensor] = None,
-              num_seqs: int = 1) -> RouterOutput:
+              num_seqs: int = 1, *, count_expert_bias: bool = True) -> RouterOutput:
         """Routing plus the (unattached) balancing loss; the MoE layer attaches it.
 
         `seq_ids_T` (token -> sequence index, `num_seqs` sequences) is needed only by
-        seq_aux_loss; None means one sequence.
+        seq_aux_loss; None means one sequence. `count_expert_bias=False`: the caller counts
+        the assignments for the expert-bias update itself (the MoE layer: after capacity).
         """
         logits_TE = self.gating(self.apply_input_jitter(x_TH))
         probs_TE, routing_map_TE = self.routing(logits_TE)
         aux_loss = None
         if self.training and torch.is_grad_enabled():
-            if self.expert_bias is not None:
-                self.local_tokens_per_expert += routing_map_TE.sum(dim=0)
+            if count_expert_bias:
+                self.count_for_expert_bias(routing_map_TE.sum(dim=0))
             aux_loss = self._balancing_losses(logits_TE, routing_map_TE, seq_ids_T, num_seqs)
         return RouterOutput(probs_TE, routing_map_TE, aux_loss)
+
+    def count_for_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Add assignments per expert to the next expert-bias update (training forwards
+        with gradients only: not evaluation, not recomputation)."""
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            self.local_tokens_per_expert += tokens_per_expert_E
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(probs_TE, routing_map_TE); balancing losses ride on probs' backward."""

@@ -59,3 +59,27 @@ def test_capacity_gradient_flows_to_kept_probs_only():
     assert logits.grad[dropped_tokens].abs().max() == 0
     with pytest.raises(ValueError, match="--moe-token-drop-policy"):
         apply_capacity(probs, rmap, 2, "random")
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("cf", [0.5, 1.0, 0.0, -0.75])
+def test_capacity_per_shard_equals_each_shard_alone(policy, cf):
+    """num_shards = 2 (the TP ranks' sequence shards): one capacity for both blocks keeps
+    exactly what each block would keep with its own capacity, and every block fits it."""
+    g = torch.Generator().manual_seed(3)
+    T, E, k = 40, 4, 2
+    logits = torch.randn(T, E, generator=g)
+    logits[: T // 2, 1] += 1.5  # expert 1 overloaded in the first shard only
+    probs, rmap = topk_routing(logits, k)
+    cap = expert_capacity(rmap, k, cf, num_shards=2)
+    kept_probs, keep = apply_capacity(probs, rmap, cap, policy, num_shards=2)
+    want, owns = [], []
+    for half in (slice(0, T // 2), slice(T // 2, T)):
+        owns.append(expert_capacity(rmap[half], k, cf))
+        want += _naive_keep(probs[half].tolist(), rmap[half].tolist(), owns[-1], policy)
+    assert cap == max(owns)  # the padding every block fits in, no more
+    assert keep.tolist() == want
+    assert torch.equal(kept_probs, probs * keep)
+    if cf > 0:
+        assert keep.tolist() != _naive_keep(probs.tolist(), rmap.tolist(),
+                                            expert_capacity(rmap, k, cf), policy)

@@ -65,8 +65,10 @@ def test_flags_map_to_config():
         "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity "
         "--moe-token-drop-policy position --moe-input-jitter-eps 0.02 "
         "--moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate "
-        "--ffn-hidden-size 48 --moe-use-upcycling --train-iters 1"), 97)
+        "--ffn-hidden-size 48 --moe-use-upcycling --moe-capacity-over-tp-gathered-sequence "
+        "--moe-expert-bias-counts-before-capacity --train-iters 1"), 97)
     moe = run.model.moe
+    assert moe.capacity_over_tp_gathered_sequence and moe.expert_bias_counts_before_capacity
     assert moe.load_balancing_types == ["aux_loss", "seq_aux_loss"]
     assert moe.aux_loss_coeff("seq_aux_loss") == 0.2
     assert moe.enable_expert_bias and moe.bias_update_rate == 0.5
@@ -84,6 +86,10 @@ def test_flags_map_to_config():
     ("--moe-router-load-balancing-type sinkhorn --moe-router-enable-expert-bias",
      "sinkhorn cannot be combined"),
     ("--moe-input-jitter-eps 1.5", "--moe-input-jitter-eps must be in [0, 1)"),
+    ("--moe-capacity-over-tp-gathered-sequence",
+     "--moe-capacity-over-tp-gathered-sequence needs --moe-expert-capacity-factor"),
+    ("--moe-expert-bias-counts-before-capacity",
+     "--moe-expert-bias-counts-before-capacity needs --moe-router-enable-expert-bias"),
     ("--moe-use-upcycling", "--moe-ffn-hidden-size (48) must equal --ffn-hidden-size"),
 ])
 def test_bad_combinations_one_line(capsys, extra, message):

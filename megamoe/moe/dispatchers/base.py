@@ -39,6 +39,11 @@ class TokenDispatcher:
         """A replicated output over the routed tokens (shared experts) -> this rank's part."""
         return full_TH
 
+    def capacity_shards(self) -> int:
+        """Capacity is counted separately in this many equal, contiguous blocks of the
+        routed tokens (moe/capacity.py); `pad` is then rows per expert per block."""
+        return 1
+
     def mode_for(self, parallel_mode: Optional[str], adaptive_r: Optional[int]
                  ) -> Optional[str]:
         """The execution mode a caller asks for; only adaptive parallelism has modes."""
