@@ -192,6 +192,11 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--moe-token-drop-policy": ("--moe-expert-capacity-factor 1.5 "
                                 "--moe-token-drop-policy position", 1, "position"),
     "--moe-grouped-gemm": ("", 1, True),
+    "--moe-capacity-over-tp-gathered-sequence": (
+        "--moe-expert-capacity-factor 1.5 --moe-capacity-over-tp-gathered-sequence", 1, True),
+    "--moe-expert-bias-counts-before-capacity": (
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-expert-bias-counts-before-capacity", 1, True),
     "--moe-use-upcycling": ("--moe-ffn-hidden-size 64 --moe-use-upcycling", 1, True),
     "--moe-per-layer-logging": ("--moe-per-layer-logging", 1, True),
     "--moe-adaptive-parallelism": ("--expert-model-parallel-size 2 --moe-token-dispatcher-"
