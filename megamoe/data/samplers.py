@@ -94,16 +94,18 @@ class RandomPretrainingSampler(PretrainingSampler):
         if offset % self._chunk:
             raise ValueError(f"consumed_samples {self.consumed_samples} is not a whole number "
                              f"of micro_batch_size x data_parallel_size chunks")
-        g = torch.Generator()
+        g = torch.Generator(device="cpu")  # host: sample indices, never on a device
         g.manual_seed(epoch)
         mbs, rank, dp = self.micro_batch_size, self.data_parallel_rank, self.data_parallel_size
         if self.data_sharding:
             bucket = self.epoch_samples // dp
-            order = [rank * bucket + i for i in torch.randperm(bucket, generator=g).tolist()]
+            perm = torch.randperm(bucket, generator=g, device="cpu").tolist()  # host indices
+            order = [rank * bucket + i for i in perm]
             order = order[offset // dp:]
         else:
             whole = (self.total_samples // mbs) * mbs
-            order = torch.randperm(whole, generator=g).tolist()[offset:][rank::dp]
+            perm = torch.randperm(whole, generator=g, device="cpu").tolist()  # host indices
+            order = perm[offset:][rank::dp]
         for i in range(len(self)):
             self.consumed_samples += self._chunk
             yield order[i * mbs:(i + 1) * mbs]
