@@ -165,6 +165,9 @@ def test_top1_needs_pre_softmax_unless_it_is_trainable_anyway():
     for ok in ("--moe-router-pre-softmax", "--moe-router-score-function sigmoid",
                "--moe-router-load-balancing-type sinkhorn"):
         assert _args(f"--moe-router-topk 1 {ok} --train-iters 1").moe_router_topk == 1
+    # Nothing trains under --skip-train: a converted top-1 Mixtral (weight 1.0, as in HF)
+    # can be evaluated.
+    assert _args("--moe-router-topk 1 --skip-train").moe_router_topk == 1
 
 
 def test_flags_map_to_config():
