@@ -33,6 +33,7 @@ def _config_from_args(saved_args: dict, file: str) -> ModelConfig:
     ns = build_parser().parse_args([])
     for k, v in saved_args.items():
         setattr(ns, k, v)
+    ns.skip_train = True  # inference: the rules of a training run (top-1 routing) do not apply
     try:
         vocab_size = tokenizer_for(config_from_args(DataConfig, ns)).vocab_size
     except Exception as e:

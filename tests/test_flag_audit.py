@@ -61,6 +61,7 @@ NO_OP = {
 # Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py).
 REFUSED_VALUES = {
     "--transformer-impl": "transformer_engine is refused; local is what runs",
+    "--timing-log-level": "> 0 is refused (timers are not built); 0 is the default",
 }
 
 # Flags the command line reads itself (no config field): flag -> named test.
@@ -86,7 +87,7 @@ def config_flags() -> dict[str, tuple[type, dataclasses.Field]]:
 
 
 def test_every_flag_is_classified():
-    classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET),
+    classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET) - set(REFUSED_VALUES),
                "cli": set(CLI_READ), "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES),
                "no-op": set(NO_OP)}
     names = list(classes)
@@ -243,6 +244,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
                      "--merge-file {tmp}/tok", 1, "{tmp}/tok"),
     "--vocab-size": ("--vocab-size 200", 1, 200),
     "--num-workers": ("--num-workers 1", 1, 1),
+    "--dataloader-type": ("--dataloader-type cyclic", 1, "cyclic"),
+    "--no-data-sharding": ("--no-data-sharding", 1, False),
     "--reset-position-ids": ("--reset-position-ids", 1, True),
     "--eod-mask-loss": ("--eod-mask-loss", 1, True),
     "--optimizer": ("--optimizer sgd", 1, "sgd"),
@@ -279,6 +282,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--exit-interval": ("--exit-interval 2", 1, 2),
     "--exit-duration-in-mins": ("--exit-duration-in-mins 5", 1, 5.0),
     "--exit-signal-handler": ("--exit-signal-handler", 1, True),
+    "--empty-unused-memory-level": ("--empty-unused-memory-level 2", 1, 2),
     "--no-check-for-nan-in-loss-and-grad": ("--no-check-for-nan-in-loss-and-grad", 1, False),
     "--save": ("--save {tmp}/ck", 1, "{tmp}/ck"),
     "--load": ("--load {tmp}/ck", 1, "{tmp}/ck"),
@@ -298,6 +302,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--wandb-exp-name": ("--wandb-exp-name e", 1, "e"),
     "--wandb-save-dir": ("--wandb-save-dir {tmp}/wb", 1, "{tmp}/wb"),
     "--log-throughput": ("--log-throughput", 1, True),
+    "--log-params-norm": ("--log-params-norm", 1, True),
+    "--log-num-zeros-in-grad": ("--log-num-zeros-in-grad", 1, True),
     "--peak-tflops": ("--peak-tflops 123", 1, 123.0),
 }
 
@@ -319,7 +325,8 @@ def test_samples_differ_from_the_parser_default():
 
 
 def test_every_config_flag_has_a_sample():
-    missing = sorted(set(config_flags()) - set(NOT_SUPPORTED_YET) - set(SAMPLES))
+    missing = sorted(set(config_flags()) - set(NOT_SUPPORTED_YET) - set(REFUSED_VALUES)
+                     - set(SAMPLES))
     assert missing == []
 
 

@@ -143,7 +143,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     g.add_argument("--num-workers", type=int, default=2)
-    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"])
+    g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
+                   help="single: samples in order; cyclic: a new random order every epoch")
+    g.add_argument("--no-data-sharding", dest="data_sharding", action="store_false",
+                   help="cyclic: shuffle over all samples, not within each rank's bucket")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -190,7 +193,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2])
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="torch.cuda.empty_cache(): 1 after each forward-backward, 2 also "
+                        "after each optimizer step")
     g.add_argument("--dry-run", action="store_true",
                    help="validate flags, print model size, and exit before training")
 
@@ -265,12 +270,16 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     lg.add_argument("--peak-tflops", type=float, default=None,
                     help="peak TFLOP/s of one device, for MFU (default: the bf16 dense peak of a "
                          "known GPU; no MFU on a CPU)")
-    lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
+    lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                    help="only 0: Megatron's timers (levels 1, 2) are not supported yet")
+    lg.add_argument("--log-params-norm", action="store_true",
+                    help="log the L2 norm of all parameters after each step (params norm)")
+    lg.add_argument("--log-num-zeros-in-grad", action="store_true",
+                    help="log the number of zero gradient elements of each step (num zeros)")
     # These only select which extra scalars go to TensorBoard/W&B; megamoe always writes
     # the timers, memory, validation ppl and learning rate it has.
     for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-                 "--log-validation-ppl-to-tensorboard", "--log-params-norm",
-                 "--log-num-zeros-in-grad"):
+                 "--log-validation-ppl-to-tensorboard"):
         lg.add_argument(flag, action="store_true")
 
 

@@ -96,6 +96,11 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron's derived defaults (they depend on other flags)."""
     args.world_size = world_size
+    if args.num_attention_heads < 1:  # (the defaults below divide by it)
+        raise ArgumentError(f"--num-attention-heads must be positive, got "
+                            f"{args.num_attention_heads}")
+    if args.initial_loss_scale <= 0:  # (read with --fp16 only)
+        raise ArgumentError(f"--initial-loss-scale must be > 0, got {args.initial_loss_scale}")
     if args.num_experts == 0:
         args.num_experts = None
     if args.ffn_hidden_size is None:
@@ -120,7 +125,7 @@ def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     args.data_parallel_size = world_size // model_parallel if model_parallel else 0
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.lr_decay_iters is None:
+    if args.lr_decay_iters is None and args.train_iters:  # (0 / None: nothing decays)
         args.lr_decay_iters = args.train_iters
     if args.moe_router_dtype is None:
         args.moe_router_dtype = "fp32"
@@ -140,6 +145,12 @@ def _derive_moe_defaults(args: argparse.Namespace) -> None:
     types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
     if len(coeffs) == 1 and len(types) > 1:
         args.moe_aux_loss_coeff = coeffs * len(types)
+    cf = args.moe_expert_capacity_factor
+    if cf is not None and cf < 0:  # Megatron: a negative factor means no capacity (dropless)
+        args.moe_expert_capacity_factor = None
+    elif cf == 0:  # (the Python API's Tutel-style 0 is not a Megatron meaning)
+        raise ArgumentError("--moe-expert-capacity-factor 0 would give every expert no room: "
+                            "use a factor > 0, or a negative one for dropless")
     if args.moe_token_dropping and args.moe_expert_capacity_factor is None:
         args.moe_expert_capacity_factor = 1.0
     if args.num_layers > 0:
@@ -195,8 +206,8 @@ def _check_required(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--train-iters must be >= 0, got {args.train_iters}")
     if args.train_samples is None:  # with --train-samples the iterations are derived
         args.train_iters = args.train_iters or 0
-    if args.lr is None:
-        args.lr = 0.0
+    if args.lr is None:  # no update is made: any rate the other LR flags allow
+        args.lr = max(0.0, args.min_lr, args.lr_warmup_init)
 
 
 def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,

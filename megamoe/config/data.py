@@ -9,6 +9,7 @@ from megamoe.config.fields import check_positive, flag, require
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
                    "GPT2BPETokenizer", "NullTokenizer")
+DATALOADER_TYPES = ("single", "cyclic")
 # The files each tokenizer type reads (its flags).
 TOKENIZER_FILES = {
     "SentencePieceTokenizer": ("--tokenizer-model",),
@@ -37,6 +38,10 @@ class DataConfig:
     reset_position_ids: bool = flag("--reset-position-ids", False)
     reset_attention_mask: bool = flag("--reset-attention-mask", False)
     eod_mask_loss: bool = flag("--eod-mask-loss", False)
+    # Megatron's samplers: "single" (in order) or "cyclic" (MegatronPretrainingRandomSampler:
+    # a new permutation per epoch, within each rank's bucket unless --no-data-sharding).
+    dataloader_type: str = flag("--dataloader-type", "single")
+    data_sharding: bool = flag("--no-data-sharding", True, dest="data_sharding")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -44,6 +49,8 @@ class DataConfig:
     def validate(self) -> None:
         check_positive(self, "vocab_size")
         check_positive(self, "num_workers", allow_zero=True)
+        require(self.dataloader_type in DATALOADER_TYPES, f"--dataloader-type must be one of "
+                f"{', '.join(DATALOADER_TYPES)}, got {self.dataloader_type!r}")
         has_paths = bool(self.data_path) or bool(self.train_data_path)
         require(not (has_paths and self.mock_data),
                 "--mock-data cannot be combined with --data-path")

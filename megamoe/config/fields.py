@@ -11,7 +11,7 @@ a launch script get the same sentence. Fields no flag sets say where their value
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 class ConfigError(ValueError):
@@ -60,6 +60,24 @@ def check_positive(config: Any, *names: str, allow_zero: bool = False) -> None:
         if value is not None and (value < 0 or (value == 0 and not allow_zero)):
             bound = ">= 0" if allow_zero else "positive"
             raise ConfigError(f"{flag_name(config, name)} must be {bound}, got {value}")
+
+
+def check_range(config: Any, name: str, low: float, high: Optional[float] = None, *,
+                low_open: bool = False, high_open: bool = True) -> None:
+    """The named field lies in [low, high) (brackets per `low_open` / `high_open`; no upper
+    bound when `high` is None), or is None."""
+    value = getattr(config, name)
+    if value is None:
+        return
+    above = value > low if low_open else value >= low
+    below = high is None or (value < high if high_open else value <= high)
+    if not (above and below):
+        if high is None:
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+        else:
+            bound = (f"in {'(' if low_open else '['}{low:g}, {high:g}"
+                     f"{')' if high_open else ']'}")
+        raise ConfigError(f"{flag_name(config, name)} must be {bound}, got {value}")
 
 
 def to_dict(obj: Any) -> dict:

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megamoe.config.fields import check_positive, derived, flag, known_fields, require
+from megamoe.config.fields import (
+    check_positive,
+    check_range,
+    derived,
+    flag,
+    known_fields,
+    require,
+)
 from megamoe.config.moe import MoEConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -57,7 +64,13 @@ class ModelConfig:
     def validate(self) -> None:
         check_positive(self, "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "seq_length", "num_query_groups", "kv_channels",
-                       "vocab_size", "make_vocab_size_divisible_by")
+                       "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings")
+        check_range(self, "rotary_base", 0, low_open=True)
+        check_range(self, "rotary_percent", 0, 1, low_open=True, high_open=False)
+        check_range(self, "norm_epsilon", 0)
+        check_range(self, "init_method_std", 0)
+        check_range(self, "hidden_dropout", 0, 1)
+        check_range(self, "attention_dropout", 0, 1)
         require(self.hidden_size % self.num_attention_heads == 0,
                 f"--hidden-size ({self.hidden_size}) must be divisible by "
                 f"--num-attention-heads ({self.num_attention_heads})")
@@ -79,10 +92,6 @@ class ModelConfig:
             require(dim > 0 and dim % 2 == 0,
                     f"rotary dim {dim} (--kv-channels {self.kv_channels} x --rotary-percent "
                     f"{self.rotary_percent}) must be positive and even")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            require(0.0 <= value < 1.0,
-                    f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
         if self.moe_layer_pattern is not None:
             require(len(self.moe_layer_pattern) == self.num_layers,
                     f"--moe-layer-freq pattern has {len(self.moe_layer_pattern)} entries "

@@ -15,6 +15,7 @@ from typing import Optional
 from megamoe.config.fields import (
     ConfigError,
     check_positive,
+    check_range,
     derived,
     flag,
     flag_name,
@@ -92,9 +93,8 @@ class MoEConfig:
                                       f"{', '.join(allowed)}, got {value!r}")
         self._validate_groups()
         self._validate_balancing()
-        eps = self.input_jitter_eps
-        require(eps is None or 0.0 <= eps < 1.0,
-                f"--moe-input-jitter-eps must be in [0, 1), got {eps}")
+        check_range(self, "input_jitter_eps", 0, 1)
+        check_range(self, "topk_scaling_factor", 0, low_open=True)
         require(not self.pad_to_capacity or self.capacity_factor is not None,
                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         require(not self.capacity_over_tp_gathered_sequence or self.capacity_factor is not None,
@@ -104,6 +104,18 @@ class MoEConfig:
                 "--moe-router-enable-expert-bias")
         require(not self.shared_expert_gate or self.shared_expert_intermediate_size is not None,
                 "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+
+    def check_router_gradient(self) -> None:
+        """Training needs a router the LM loss can train (Megatron's TransformerConfig
+        rule): softmax over the one selected logit is 1.0 for every token, so top-1
+        post-softmax routing would give each token weight 1.0 and the router no gradient.
+        (Forward-only use, e.g. a converted top-1 Mixtral, may still route that way.)"""
+        require(not (self.topk == 1 and self.score_function == "softmax"
+                     and not self.pre_softmax and self.router_type == "topk"
+                     and "sinkhorn" not in self.load_balancing_types),
+                "--moe-router-topk 1 with --moe-router-score-function softmax needs "
+                "--moe-router-pre-softmax (softmax over one selected logit is 1.0: every "
+                "token would get weight 1.0 and the router no gradient)")
 
     def check_expert_parallel(self, ep: int) -> None:
         """What expert parallelism of size `ep` needs of the layer (the command line checks
@@ -141,6 +153,16 @@ class MoEConfig:
         require(len(coeffs) == len(types),
                 f"--moe-aux-loss-coeff has {len(coeffs)} values but "
                 f"--moe-router-load-balancing-type has {len(types)}")
+        for coeff in coeffs:
+            require(coeff >= 0, f"--moe-aux-loss-coeff must be >= 0, got {coeff}")
+        check_range(self, "z_loss_coeff", 0)
+        if "sinkhorn" in types:  # Megatron: "Sinkhorn routing does not support aux loss."
+            require(not any(coeffs), "--moe-aux-loss-coeff must be 0 with "
+                                     "--moe-router-load-balancing-type sinkhorn (sinkhorn "
+                                     "routing does not support an aux loss)")
+            require(self.capacity_factor is None,
+                    "--moe-expert-capacity-factor does not work with "
+                    "--moe-router-load-balancing-type sinkhorn")
         if "sinkhorn" in types and (self.enable_expert_bias or self.router_type != "topk"):
             raise ConfigError("--moe-router-load-balancing-type sinkhorn cannot be combined "
                               "with --moe-router-enable-expert-bias or expert choice")
@@ -149,7 +171,7 @@ class MoEConfig:
                                                      "global_aux_loss")):
             raise ConfigError("expert choice routing is balanced by construction: set the "
                               "aux loss coefficients to 0")
-        require(self.bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0")
+        check_range(self, "bias_update_rate", 0)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megamoe.config.fields import check_positive, flag, require
+from megamoe.config.fields import check_positive, check_range, flag, require
 
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -51,3 +51,23 @@ class OptimizerConfig:
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
         check_positive(self, "lr_decay_samples")
         check_positive(self, "lr_warmup_samples", "lr_wsd_decay_samples", allow_zero=True)
+        self._validate_ranges()
+
+    def _validate_ranges(self) -> None:
+        """Each value within what it means (torch.optim's and Megatron's
+        OptimizerParamScheduler's assertions, as one line naming the flag)."""
+        for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "sgd_momentum",
+                     "clip_grad"):
+            check_range(self, name, 0)
+        check_range(self, "adam_beta1", 0, 1)
+        check_range(self, "adam_beta2", 0, 1)
+        check_range(self, "adam_eps", 0, low_open=True)
+        check_range(self, "lr_warmup_fraction", 0, 1)  # (1: no step would decay)
+        check_positive(self, "lr_warmup_iters", allow_zero=True)
+        check_positive(self, "lr_decay_iters", "lr_wsd_decay_iters")
+        require(self.lr_warmup_fraction is None or self.lr_warmup_iters == 0,
+                "--lr-warmup-fraction and --lr-warmup-iters cannot both be given")
+        require(self.min_lr <= self.lr,
+                f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        require(self.lr_warmup_init <= self.lr,
+                f"--lr-warmup-init ({self.lr_warmup_init}) must not exceed --lr ({self.lr})")

@@ -78,7 +78,8 @@ class ParallelConfig:
         check_positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                        "context_parallel_size", "expert_model_parallel_size",
                        "expert_tensor_parallel_size", "world_size",
-                       "distributed_timeout_minutes")
+                       "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage",
+                       "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
         tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                       self.context_parallel_size)
         ep, etp = self.expert_model_parallel_size, self.etp

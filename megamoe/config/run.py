@@ -126,6 +126,8 @@ class RunConfig:
         require(etp == 1 or moe.ffn_hidden_size % etp == 0,
                 f"--moe-ffn-hidden-size ({moe.ffn_hidden_size}) must be divisible by "
                 f"--expert-tensor-parallel-size ({etp})")
+        if not self.train.skip_train:  # (evaluating a converted top-1 Mixtral is fine)
+            moe.check_router_gradient()
         moe.check_expert_parallel(ep)
         exe.check_layout(ep, etp, expert_biases=self.model.add_bias_linear)
         if self.moe_training.use_upcycling:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megamoe.config.fields import check_positive, flag, require
+from megamoe.config.fields import check_positive, check_range, flag, require
 
 CKPT_FORMATS = ("torch", "torch_dist")
 DEFAULT_TRAIN_ITERS = 10  # a library user's TrainConfig() (the command line needs a length)
@@ -34,6 +34,9 @@ class TrainConfig:
     # optimizer step (training/nonfinite.py); off, such steps are skipped.
     check_for_nan_in_loss_and_grad: bool = flag("--no-check-for-nan-in-loss-and-grad", True,
                                                 dest="check_for_nan_in_loss_and_grad")
+    # Megatron's torch.cuda.empty_cache() calls: >= 1 after each forward-backward (training
+    # and evaluation), >= 2 also after the optimizer step (training/loop.py).
+    empty_unused_memory_level: int = flag("--empty-unused-memory-level", 0)
 
     def __post_init__(self) -> None:
         if self.rampup_batch_size is not None:
@@ -42,8 +45,12 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_positive(self, "micro_batch_size", "global_batch_size", "eval_interval",
-                       "exit_interval", "train_samples")
+                       "exit_interval", "train_samples", "exit_duration_in_mins")
         check_positive(self, "eval_iters", allow_zero=True)
+        check_range(self, "seed", 0, 2**32, high_open=True)  # numpy's seed range
+        require(self.empty_unused_memory_level in (0, 1, 2),
+                f"--empty-unused-memory-level must be 0, 1 or 2, "
+                f"got {self.empty_unused_memory_level}")
         self._check_rampup()
         if self.train_iters is None:
             self.train_iters = (self._iters_for_samples() if self.train_samples is not None
@@ -159,9 +166,15 @@ class LoggingConfig:
     log_throughput: bool = flag("--log-throughput", False)
     peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: GPU table
     timing_log_level: int = flag("--timing-log-level", 0)
+    # Megatron's "params norm: X" / "num zeros: N" in the log line (and TensorBoard), each
+    # computed only when asked for: every parameter / gradient element counted once.
+    log_params_norm: bool = flag("--log-params-norm", False)
+    log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", False)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         check_positive(self, "log_interval", "tensorboard_log_interval", "peak_tflops")
+        # Megatron's timers (levels 1 and 2) are not built: only 0 means what it says.
+        require(self.timing_log_level == 0, "not supported yet: --timing-log-level > 0")

@@ -17,6 +17,7 @@ _EXPORTS = {
     "IndexedDatasetBuilder": "megamoe.data.indexed_dataset",
     "MockIndexedDataset": "megamoe.data.mock_dataset",
     "PretrainingSampler": "megamoe.data.samplers",
+    "RandomPretrainingSampler": "megamoe.data.samplers",
     "build_gpt_datasets": "megamoe.data.builder",
     "build_tokenizer": "megamoe.data.tokenizers",
     "make_iterator": "megamoe.data.loaders",
@@ -31,6 +32,7 @@ __all__ = [
     "IndexedDatasetBuilder",
     "MockIndexedDataset",
     "PretrainingSampler",
+    "RandomPretrainingSampler",
     "build_gpt_datasets",
     "build_tokenizer",
     "make_iterator",
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     from megamoe.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
     from megamoe.data.loaders import make_iterator, tokenizer_for
     from megamoe.data.mock_dataset import MockIndexedDataset
-    from megamoe.data.samplers import PretrainingSampler
+    from megamoe.data.samplers import PretrainingSampler, RandomPretrainingSampler
     from megamoe.data.tokenizers import build_tokenizer
 
 

@@ -8,7 +8,8 @@ from typing import Iterator, Optional
 import torch
 
 from megamoe.config import DataConfig
-from megamoe.data.samplers import PretrainingSampler
+from megamoe.data.errors import DataError
+from megamoe.data.samplers import PretrainingSampler, RandomPretrainingSampler
 from megamoe.data.tokenizers import build_tokenizer
 
 
@@ -33,22 +34,47 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device
 
 
 def make_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                  dp_size: int, num_workers: int,
-                  device: Optional[torch.device] = None) -> Optional[Iterator]:
-    """Micro-batches for data-parallel rank `dp_rank`, resuming after `consumed_samples`:
-    the same global batches in any layout (samplers.py), on `device` (default: left on
-    the host). Loaded into pinned memory when `device` is a GPU, so the copy overlaps.
-    None without a dataset."""
+                  dp_size: int, num_workers: int, device: Optional[torch.device] = None,
+                  dataloader_type: str = "single", data_sharding: bool = True
+                  ) -> Optional[Iterator]:
+    """Micro-batches for data-parallel rank `dp_rank`, resuming after `consumed_samples`, on
+    `device` (default: left on the host). Loaded into pinned memory when `device` is a GPU,
+    so the copy overlaps. None without a dataset.
+
+    --dataloader-type single: the samples in order, the same global batches in any layout;
+    ends with the dataset. cyclic: a new permutation every epoch, without end (Megatron's
+    cyclic_iter over MegatronPretrainingRandomSampler; samplers.py)."""
     if dataset is None:
         return None
-    sampler = PretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
-                                 micro_batch_size=micro_batch_size,
-                                 data_parallel_rank=dp_rank, data_parallel_size=dp_size)
+    if dataloader_type not in ("single", "cyclic"):
+        raise ValueError(f"--dataloader-type must be single or cyclic, got {dataloader_type!r}")
+    if dataloader_type == "cyclic":
+        sampler = RandomPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                           dp_rank, dp_size, data_sharding)
+    else:
+        sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                     dp_rank, dp_size)
     pin = device is not None and device.type == "cuda"
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                                          num_workers=num_workers, pin_memory=pin,
                                          persistent_workers=num_workers > 0)
     batches = iter(loader)  # now: it draws its base seed from the caller's RNG state
+    if dataloader_type == "cyclic":
+        batches = _cyclic(loader, batches)
     if device is None:
         return batches
     return (to_device(batch, device) for batch in batches)
+
+
+def _cyclic(loader: torch.utils.data.DataLoader, first: Iterator) -> Iterator:
+    """`first`, then the loader again and again: each pass is the sampler's next epoch."""
+    batches = first
+    while True:
+        count = 0
+        for batch in batches:
+            count += 1
+            yield batch
+        if count == 0:
+            raise DataError("--dataloader-type cyclic: the dataset has fewer samples than "
+                            "one micro-batch per data-parallel rank")
+        batches = iter(loader)

@@ -89,11 +89,14 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
     lm_loss = forward_backward(model, data_iter, n_micro)
+    empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
-    success, grad_norm, _ = optimizer.step(check)
+    lg = run.logging
+    success, grad_norm, num_zeros = optimizer.step(check, count_zeros=lg.log_num_zeros_in_grad)
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:  # as Megatron: the schedule advances by the samples of the step
         scheduler.step(increment=n_micro * run.train.micro_batch_size * mesh.dp_size)
+    empty_unused_memory(run, 2)
     per_layer = run.model.moe is not None and run.moe_training.per_layer_logging
     moe = _moe_scalars(MoELossTracker.report(n_micro),
                        moe_layer_numbers(model) if per_layer else None)
@@ -101,8 +104,20 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     values = _dp_mean([float(lm_loss), *moe.values()], mesh)
     out = dict(zip(names, values))
     out["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    if num_zeros is not None:  # --log-num-zeros-in-grad
+        out["num zeros"] = float(num_zeros)
+    if lg.log_params_norm:  # after the update, as Megatron's calc_params_l2_norm
+        out["params norm"] = optimizer.params_norm()
     out["skipped"] = 0.0 if success else 1.0
     return out
+
+
+def empty_unused_memory(run: RunConfig, level: int) -> None:
+    """--empty-unused-memory-level: Megatron calls torch.cuda.empty_cache() after the
+    forward-backward of each step and evaluation batch (level >= 1) and after each
+    optimizer step (level >= 2). (A no-op without CUDA.)"""
+    if run.train.empty_unused_memory_level >= level:
+        torch.cuda.empty_cache()
 
 
 def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
@@ -114,9 +129,14 @@ def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
     for _ in range(run.train.eval_iters):
         total += float(forward_backward(model, data_iter, n_micro,
                                                       forward_only=True))
+        empty_unused_memory(run, 1)
     MoELossTracker.report(n_micro)  # evaluation does not feed the training statistics
     model.train()
     return _dp_mean([total / max(run.train.eval_iters, 1)], mesh)[0]
+
+
+# Per-step metrics that are not losses (shown after the losses in the console line).
+NOT_LOSSES = ("grad norm", "num zeros", "params norm")
 
 
 class _Interval:
@@ -127,11 +147,13 @@ class _Interval:
                  print_fn: Callable[[str], None]) -> None:
         self.run, self.mesh, self.observer, self.print_fn = run, mesh, observer, print_fn
         self.sums: dict[str, float] = {}
+        self.last: dict[str, float] = {}
         self.iters, self.samples, self.batch_size, self.tick = 0, 0, 0, time.time()
 
     def add(self, metrics: dict[str, float], global_batch_size: int) -> None:
         for k, v in metrics.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
+        self.last = metrics
         self.iters += 1
         self.samples += global_batch_size
         self.batch_size = global_batch_size  # the last step's, as Megatron's log line
@@ -152,11 +174,13 @@ class _Interval:
                 tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
                 learning_rate=optimizer.param_groups[0]["lr"],
                 global_batch_size=self.batch_size,
-                losses={k: v for k, v in means.items() if k != "grad norm" and "/" not in k},
+                losses={k: v for k, v in means.items() if k not in NOT_LOSSES and "/" not in k},
                 loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
                 skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
                 tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
-                if lg.log_throughput else None))
+                if lg.log_throughput else None,
+                num_zeros=int(self.last["num zeros"]) if "num zeros" in self.last else None,
+                params_norm=self.last.get("params norm")))  # (this iteration's, as Megatron)
         if logger is not None:
             logger.log_scalars(extra, state.iteration)
             self.observer.write_heatmap(logger, state.iteration)

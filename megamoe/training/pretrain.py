@@ -145,7 +145,9 @@ class _Data:
 
 def _iterator(run: RunConfig, mesh: Mesh, dataset, consumed: int, num_workers: int):
     return make_iterator(dataset, consumed, run.train.micro_batch_size, mesh.dp_rank,
-                         mesh.dp_size, num_workers, device=mesh.device)
+                         mesh.dp_size, num_workers, device=mesh.device,
+                         dataloader_type=run.data.dataloader_type,
+                         data_sharding=run.data.data_sharding)
 
 
 def _train(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, data: _Data, logger,

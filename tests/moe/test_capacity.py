@@ -49,14 +49,20 @@ def test_apply_capacity_matches_naive(policy, cf):
 
 
 def test_capacity_gradient_flows_to_kept_probs_only():
+    """The combine weights of dropped assignments get no gradient, kept ones get exactly
+    theirs. Top-1 with pre-softmax scores (Megatron refuses top-1 post-softmax: its weights
+    are all 1.0, so every logit gradient would be zero whatever capacity did)."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(16, 4, generator=g, requires_grad=True)
-    probs, rmap = topk_routing(logits, 1)
+    probs, rmap = topk_routing(logits, 1, pre_softmax=True)
+    probs.retain_grad()
     kept, keep = apply_capacity(probs, rmap, 2, "position")
     kept.sum().backward()
+    assert torch.equal(probs.grad, keep.to(probs.grad.dtype))  # 1 where kept, else 0
     dropped_tokens = (rmap & ~keep).any(1)
-    assert dropped_tokens.any()
+    assert dropped_tokens.any() and (~dropped_tokens).any()
     assert logits.grad[dropped_tokens].abs().max() == 0
+    assert (logits.grad[~dropped_tokens].abs().amax(1) > 1e-3).all()  # kept: a real gradient
     with pytest.raises(ValueError, match="--moe-token-drop-policy"):
         apply_capacity(probs, rmap, 2, "random")
 

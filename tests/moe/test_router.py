@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megamoe.config import MoEConfig
+from megamoe.config import ConfigError, MoEConfig
 from megamoe.moe.losses import MoELossTracker
 from megamoe.moe.router import TopKRouter, topk_routing
 
@@ -186,12 +186,71 @@ def test_sinkhorn_routing_train_and_eval(k):
     assert torch.allclose(probs_e, raw * rmap_e)
 
 
-def test_router_sinkhorn_uses_no_aux_loss():
+@pytest.mark.parametrize("types,coeffs", [(["sinkhorn"], [1e-2]),
+                                          (["sinkhorn", "aux_loss"], [0.0, 1e-2])])
+def test_sinkhorn_refuses_an_aux_loss_coefficient(types, coeffs):
+    """Megatron's sinkhorn router asserts moe_aux_loss_coeff == 0 ("Sinkhorn routing does
+    not support aux loss"): a coefficient would otherwise be dropped without a word."""
+    with pytest.raises(ConfigError, match="--moe-aux-loss-coeff must be 0 with "
+                                          "--moe-router-load-balancing-type sinkhorn"):
+        _cfg(load_balancing_types=types, aux_loss_coeffs=coeffs)
+    _cfg(load_balancing_types=types, aux_loss_coeffs=[0.0] * len(types))  # 0 is fine
+
+
+def test_router_sinkhorn_balances_without_a_balancing_loss():
+    """Same weights and tokens: sinkhorn spreads the load of a router that favours one
+    expert and records no balancing loss (only the z-loss, which Megatron applies before
+    any routing); the aux-loss router picks plain top-k and records its loss."""
     torch.manual_seed(0)
-    router = TopKRouter(16, _cfg(load_balancing_types=["sinkhorn"], aux_loss_coeffs=[1.0]),
-                        0, 1, 0.5)
-    out = router.route(torch.randn(20, 16))
-    assert out.aux_loss is None and out.routing_map_TE.sum(1).eq(2).all()
+    x = torch.randn(64, 16)
+    sink = TopKRouter(16, _cfg(num_experts=4, load_balancing_types=["sinkhorn"],
+                               aux_loss_coeffs=[0.0], z_loss_coeff=1e-3), 0, 1, 0.5)
+    aux = TopKRouter(16, _cfg(num_experts=4, load_balancing_types=["aux_loss"],
+                              aux_loss_coeffs=[1e-2], z_loss_coeff=1e-3), 0, 1, 0.5)
+    with torch.no_grad():
+        sink.weight[0] += x.mean(0) * 4.0  # every token prefers expert 0
+    aux.load_state_dict(sink.state_dict())
+    MoELossTracker.clear()
+    out = sink.route(x)
+    assert set(MoELossTracker.report(1)) == {"z_loss"}
+    logits = sink.gating(x)
+    assert torch.allclose(out.aux_loss, 1e-3 * torch.logsumexp(logits, -1).square().mean())
+    ref = aux.route(x)
+    assert set(MoELossTracker.report(1)) == {"load_balancing_loss", "z_loss"}
+    assert torch.equal(ref.routing_map_TE,
+                       torch.zeros_like(ref.routing_map_TE).scatter(1, logits.topk(2).indices,
+                                                                    True))
+    assert out.routing_map_TE.sum(1).eq(2).all()
+    assert out.routing_map_TE.sum(0).max() < ref.routing_map_TE.sum(0).max() - 8
+
+
+@pytest.mark.parametrize("score,pre_softmax,types,topk", [
+    ("softmax", False, ["aux_loss"], 1),  # Megatron refuses: weight 1.0, no router gradient
+    ("softmax", True, ["aux_loss"], 1),
+    ("sigmoid", False, ["aux_loss"], 1),
+    ("softmax", False, ["sinkhorn"], 1),  # sinkhorn's top-1 weight is a sigmoid
+    ("softmax", False, ["aux_loss"], 2),
+])
+def test_top1_rule_refuses_exactly_the_router_the_loss_cannot_train(score, pre_softmax,
+                                                                   types, topk):
+    """--moe-router-topk 1 without --moe-router-pre-softmax (softmax, not sinkhorn) is the
+    one case where every combine weight is 1.0 and the LM loss gives the router no
+    gradient; it is the one case check_router_gradient (RunConfig) refuses."""
+    torch.manual_seed(0)
+    cfg = _cfg(num_experts=4, topk=topk, score_function=score, pre_softmax=pre_softmax,
+               load_balancing_types=types, aux_loss_coeffs=[0.0])
+    router = TopKRouter(16, cfg, 0, 1, 0.5)
+    probs = router.route(torch.randn(32, 16)).probs_TE  # no balancing loss attached
+    (probs * torch.randn_like(probs)).sum().backward()  # an LM loss through the weights
+    trainable = bool(router.weight.grad.abs().max() > 0)
+    refused = False
+    try:
+        cfg.check_router_gradient()
+    except ConfigError as e:
+        refused = True
+        assert "--moe-router-topk 1" in str(e) and "--moe-router-pre-softmax" in str(e)
+        assert torch.equal(probs.sum(1), torch.ones(32))  # every weight is 1.0
+    assert refused == (not trainable)
 
 
 # --- aux-loss-free expert bias ------------------------------------------------------------

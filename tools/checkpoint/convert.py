@@ -99,9 +99,12 @@ def hf_model_flags(cfg: dict) -> list[str]:
 
 
 def _build_args(flags: list[str], where: str) -> argparse.Namespace:
-    """Flags -> a validated namespace, exactly as pretrain_gpt.py would see them."""
+    """Flags -> a validated namespace, as pretrain_gpt.py would see them for a run that
+    does not train (--skip-train, which the saved flags drop: a top-1 Mixtral's router,
+    weight 1.0 per token, is refused for training, as by Megatron, but converts and
+    evaluates exactly)."""
     parser = build_parser()
-    args = parser.parse_args(flags + ["--dry-run"])
+    args = parser.parse_args(flags + ["--dry-run", "--skip-train"])
     try:
         finalize_args(args, parser, world_size=1)
     except ArgumentError as e:
@@ -171,6 +174,7 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
         msg = e.args[0] if e.args else str(e)
         raise ConvertError(f"{hf_dir}: weights do not fit config.json ({msg})") from None
     _check_shapes(sd, config, hf_dir)
+    args.skip_train = False  # (the saved flags are those of a training launch)
     saved_args = {k: v for k, v in vars(args).items()
                   if isinstance(v, (int, float, str, bool, list, type(None)))}
     for kind, size in (target or {}).items():

@@ -34,6 +34,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
         tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
         embd, edp, ep = mesh.group("embd"), mesh.group("edp"), mesh.group("ep")
         etp = mesh.group("etp")
+        opt.model_parallel_groups = (tp, pp, ep, etp)
         opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
                                                              embd_group=embd, edp_group=edp)
         if tp is not None or pp is not None or ep is not None:

@@ -28,7 +28,7 @@ for a parameter crossing the shard's end, assembled there from the other holders
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,18 +113,24 @@ class DistributedOptimizer:
         return views
 
     def _grad_norm(self) -> torch.Tensor:
-        """Every parameter once: [tp-sharded, tp-replicated] dense squares summed over dp
-        (then the first over tp), expert squares [etp-replicated, etp-sharded] over edp,
-        the second over etp, both over ep, everything over pp. A 0-d device tensor."""
+        """The global gradient norm (a 0-d device tensor), every parameter once."""
+        return self._sharded_sum(lambda piece: piece.grad.square().sum()).sqrt()
+
+    def _sharded_sum(self, value: Callable[[Piece], torch.Tensor],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Sum of `value(piece)` over every piece of every rank, each parameter once:
+        [tp-sharded, tp-replicated] dense sums over dp (then the first over tp), expert
+        sums [etp-replicated, etp-sharded] over edp, the second over etp, both over ep,
+        everything over pp. A 0-d device tensor of `dtype`."""
         device = self.buffers[0].grad_buffer.device if self.buffers else "cpu"
-        dense = torch.zeros(2, dtype=torch.float32, device=device)
-        expert = torch.zeros(2, dtype=torch.float32, device=device)
+        dense = torch.zeros(2, dtype=dtype, device=device)
+        expert = torch.zeros(2, dtype=dtype, device=device)
         for buf in self.buffers:
-            sq = expert if buf.expert else dense
+            sums = expert if buf.expert else dense
             attr = "etp_sharded" if buf.expert else "tensor_model_parallel"
             for piece in buf.pieces:
                 if not getattr(piece.param, "shared_copy", False):
-                    sq[0 if getattr(piece.param, attr, False) else 1] += piece.grad.square().sum()
+                    sums[0 if getattr(piece.param, attr, False) else 1] += value(piece)
         for t, group in ((dense, self.dp_group), (expert, self.edp_group)):
             if group is not None:
                 dist.all_reduce(t, group=group)
@@ -137,20 +143,36 @@ class DistributedOptimizer:
         total = (dense.sum() + expert.sum()).reshape(1)
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
-        return total.sqrt().reshape(())
+        return total.reshape(())
+
+    def count_zeros(self) -> int:
+        """Zero elements of the reduced gradient (this rank's slices, summed over the shard
+        groups: each element once; Megatron's count_zeros_fp32)."""
+        return int(self._sharded_sum(
+            lambda piece: piece.grad.numel() - torch.count_nonzero(piece.grad), torch.int64))
 
     @torch.no_grad()
-    def step(self, check: Optional[NonFiniteCheck] = None) -> tuple[bool, float, None]:
+    def params_norm(self) -> float:
+        """L2 norm of all parameters: the fp32 main slices, summed over the shard groups
+        (Megatron's calc_params_l2_norm of sharded main params)."""
+        return float(self._sharded_sum(
+            lambda piece: torch.linalg.vector_norm(piece.main, dtype=torch.float32).square()
+        ).sqrt())
+
+    @torch.no_grad()
+    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
+             ) -> tuple[bool, float, Optional[int]]:
         """As MixedPrecisionOptimizer.step: reading the norm is the one host sync; a
         `check` sees the whole local grad buffers before they are reduced."""
         if check is not None:
             check.see_grads(self.grad_buffers)
         norm = self.reduce_and_norm()
         grad_norm = read_grad_norm(norm, check)
+        zeros = self.count_zeros() if count_zeros else None
         if not math.isfinite(grad_norm):
-            return False, grad_norm, None
+            return False, grad_norm, zeros
         self.clip_and_update(norm)
-        return True, grad_norm, None
+        return True, grad_norm, zeros
 
     @torch.no_grad()
     def reduce_and_norm(self) -> torch.Tensor:

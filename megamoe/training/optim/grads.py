@@ -117,24 +117,36 @@ def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Pa
                              pp_group: Optional[dist.ProcessGroup],
                              ep_group: Optional[dist.ProcessGroup] = None,
                              etp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, each parameter counted once: TP-sharded
-    parameters (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken
-    from this rank (identical on every TP rank after reduction), routed experts
-    (`param.expert_parallel`: each ep rank holds different experts) summed over EP, and
-    the ones split over the expert-tensor-parallel group (`param.etp_sharded`) over ETP
-    first, stages summed over PP. DP / EDP replicas hold identical reduced gradients, so
-    they are not summed; the last stage's copy of a tied embedding (`param.shared_copy`) is
-    not counted."""
-    device = grads[0].device if grads else torch.device("cpu")  # (no grads: a CPU zero)
-    sq = torch.zeros(4, dtype=torch.float32, device=device)  # [tp-sharded, replicated, expert,
-    for g, p in zip(grads, params):           #  etp-sharded expert] squares
+    """L2 norm of the whole model's gradient, each parameter counted once (see
+    model_parallel_sum)."""
+    return model_parallel_sum(squares(grads), params, tp_group, pp_group, ep_group,
+                              etp_group).sqrt()
+
+
+def model_parallel_sum(values: list[torch.Tensor], params: list[torch.nn.Parameter],
+                       tp_group: Optional[dist.ProcessGroup],
+                       pp_group: Optional[dist.ProcessGroup],
+                       ep_group: Optional[dist.ProcessGroup] = None,
+                       etp_group: Optional[dist.ProcessGroup] = None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sum over the whole model of per-parameter values (0-d, aligned with `params`: the
+    squares of a norm, counts of zeros), each parameter counted once: TP-sharded parameters
+    (`param.tensor_model_parallel`) summed over TP, TP-replicated ones taken from this rank
+    (identical on every TP rank), routed experts (`param.expert_parallel`: each ep rank
+    holds different experts) summed over EP, and the ones split over the expert-tensor-
+    parallel group (`param.etp_sharded`) over ETP first, stages summed over PP. DP / EDP
+    replicas hold identical values, so they are not summed; the last stage's copy of a tied
+    embedding (`param.shared_copy`) is not counted. A 0-d tensor of `dtype`."""
+    device = values[0].device if values else torch.device("cpu")  # (none: a CPU zero)
+    sq = torch.zeros(4, dtype=dtype, device=device)  # [tp-sharded, replicated, expert,
+    for v, p in zip(values, params):                 #  etp-sharded expert]
         if getattr(p, "shared_copy", False):
             continue
         if getattr(p, "expert_parallel", False):
             i = 3 if getattr(p, "etp_sharded", False) else 2
         else:
             i = 0 if getattr(p, "tensor_model_parallel", False) else 1
-        sq[i] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        sq[i] += v.to(dtype)
     if tp_group is not None:
         dist.all_reduce(sq[:1], group=tp_group)
     if etp_group is not None:
@@ -144,4 +156,14 @@ def model_parallel_grad_norm(grads: list[torch.Tensor], params: list[torch.nn.Pa
     total = sq.sum().reshape(1)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    return total.sqrt()[0]
+    return total[0]
+
+
+def zero_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor: how many of its elements are exactly zero (0-d int64, on its device)."""
+    return [t.numel() - torch.count_nonzero(t) for t in tensors]
+
+
+def squares(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor: its squared L2 norm, accumulated in fp32 (0-d, on its device)."""
+    return [torch.linalg.vector_norm(t, dtype=torch.float32).square() for t in tensors]

@@ -29,7 +29,13 @@ from megamoe.training.optim.common import (
     set_step_count,
     step_count,
 )
-from megamoe.training.optim.grads import clip_coefficient, local_grad_norm
+from megamoe.training.optim.grads import (
+    clip_coefficient,
+    local_grad_norm,
+    model_parallel_sum,
+    squares,
+    zero_counts,
+)
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
 GradNormFn = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -44,6 +50,9 @@ class MixedPrecisionOptimizer:
         self.config = config
         self.reduce_grads_fn = reduce_grads_fn
         self.grad_norm_fn = grad_norm_fn or local_grad_norm
+        # (tp, pp, ep, etp): how params norm and zero counts count each parameter once
+        # (build_optimizer sets them from the mesh; None: this process holds every one).
+        self.model_parallel_groups: tuple = (None, None, None, None)
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
@@ -89,12 +98,14 @@ class MixedPrecisionOptimizer:
         return grads
 
     @torch.no_grad()
-    def step(self, check: Optional[NonFiniteCheck] = None) -> tuple[bool, float, None]:
-        """Returns (updated, grad norm before clipping, number of zero grads (not counted)).
-        Reading the norm is the step's one device->host synchronisation (the skip
-        decision and the log need it); clipping uses it on the device. With a `check`
-        (--check-for-nan-in-loss-and-grad) the local gradients are checked before the
-        reduction, and a NaN/Inf on any rank raises NonFiniteError before the update."""
+    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
+             ) -> tuple[bool, float, Optional[int]]:
+        """Returns (updated, grad norm before clipping, number of zero gradient elements
+        when `count_zeros` (--log-num-zeros-in-grad), else None). Reading the norm is the
+        step's one device->host synchronisation (the skip decision and the log need it);
+        clipping uses it on the device. With a `check` (--check-for-nan-in-loss-and-grad)
+        the local gradients are checked before the reduction, and a NaN/Inf on any rank
+        raises NonFiniteError before the update."""
         grads = self.main_grads()
         if check is not None:
             check.see_grads(grads)
@@ -102,10 +113,24 @@ class MixedPrecisionOptimizer:
             self.reduce_grads_fn(grads)
         norm = self.grad_norm_fn(grads)
         grad_norm = read_grad_norm(norm, check)
+        zeros = self.count_zeros(grads) if count_zeros else None
         if not math.isfinite(grad_norm):
-            return False, grad_norm, None
+            return False, grad_norm, zeros
         self.clip_and_update(grads, norm)
-        return True, grad_norm, None
+        return True, grad_norm, zeros
+
+    def count_zeros(self, grads: list[torch.Tensor]) -> int:
+        """Zero elements of the reduced gradients `grads` (aligned with the parameters),
+        each element counted once across tp / pp / ep (Megatron's count_zeros_fp32)."""
+        return int(model_parallel_sum(zero_counts(grads), self.model_params,
+                                      *self.model_parallel_groups, dtype=torch.int64))
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """L2 norm of all parameters (the fp32 main copies, as Megatron's
+        calc_params_l2_norm), each counted once across tp / pp / ep."""
+        return float(model_parallel_sum(squares(self.main_params), self.model_params,
+                                        *self.model_parallel_groups).sqrt())
 
     @torch.no_grad()
     def clip_and_update(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
