@@ -43,3 +43,8 @@ def test_old_checkpoint_resumes_training(tmp_path, name):
     history = pretrain(args, print_fn=lambda _m: None).history
     assert [h["iteration"] for h in history] == [3]  # resumed after iteration 2
     assert torch.isfinite(torch.tensor(history[0]["lm loss"]))
+    # Its scheduler state counted iterations (before sample-based training): converted to
+    # samples on load, the schedule goes on where a run that never stopped would be.
+    straight = pretrain(parse_args(shlex.split(f"{TINY_MOE} --train-iters 3 --eval-iters 0"),
+                                   world_size=1), print_fn=lambda _m: None).history
+    assert history[0]["lr"] == pytest.approx(straight[2]["lr"], rel=1e-12)
