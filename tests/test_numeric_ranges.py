@@ -77,7 +77,7 @@ BAD = [
     ("--lr-decay-iters", "0", "", 1, "must be positive"),
     ("--lr-warmup-iters", "-1", "", 1, "must be >= 0"),
     ("--lr-warmup-fraction", "1.0", "", 1, "must be in [0, 1)"),
-    ("--lr-warmup-fraction", "0.1", "--lr-warmup-iters 1", 1, "cannot both be given"),
+    ("--lr-warmup-fraction", "0.1", "--lr-warmup-iters 1", 1, "are mutually exclusive"),
     ("--lr-warmup-init", "-1e-3", "", 1, "must be >= 0"),
     ("--lr-warmup-init", "1e-2", "", 1, "must not exceed --lr"),
     ("--lr-wsd-decay-iters", "0", "", 1, "must be positive"),
@@ -107,7 +107,10 @@ BAD = [
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
     "--rotary-seq-len-interpolation-factor", "--recompute-num-layers", "--loss-scale",
-    "--train-samples",  # sample-based training: its own rules
+    # sample-based training: its own rules (tests/training/test_train_samples.py::
+    # test_refused_in_one_line)
+    "--train-samples", "--rampup-batch-size", "--lr-decay-samples", "--lr-warmup-samples",
+    "--lr-wsd-decay-samples",
 }
 
 

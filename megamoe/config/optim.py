@@ -65,8 +65,6 @@ class OptimizerConfig:
         check_range(self, "lr_warmup_fraction", 0, 1)  # (1: no step would decay)
         check_positive(self, "lr_warmup_iters", allow_zero=True)
         check_positive(self, "lr_decay_iters", "lr_wsd_decay_iters")
-        require(self.lr_warmup_fraction is None or self.lr_warmup_iters == 0,
-                "--lr-warmup-fraction and --lr-warmup-iters cannot both be given")
         require(self.min_lr <= self.lr,
                 f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         require(self.lr_warmup_init <= self.lr,

@@ -102,8 +102,10 @@ class RunConfig:
         by_samples = t.train_samples is not None
         given = {"--lr-decay-iters": o.lr_decay_iters is not None,
                  "--lr-warmup-iters": o.lr_warmup_iters != 0,
+                 "--lr-wsd-decay-iters": o.lr_wsd_decay_iters is not None,
                  "--lr-decay-samples": o.lr_decay_samples is not None,
-                 "--lr-warmup-samples": o.lr_warmup_samples != 0}
+                 "--lr-warmup-samples": o.lr_warmup_samples != 0,
+                 "--lr-wsd-decay-samples": o.lr_wsd_decay_samples is not None}
         for name, is_set in given.items():
             if is_set and name.endswith("-iters") and by_samples:
                 raise ConfigError(f"{name} is for iteration-based training: with "
