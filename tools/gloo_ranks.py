@@ -33,6 +33,10 @@ def _rank_main(rank: int, world: int, init_file: str, body: Body, args: argparse
         result = body(rank, world, args)
         if rank == 0:
             queue.put(result)
+        # Every rank is done communicating before any tears its gloo pairs down: a rank
+        # destroying its group while a peer's last send is still in flight can abort
+        # (std::terminate in gloo's transport, seen once under load on 2 cores).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
