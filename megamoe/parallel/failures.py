@@ -48,20 +48,29 @@ def _is_distributed(exc: BaseException, frames: list) -> bool:
                                                    or "nccl" in text)
 
 
-def _operation(frames: list) -> tuple[Optional[str], object]:
-    """(public torch.distributed function, its `group` argument) of the innermost call."""
+def _on(op: str, group, mesh) -> str:
+    return op if mesh is None else f"{op} on the {mesh.describe(group)}"
+
+
+def _where(frames: list, mesh) -> str:
+    """What failed: the innermost public torch.distributed call (with its `group`
+    argument, named by the mesh), the rendezvous, or a group's creation."""
     for f in reversed(frames):
         name = f.f_code.co_name
         if _TORCH_DIST not in f.f_code.co_filename:
             continue
         if "rendezvous" in name:
-            where = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-            return f"the rendezvous (store at {where[0]}:{where[1]})", ("rendezvous", None)
+            return (f"the rendezvous (store at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')})")
+        if name == "new_group":
+            return (f"creating the {f.f_locals.get('group_desc') or 'process'} group "
+                    f"(ranks {f.f_locals.get('ranks')})")
         if not name.startswith("_") and name != "wrapper":
-            if name == "new_group":
-                return name, (f.f_locals.get("group_desc"), f.f_locals.get("ranks"))
-            return name, f.f_locals.get("group", f.f_locals.get("pg"))
-    return None, None
+            return _on(name, f.f_locals.get("group", f.f_locals.get("pg")), mesh)
+    # an async work's wait(): the caller's frame may still hold the group
+    group = next((f.f_locals["group"] for f in reversed(frames) if "group" in f.f_locals),
+                 None)
+    return _on("wait on an asynchronous collective or p2p transfer", group, mesh)
 
 
 def _caller(frames: list) -> Optional[str]:
@@ -91,23 +100,10 @@ def explain(exc: BaseException, mesh=None, timeout_minutes: Optional[float] = No
     frames = _frames(exc.__traceback__)
     if not _is_distributed(exc, frames):
         return None
-    op, group = _operation(frames)
-    if op is None:  # an async work's wait(): the caller's frame may still hold the group
-        op = "wait on an asynchronous collective or p2p transfer"
-        group = next((f.f_locals["group"] for f in reversed(frames)
-                      if "group" in f.f_locals), None)
-    if isinstance(group, tuple) and group[0] == "rendezvous":
-        where = op
-    elif isinstance(group, tuple):
-        where = f"creating the {group[0] or 'process'} group (ranks {group[1]})"
-    elif mesh is not None:
-        where = f"{op} on the {mesh.describe(group)}"
-    else:
-        where = op
     rank = mesh.rank if mesh is not None and rank is None else rank
-    text = " ".join(str(exc).split())
-    parts = [f"rank {rank}: " if rank is not None else "", where, " ", _kind(text)]
-    if timeout_minutes is not None and _kind(text) == "timed out":
+    kind = _kind(" ".join(str(exc).split()))
+    parts = [f"rank {rank}: " if rank is not None else "", _where(frames, mesh), " ", kind]
+    if timeout_minutes is not None and kind == "timed out":
         parts.append(f" (--distributed-timeout-minutes {timeout_minutes:g})")
     caller = _caller(frames)
     if caller:

@@ -36,23 +36,19 @@ def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
     the caller. The process group is then left as it is (tearing down a broken NCCL
     communicator can itself hang); the process is about to exit.
     """
-    timeout = run.parallel.distributed_timeout_minutes
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron's start
+    mesh: Optional[Mesh] = None
     try:
         mesh = init_mesh(run.parallel)
-    except Exception as e:
-        failure = explain(e, None, timeout, rank=int(os.environ.get("RANK", "0")))
-        if failure is None:
-            raise
-        raise failure from e
-    try:
         state = _pretrain(run, tokenizer, mesh, print_fn, started)
     except Exception as e:
-        failure = explain(e, mesh, timeout)
-        if failure is None:
+        rank = None if mesh is not None else int(os.environ.get("RANK", "0"))
+        failure = explain(e, mesh, run.parallel.distributed_timeout_minutes, rank=rank)
+        if failure is not None:
+            raise failure from e
+        if mesh is not None:
             destroy_mesh(mesh)
-            raise
-        raise failure from e
+        raise
     destroy_mesh(mesh)
     return state
 
