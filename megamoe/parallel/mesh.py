@@ -51,6 +51,8 @@ GROUP_DIMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "edp": ("expert", ("edp",)),
     "tp_ep": ("expert", ("ep", "etp")),
 }
+# The groups of one dimension each: tp, cp, dp, pp, ep, etp, edp.
+SINGLE_DIMS = tuple(name for name, (_, inside) in GROUP_DIMS.items() if len(inside) == 1)
 
 
 def _grid(sizes: dict[str, int], dims: tuple[str, ...]) -> torch.Tensor:
@@ -157,14 +159,10 @@ def default_device() -> torch.device:
 
 def single_process_mesh(device: Optional[torch.device] = None) -> Mesh:
     """The mesh of one process: every size 1, no group; `device` default_device()."""
-    names = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
     groups = (*GROUP_DIMS, "embd")
-    return Mesh(rank=0, world_size=1, backend=None, sizes={n: 1 for n in names},
-                ranks={n: 0 for n in names}, groups={n: None for n in groups},
+    return Mesh(rank=0, world_size=1, backend=None, sizes={n: 1 for n in SINGLE_DIMS},
+                ranks={n: 0 for n in SINGLE_DIMS}, groups={n: None for n in groups},
                 group_ranks={n: [0] for n in groups}, device=device or default_device())
-
-
-SINGLE_DIMS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 
 
 def build_mesh(parallel: ParallelConfig, backend: str,
