@@ -46,6 +46,7 @@ from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.publish import (
     COMMON,
     agree,
+    dcp_failure,
     discard_tmp,
     failure_message,
     fsync_dir,
@@ -75,9 +76,7 @@ def _world(single: bool = False) -> tuple[int, int]:
 
 def _cause(e: BaseException) -> str:
     """The first rank's underlying error of a DCP failure (a truncated shard: EOFError)."""
-    if isinstance(e, CheckpointException) and e.failures:
-        inner = next(iter(e.failures.values()))  # (exception, stack summary)
-        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
+    _, e = dcp_failure(e)
     text = str(e).strip().splitlines()
     return f"{e.__class__.__name__}: {text[0][:160]}" if text else e.__class__.__name__
 

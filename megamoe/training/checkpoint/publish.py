@@ -116,14 +116,20 @@ def save_torch_file(obj: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
+def dcp_failure(e: BaseException) -> tuple[Optional[int], BaseException]:
+    """(the lowest failing rank, its exception) of DCP's CheckpointException, which
+    carries each failing rank's (exception, traceback); (None, e) for any other error."""
+    if not (isinstance(e, CheckpointException) and e.failures):
+        return None, e
+    rank = min(e.failures)
+    inner = e.failures[rank]
+    return rank, inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
+
+
 def failure_reason(e: BaseException) -> tuple[Optional[int], str]:
     """(the failing rank if DCP names one, what went wrong in one line): the OSError in
     the exception's chain where there is one ("[Errno 28] No space left on device")."""
-    rank = None
-    if isinstance(e, CheckpointException) and e.failures:
-        rank = min(e.failures)
-        inner = e.failures[rank]
-        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
+    rank, e = dcp_failure(e)
     seen, cur = set(), e
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, OSError):
