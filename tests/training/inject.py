@@ -26,8 +26,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import io
 import os
 import runpy
+import shlex
 import sys
 from typing import Callable
 
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem
 
+from megamoe.cli.main import main
 from megamoe.training import loop, pretrain
 from megamoe.training.checkpoint import publish
 
@@ -152,3 +155,13 @@ if __name__ == "__main__":
         install(one, _plain_setattr)
     sys.argv = [os.path.join(ROOT, "pretrain_gpt.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def rank_main(rank: int, world_size: int, spec: str, argv: str) -> tuple[int, str]:
+    """One rank of a tests.distributed.run_distributed test: pretrain_gpt.py's main with
+    the fault `spec` installed; (exit code, what it wrote to stderr)."""
+    install(spec, lambda obj, name, value, raising=True: setattr(obj, name, value))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(shlex.split(argv))
+    return code, err.getvalue()

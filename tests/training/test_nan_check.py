@@ -10,9 +10,7 @@ rank during one training step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import io
 import os
 import shlex
 import subprocess
@@ -34,7 +32,7 @@ from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
 from tests.moe.test_host_syncs import HostSyncCounter
-from tests.training.inject import install, poison
+from tests.training.inject import install, poison, rank_main
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
 OFF = "--no-check-for-nan-in-loss-and-grad"
@@ -170,14 +168,6 @@ def test_check_off_skips_the_step_and_trains_on(monkeypatch, kind, nan_iters):
     assert torch.isfinite(torch.tensor(state.history[2]["lm loss"]))
 
 
-def _two_rank_worker(rank: int, world_size: int, spec: str, flags: str) -> tuple[int, str]:
-    install(spec, lambda obj, name, value, raising=True: setattr(obj, name, value))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(shlex.split(f"{TINY_MOE} {flags}"))
-    return code, err.getvalue()
-
-
 @pytest.mark.parametrize("spec, flags, what", [
     # DP=2, distributed optimizer: only rank 1's loss (and so its gradients) is NaN
     ("nan-loss:2:1", "--use-distributed-optimizer", "the loss"),
@@ -190,8 +180,9 @@ def _two_rank_worker(rank: int, world_size: int, spec: str, flags: str) -> tuple
 ])
 def test_two_ranks_stop_together_naming_the_rank(tmp_path, spec, flags, what):
     save = tmp_path / "save"
-    out = run_distributed(_two_rank_worker, 2, 180, spec,
-                          f"--train-iters 3 --save-interval 1 --save {save} {flags}")
+    out = run_distributed(rank_main, 2, 180, spec,
+                          f"{TINY_MOE} --train-iters 3 --save-interval 1 --save {save} "
+                          f"{flags}")
     for code, err in out:
         _one_line(code, err, ["iteration 2:", f"NaN/Inf in {what} on rank 1"])
     assert read_tracker(str(save)) == 1

@@ -7,9 +7,7 @@ as they were and no temporary directory behind, in both formats, blocking and
 from __future__ import annotations
 
 import builtins
-import contextlib
 import errno
-import io
 import os
 import shlex
 import subprocess
@@ -19,7 +17,6 @@ from typing import Optional
 import pytest
 import torch
 
-from megamoe.cli.main import main
 from megamoe.training.checkpoint import (
     TRACKER,
     CheckpointError,
@@ -29,7 +26,7 @@ from megamoe.training.checkpoint import (
     write_checkpoint,
 )
 from tests.distributed import run_distributed
-from tests.training.inject import install
+from tests.training.inject import rank_main
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
 ENOSPC = "[Errno 28] No space left on device"
@@ -133,14 +130,6 @@ def test_a_write_error_inside_torch_save_keeps_its_errno(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def _two_rank_worker(rank: int, world_size: int, spec: str, flags: str) -> tuple[int, str]:
-    install(spec, lambda obj, name, value, raising=True: setattr(obj, name, value))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(shlex.split(f"{TINY_MOE} {flags}"))
-    return code, err.getvalue()
-
-
 EACCES = "[Errno 13] Permission denied: "
 
 
@@ -157,8 +146,9 @@ EACCES = "[Errno 13] Permission denied: "
 def test_two_ranks_end_together_when_one_rank_cannot_write(tmp_path, spec, flags, where,
                                                            reason):
     save = tmp_path / "save"
-    out = run_distributed(_two_rank_worker, 2, 180, spec,
-                          f"--train-iters 2 --save-interval 1 --save {save} {flags}")
+    out = run_distributed(rank_main, 2, 180, spec,
+                          f"{TINY_MOE} --train-iters 2 --save-interval 1 --save {save} "
+                          f"{flags}")
     for code, err in out:
         _one_line(code, err, f"pretrain_gpt.py: error: saving checkpoint iteration 2 to "
                              f"{save} failed{where}: {reason}", exact=reason == ENOSPC)
