@@ -16,7 +16,9 @@ the seed, or on the meta device), then `parallelize` applies, in this order:
      one (times the collectives of the ep group once);
   5. the balancing group of global_aux_loss (dp x cp);
   6. the dropout streams: one per pipeline stage (and per TP rank for split activations);
-  7. the dtype (bf16: the routers' expert bias stays fp32).
+  7. the dtype (bf16: the routers' expert bias stays fp32);
+  8. activation recompute (--recompute-*): which layer groups (full) or modules
+     (selective) of this rank's layers keep only their inputs (parallel/checkpointing.py).
 
 Every step only slices, marks or wraps: the values of a shard are the single-process
 values at the same global position, so every layout computes what one process computes.
@@ -31,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megamoe.config import MoEExecutionConfig, ParallelConfig
+from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
-from megamoe.model.pipeline_stage import split_pipeline
+from megamoe.model.pipeline_stage import GPTStage, split_pipeline
 from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
 from megamoe.moe.cost_model import CollectiveCosts
 from megamoe.moe.dispatchers import (
@@ -45,7 +47,7 @@ from megamoe.moe.dispatchers import (
     LocalDispatcher,
     TensorParallelDispatcher,
 )
-from megamoe.moe.experts import use_grouped_gemm
+from megamoe.moe.experts import GroupedExperts, use_grouped_gemm
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.router import TopKRouter
 from megamoe.moe.sharding import mark_expert_parallel, shard_expert_hidden, shard_experts
@@ -65,7 +67,8 @@ Group = Optional[dist.ProcessGroup]
 
 def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
                 moe: MoEExecutionConfig, *, seed: int,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+                dtype: torch.dtype = torch.float32,
+                recompute: Optional[RecomputeConfig] = None) -> nn.Module:
     """This rank's part of `model` (a GPTModel, or with PP a PipelineModel of its stages),
     in the order of the module docstring. `seed` is --seed: the TP dropout stream and the
     per-stage dropout streams derive from it."""
@@ -88,6 +91,29 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
         torch.manual_seed(seed + PIPELINE_SEED_STRIDE * mesh.pp_rank)
     if dtype != torch.float32:
         model = model.to(dtype)
+    if recompute is not None:
+        apply_recompute(model, recompute)
+    return model
+
+
+def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
+    """Step 8, in place: full granularity gives each decoder block / pipeline chunk its
+    checkpointed layer groups (uniform or block over its own layers, as Megatron per model
+    chunk); selective switches on the named modules in every layer. Setting a config with
+    nothing enabled switches recompute off."""
+    selected = set(recompute.selected)
+    for m in model.modules():
+        if isinstance(m, (TransformerBlock, GPTStage)):
+            m.recompute_groups = recompute.full_layers(len(m.layers))
+        elif isinstance(m, TransformerLayer):
+            m.recompute_norms = "layernorm" in selected
+            m.recompute_mlp = ("moe" if m.is_moe else "mlp") in selected
+        elif isinstance(m, SelfAttention):
+            m.recompute_core_attn = "core_attn" in selected
+        elif isinstance(m, MoELayer):
+            m.recompute_shared = "shared_experts" in selected
+        elif isinstance(m, GroupedExperts):
+            m.recompute_act = "moe_act" in selected
     return model
 
 

@@ -31,11 +31,12 @@ from tests.training.test_pretrain import ROOT, TINY_MOE
 
 CONFIGS = (C.ModelConfig, C.MoEConfig, C.ParallelConfig, C.DataConfig, C.OptimizerConfig,
            C.TrainConfig, C.CheckpointConfig, C.LoggingConfig, C.MoEExecutionConfig,
-           C.MoETrainingConfig)
+           C.MoETrainingConfig, C.RecomputeConfig)
 SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "parallel",
            C.DataConfig: "data", C.OptimizerConfig: "optim", C.TrainConfig: "train",
            C.CheckpointConfig: "checkpoint", C.LoggingConfig: "logging",
-           C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training"}
+           C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training",
+           C.RecomputeConfig: "recompute"}
 
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
@@ -73,6 +74,10 @@ CLI_READ = {
     "--dry-run":
         "tests/training/test_pretrain.py::test_dry_run_reports_per_rank_memory_of_the_layout",
     "--config": "tests/test_arguments.py::test_config_file_and_override",
+    "--recompute-activations":
+        "tests/training/test_recompute_flags.py::test_recompute_activations_is_selective",
+    "--moe-layer-recompute":
+        "tests/training/test_recompute_flags.py::test_moe_layer_recompute_adds_moe",
 }
 
 
@@ -305,6 +310,13 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--log-params-norm": ("--log-params-norm", 1, True),
     "--log-num-zeros-in-grad": ("--log-num-zeros-in-grad", 1, True),
     "--peak-tflops": ("--peak-tflops 123", 1, 123.0),
+    "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
+    "--recompute-method": ("--recompute-granularity full --recompute-method block "
+                           "--recompute-num-layers 1", 1, "block"),
+    "--recompute-num-layers": ("--recompute-granularity full --recompute-method uniform "
+                               "--recompute-num-layers 2", 1, 2),
+    "--recompute-modules": ("--recompute-granularity selective --recompute-modules moe "
+                            "layernorm", 1, ["moe", "layernorm"]),
 }
 
 

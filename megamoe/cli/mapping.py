@@ -22,6 +22,7 @@ from megamoe.config import (
     MoETrainingConfig,
     OptimizerConfig,
     ParallelConfig,
+    RecomputeConfig,
     RunConfig,
     TrainConfig,
 )
@@ -57,4 +58,5 @@ def run_config_from_args(args: argparse.Namespace, vocab_size: int) -> RunConfig
         logging=config_from_args(LoggingConfig, args),
         moe_execution=config_from_args(MoEExecutionConfig, args),
         moe_training=config_from_args(MoETrainingConfig, args),
+        recompute=config_from_args(RecomputeConfig, args),
         command_line=jsonable(args))

@@ -35,12 +35,6 @@ NOT_SUPPORTED_YET = (
     "--moe-use-legacy-grouped-gemm",
     "--moe-permute-fusion",
     "--moe-shared-expert-overlap",
-    "--moe-layer-recompute",
-    "--recompute-activations",
-    "--recompute-granularity",
-    "--recompute-method",
-    "--recompute-num-layers",
-    "--recompute-modules",
     "--fp16",
     "--loss-scale",
     "--initial-loss-scale",  # fp16's dynamic loss scaler
@@ -134,6 +128,26 @@ def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     if args.position_embedding_type == "learned_absolute" and not args.add_position_embedding:
         args.position_embedding_type = "none"
     _derive_moe_defaults(args)
+    _derive_recompute_defaults(args)
+
+
+def _derive_recompute_defaults(args: argparse.Namespace) -> None:
+    """Megatron's deprecated spellings: --recompute-activations is selective granularity;
+    --moe-layer-recompute is selective with "moe" added to the modules (which default to
+    core_attn first, so Megatron recomputes both)."""
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            raise ArgumentError("--recompute-activations means --recompute-granularity "
+                                "selective: it cannot be combined with full")
+        args.recompute_granularity = "selective"
+    if args.moe_layer_recompute:
+        if args.recompute_granularity == "full":
+            raise ArgumentError("--moe-layer-recompute cannot be combined with "
+                                "--recompute-granularity full")
+        args.recompute_granularity = "selective"
+        given = args.recompute_modules
+        modules = list(given) if given is not None else ["core_attn"]
+        args.recompute_modules = modules if "moe" in modules else modules + ["moe"]
 
 
 def _derive_moe_defaults(args: argparse.Namespace) -> None:

@@ -11,11 +11,13 @@ from megamoe.config.model import ModelConfig
 from megamoe.config.moe import MoEConfig, MoEExecutionConfig, MoETrainingConfig
 from megamoe.config.optim import OptimizerConfig
 from megamoe.config.parallel import ParallelConfig, pipeline_layer_ranges
+from megamoe.config.recompute import RecomputeConfig
 from megamoe.config.run import RunConfig
 from megamoe.config.train import CheckpointConfig, LoggingConfig, TrainConfig
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
     "MoEConfig", "MoEExecutionConfig", "MoETrainingConfig", "OptimizerConfig",
-    "ParallelConfig", "RunConfig", "TrainConfig", "pipeline_layer_ranges", "to_dict",
+    "ParallelConfig", "RecomputeConfig", "RunConfig", "TrainConfig", "pipeline_layer_ranges",
+    "to_dict",
 ]

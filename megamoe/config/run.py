@@ -12,6 +12,7 @@ from megamoe.config.model import ModelConfig
 from megamoe.config.moe import MoEExecutionConfig, MoETrainingConfig
 from megamoe.config.optim import OptimizerConfig
 from megamoe.config.parallel import ParallelConfig
+from megamoe.config.recompute import RecomputeConfig
 from megamoe.config.train import CheckpointConfig, LoggingConfig, TrainConfig
 
 
@@ -26,6 +27,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe_execution: MoEExecutionConfig = field(default_factory=MoEExecutionConfig)
     moe_training: MoETrainingConfig = field(default_factory=MoETrainingConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     # The flags as given (plain values), kept with checkpoints and sent to W&B.
     command_line: dict = derived("the command line", default_factory=dict)
 
@@ -47,6 +49,7 @@ class RunConfig:
             require(self.parallel.expert_model_parallel_size == 1,
                     "--expert-model-parallel-size > 1 needs --num-experts")
         self._validate_checkpoint()
+        self._validate_recompute()
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even; the vocabulary padding must not depend
@@ -139,6 +142,27 @@ class RunConfig:
                     f"--ffn-hidden-size ({self.model.ffn_hidden_size})")
             require(tp == 1, "not supported yet: --moe-use-upcycling with "
                              "--tensor-model-parallel-size > 1")
+
+    def _validate_recompute(self) -> None:
+        """Recompute modules must name something this model has (Megatron would silently
+        recompute nothing); moe_act needs the grouped experts, as Megatron."""
+        r, m = self.recompute, self.model
+        selected = r.selected
+        moe_layers = [m.is_moe_layer(i) for i in range(m.num_layers)]
+        for name, present, what in (
+                ("moe", any(moe_layers), "MoE layers (--num-experts)"),
+                ("moe_act", any(moe_layers), "MoE layers (--num-experts)"),
+                ("shared_experts", m.moe is not None
+                 and m.moe.shared_expert_intermediate_size is not None,
+                 "shared experts (--moe-shared-expert-intermediate-size)"),
+                ("mlp", not all(moe_layers), "dense MLP layers")):
+            require(name not in selected or present,
+                    f"--recompute-modules {name} needs {what}; this model has none")
+        require("moe_act" not in selected or self.moe_execution.grouped_gemm,
+                "--recompute-modules moe_act needs --moe-grouped-gemm (as in Megatron-LM)")
+        require(r.num_layers is None or r.num_layers <= m.num_layers,
+                f"--recompute-num-layers ({r.num_layers}) must be at most --num-layers "
+                f"({m.num_layers})")
 
     def _validate_checkpoint(self) -> None:
         """The single-file format holds rank 0's tensors: only layouts where rank 0 has

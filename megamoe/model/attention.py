@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamoe.config import ModelConfig
 from megamoe.model.rope import apply_rotary
+from megamoe.parallel.checkpointing import maybe_checkpoint
 from megamoe.parallel.tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -41,6 +42,7 @@ class SelfAttention(nn.Module):
         self.tp: TensorParallel = SINGLE
         self.attention_dropout = config.attention_dropout
         self.use_flash_attn = config.use_flash_attn
+        self.recompute_core_attn = False  # --recompute-modules core_attn (parallelize sets it)
         q_size = heads * self.head_dim
         kv_size = groups * self.head_dim
         std = config.init_method_std
@@ -61,21 +63,27 @@ class SelfAttention(nn.Module):
         q_SBND = q.view(s, b, -1, self.head_dim)
         k_SBGD = k.view(s, b, -1, self.head_dim)
         v_SBGD = v.view(s, b, -1, self.head_dim)
-        num_heads, num_groups = q_SBND.shape[2], k_SBGD.shape[2]
+        num_heads = q_SBND.shape[2]
         if rotary is not None:
             q_SBND = apply_rotary(q_SBND, *rotary)
             k_SBGD = apply_rotary(k_SBGD, *rotary)
         # SDPA wants [B, heads, S, D].
         q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
+        o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.core_attention,
+                                  q_BNSD, k_BGSD, v_BGSD)
+        o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, num_heads * self.head_dim)
+        return self.linear_proj(o_SBX)
+
+    def core_attention(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor,
+                       v_BGSD: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA (Megatron's "core attention": scores, softmax, dropout, x V)."""
         kernel = (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if self.use_flash_attn
                   else contextlib.nullcontext())
         with self.tp.dropout_rng(split=True), kernel:  # this rank's heads: its own stream
-            o_BNSD = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q_BNSD, k_BGSD, v_BGSD, is_causal=True,
                 dropout_p=self.attention_dropout if self.training else 0.0,
-                enable_gqa=num_groups != num_heads)
-        o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, num_heads * self.head_dim)
-        return self.linear_proj(o_SBX)
+                enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
 
 
 def split_qkv_weight(w: torch.Tensor, config: ModelConfig

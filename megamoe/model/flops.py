@@ -21,7 +21,7 @@ FLOPs per token (forward + backward), as in Megatron / PaLM MFU accounting:
 
 from __future__ import annotations
 
-from megamoe.config import ModelConfig
+from megamoe.config import ModelConfig, RecomputeConfig
 
 
 def _norm_params(config: ModelConfig) -> int:
@@ -94,3 +94,27 @@ def flops_per_token(config: ModelConfig) -> float:
     attn_core = 12 * config.num_layers * config.seq_length * (
         config.num_attention_heads * config.kv_channels)
     return float(6 * active_matmul_parameters(config) + attn_core)
+
+
+def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig) -> float:
+    """The forward FLOPs per token that activation recompute runs again in backward (not
+    model FLOPs: MFU leaves them out, step time pays them). Elementwise replays (moe_act,
+    layernorm) cost no GEMM."""
+    s, q = config.seq_length, config.num_attention_heads * config.kv_channels
+    core = 4 * s * q  # QK^T and AV, forward
+    if recompute.granularity == "full":
+        return float(sum(2 * _layer_params(config, i)[2] + core
+                         for i in range(config.num_layers)))
+    selected, total = recompute.selected, 0.0
+    for i in range(config.num_layers):
+        total += core if "core_attn" in selected else 0
+        _, attn_mm = _attention_params(config)
+        mlp_mm = _layer_params(config, i)[2] - attn_mm
+        if config.is_moe_layer(i):
+            if "moe" in selected:
+                total += 2 * mlp_mm
+            elif "shared_experts" in selected and config.moe.shared_expert_intermediate_size:
+                total += 2 * _ffn_params(config, config.moe.shared_expert_intermediate_size)[1]
+        elif "mlp" in selected:
+            total += 2 * mlp_mm
+    return total

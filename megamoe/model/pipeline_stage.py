@@ -18,6 +18,7 @@ from torch import nn
 
 from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel, lm_head, rotary_for
+from megamoe.model.transformer_block import run_layers
 from megamoe.parallel.tensor_parallel import TensorParallel
 
 
@@ -36,6 +37,7 @@ class GPTStage(nn.Module):
         self.final_layernorm = full.decoder.final_layernorm if post_process else None
         self.output_layer = full.output_layer if post_process else None
         self.shared_output_weight = None
+        self.recompute_groups: list[list[int]] = []  # full recompute, per model chunk
         tied = full.output_layer is None
         if tied and tied_across_stages:
             word = full.embedding.word_embeddings.weight
@@ -63,8 +65,7 @@ class GPTStage(nn.Module):
         labels)."""
         h_SBH = self.embedding(tokens_BS, position_ids) if self.pre_process else hidden
         rotary = rotary_for(self.config, tokens_BS, position_ids)
-        for layer in self.layers:
-            h_SBH = layer(h_SBH, rotary)
+        h_SBH = run_layers(self.layers, h_SBH, rotary, self.recompute_groups)
         if not self.post_process:
             return h_SBH
         return lm_head(self.final_layernorm(h_SBH), self.output_weight(), labels, self.config,

@@ -9,11 +9,18 @@ and dropout live on [S/TP, B, H] shards; the dense MLP and attention gather and
 reduce-scatter inside their column/row-parallel linears, and the MoE layer's dispatcher
 gathers the whole sequence (routing equals single-process) and returns this rank's shard,
 so both MLP kinds take and return the residual stream's layout.
+
+Activation recompute (set by the parallelize step from --recompute-*): `recompute_groups`
+of a block (or pipeline stage) are the layer groups checkpointed whole (full granularity);
+a layer's `recompute_mlp` checkpoints its dense MLP or MoE layer together with the
+pre-MLP norm (the region keeps the residual, which the norm keeps anyway, instead of the
+norm's output), and `recompute_norms` discards the norms' outputs (layernorm).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +30,7 @@ from megamoe.model.attention import SelfAttention
 from megamoe.model.mlp import MLP
 from megamoe.model.norms import build_norm
 from megamoe.moe.layer import MoELayer
+from megamoe.parallel.checkpointing import checkpoint, maybe_checkpoint, maybe_discard
 from megamoe.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
@@ -46,6 +54,8 @@ class TransformerLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer_index)
         self.mlp = build_mlp(config, layer_index)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.recompute_mlp = False
+        self.recompute_norms = False
 
     def _dropout(self, x_SBH: torch.Tensor) -> torch.Tensor:
         with self.tp.dropout_rng(split=self.tp.sp):  # SP shards: per-rank masks
@@ -53,8 +63,45 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        x_SBH = x_SBH + self._dropout(self.self_attention(self.input_layernorm(x_SBH), rotary))
-        return x_SBH + self._dropout(self.mlp(self.pre_mlp_layernorm(x_SBH)))
+        x_SBH = x_SBH + self._dropout(self._attention(x_SBH, rotary))
+        return x_SBH + self._dropout(maybe_checkpoint(self.recompute_mlp, self._mlp, x_SBH))
+
+    def _attention(self, x_SBH: torch.Tensor,
+                   rotary: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        y_SBH = self.input_layernorm(x_SBH)
+        with maybe_discard(self.recompute_norms, y_SBH, lambda: self.input_layernorm(x_SBH)):
+            return self.self_attention(y_SBH, rotary)
+
+    def _mlp(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        y_SBH = self.pre_mlp_layernorm(x_SBH)
+        with maybe_discard(self.recompute_norms, y_SBH, lambda: self.pre_mlp_layernorm(x_SBH)):
+            return self.mlp(y_SBH)
+
+
+def _run_group(layers: Sequence[TransformerLayer], x_SBH: torch.Tensor,
+               rotary: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    for layer in layers:
+        x_SBH = layer(x_SBH, rotary)
+    return x_SBH
+
+
+def run_layers(layers: Sequence[TransformerLayer], x_SBH: torch.Tensor,
+               rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+               recompute_groups: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+    """The layers in order; each group of `recompute_groups` (local indices, consecutive)
+    runs as one checkpointed region that keeps only its input."""
+    first = {group[0]: group for group in recompute_groups}
+    i = 0
+    while i < len(layers):
+        group = first.get(i, ())
+        if not group:
+            x_SBH = layers[i](x_SBH, rotary)
+            i += 1
+            continue
+        x_SBH = checkpoint(functools.partial(_run_group, [layers[j] for j in group]),
+                           x_SBH, rotary)
+        i += len(group)
+    return x_SBH
 
 
 class TransformerBlock(nn.Module):
@@ -65,9 +112,9 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i)
                                     for i in range(config.num_layers))
         self.final_layernorm = build_norm(config, config.hidden_size)
+        self.recompute_groups: list[list[int]] = []  # full recompute (parallelize sets it)
 
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        for layer in self.layers:
-            x_SBH = layer(x_SBH, rotary)
+        x_SBH = run_layers(self.layers, x_SBH, rotary, self.recompute_groups)
         return self.final_layernorm(x_SBH)

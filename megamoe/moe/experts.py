@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megamoe.moe.grouped_gemm import Sizes, as_group_sizes, gather_grouped_mm, grouped_mm
 from megamoe.moe.swiglu import swiglu
+from megamoe.parallel.checkpointing import maybe_discard
 from megamoe.parallel.linear import Linear
 
 
@@ -53,6 +54,7 @@ class GroupedExperts(nn.Module):
         self.swiglu = swiglu
         self.combine_in_experts = swiglu or ffn_hidden_size <= hidden_size
         self.backend = "auto" if grouped_gemm else "loop"
+        self.recompute_act = False  # --recompute-modules moe_act (parallelize sets it)
         fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
         # Swiglu fc1 columns: [:F] = gate (HF w1), [F:] = up (HF w3).
         self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out))
@@ -63,6 +65,15 @@ class GroupedExperts(nn.Module):
                          if add_bias else None)
         nn.init.normal_(self.fc1_weight, mean=0.0, std=init_method_std)
         nn.init.normal_(self.fc2_weight, mean=0.0, std=output_init_std)
+
+    def _weighted_activation(self, h_NF: torch.Tensor, p_N: Optional[torch.Tensor]
+                             ) -> torch.Tensor:
+        """act(h) (* p per row). SwiGLU runs fused: autograd keeps h_NF only, not the
+        [N, F] intermediates."""
+        if self.swiglu:
+            return swiglu(h_NF, p_N)
+        a_NF = self.activation(h_NF)
+        return a_NF if p_N is None else a_NF * p_N.unsqueeze(-1)
 
     def activation(self, h_NF: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -98,13 +109,11 @@ class GroupedExperts(nn.Module):
             h_NF = h_NF + b1_NF
         p_N = None if probs_N is None else probs_N.to(h_NF.dtype)
         p_N1 = None if p_N is None else p_N.unsqueeze(-1)
-        if self.swiglu:  # fused: autograd keeps h_NF only, not the [N, F] intermediates
-            a_NF = swiglu(h_NF, p_N)
-        else:
-            a_NF = self.activation(h_NF)
-            if p_N1 is not None:
-                a_NF = a_NF * p_N1
-        y_NH = grouped_mm(a_NF, self.fc2_weight, sizes, self.backend)
+        a_NF = self._weighted_activation(h_NF, p_N)
+        # moe_act: fc2 does not keep a_NF; backward recomputes it from h_NF (kept anyway).
+        with maybe_discard(self.recompute_act, a_NF,
+                           lambda: self._weighted_activation(h_NF, p_N)):
+            y_NH = grouped_mm(a_NF, self.fc2_weight, sizes, self.backend)
         b2_NH = _rows_bias(self.fc2_bias, sizes.device_E, num_rows)
         if b2_NH is None:
             return y_NH

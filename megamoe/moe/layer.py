@@ -24,6 +24,7 @@ from megamoe.moe.dispatchers import LocalDispatcher, TokenDispatcher
 from megamoe.moe.experts import GroupedExperts, SequentialExperts, SharedExpertMLP
 from megamoe.moe.losses import attach_aux_loss
 from megamoe.moe.router import TopKRouter
+from megamoe.parallel.checkpointing import is_recomputing, maybe_checkpoint
 
 
 class MoELayer(nn.Module):
@@ -70,6 +71,7 @@ class MoELayer(nn.Module):
                 add_bias=add_bias_linear, gate=config.shared_expert_gate,
                 init_method_std=init_method_std, output_init_std=output_std)
         self.dispatcher: TokenDispatcher = LocalDispatcher.for_experts(self.experts)
+        self.recompute_shared = False  # --recompute-modules shared_experts (parallelize)
         self._register_statistics(config.num_experts)
 
     def _register_statistics(self, num_experts: int) -> None:
@@ -115,8 +117,9 @@ class MoELayer(nn.Module):
         return probs_TE, routing_map_TE, pad
 
     def _count(self, routed_E: torch.Tensor, kept_E: torch.Tensor, num_tokens: int) -> None:
+        """Statistics of the real forwards (a recompute replay counts nothing)."""
         self.tokens_per_expert = kept_E.detach()
-        if self.training:
+        if self.training and not is_recomputing():
             self.stat_routed_per_expert += routed_E
             self.stat_kept_per_expert += kept_E
             self.stat_num_tokens += num_tokens
@@ -141,7 +144,8 @@ class MoELayer(nn.Module):
         self.router.count_for_expert_bias(routed_E if before else kept_E)
         out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode)
         if self.shared_experts is not None:
-            shared_TH = self.shared_experts(x_TH).to(out_TH.dtype)
+            shared_TH = maybe_checkpoint(self.recompute_shared, self.shared_experts,
+                                         x_TH).to(out_TH.dtype)
             out_TH = out_TH + self.dispatcher.scatter_sequence(shared_TH)
         if aux_loss is not None:
             out_TH = attach_aux_loss(out_TH, aux_loss)

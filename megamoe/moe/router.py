@@ -24,6 +24,7 @@ from megamoe.moe.losses import (
     switch_load_balancing_loss,
     z_loss,
 )
+from megamoe.parallel.checkpointing import is_recomputing, replay_once
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -246,7 +247,8 @@ class TopKRouter(nn.Module):
     def count_for_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
         """Add assignments per expert to the next expert-bias update (training forwards
         with gradients only: not evaluation, not recomputation)."""
-        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+        if (self.expert_bias is not None and self.training and torch.is_grad_enabled()
+                and not is_recomputing()):
             self.local_tokens_per_expert += tokens_per_expert_E
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +299,8 @@ class TopKRouter(nn.Module):
         terms = []
 
         def add(name: str, coeff: float, value: torch.Tensor) -> None:
-            MoELossTracker.record(name, self.layer_number, self.num_layers, value)
+            if not is_recomputing():  # logged once per real forward
+                MoELossTracker.record(name, self.layer_number, self.num_layers, value)
             terms.append(coeff * value)
 
         probs_TE = None
@@ -319,7 +322,9 @@ class TopKRouter(nn.Module):
                 value = sequence_load_balancing_loss(probs_TE, routing_map_TE, seq_ids_T,
                                                      num_seqs, cfg.topk, 1.0)
             else:
-                fraction_E, group_tokens = self._global_fraction(routing_map_TE)
+                # The running counts advance once per real forward; a replay reuses them.
+                fraction_E, group_tokens = replay_once(
+                    lambda: self._global_fraction(routing_map_TE))
                 value = global_load_balancing_loss(probs_TE, fraction_E, group_tokens,
                                                    cfg.topk, 1.0, self.grad_average_size)
             add(name, coeff, value)

@@ -15,7 +15,8 @@ are unchanged; every layout is reproducible for a given seed.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import weakref
+from typing import Iterator, Optional
 
 import torch
 
@@ -23,10 +24,14 @@ MODEL_PARALLEL_SEED_OFFSET = 2718
 PIPELINE_SEED_STRIDE = 100
 
 
+_TRACKERS: weakref.WeakSet[RNGTracker] = weakref.WeakSet()
+
+
 class RNGTracker:
     """A saved CPU (and CUDA) RNG state that `fork()` swaps in and out."""
 
     def __init__(self, seed: int):
+        _TRACKERS.add(self)
         saved_cpu = torch.get_rng_state()
         saved_cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         torch.manual_seed(seed)
@@ -52,3 +57,21 @@ class RNGTracker:
                 self._cuda = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(outer_cuda)
 
+
+
+TrackerStates = dict[RNGTracker, tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def get_tracker_states() -> TrackerStates:
+    """Every live tracker's stream position (copies), for activation recompute: torch's
+    checkpoint replays its own generators, not these."""
+    return {t: (t._cpu.clone(), None if t._cuda is None else t._cuda.clone())
+            for t in list(_TRACKERS)}
+
+
+def set_tracker_states(states: TrackerStates) -> TrackerStates:
+    """Put the trackers back to `states`; returns where they were."""
+    now = get_tracker_states()
+    for tracker, (cpu, cuda) in states.items():
+        tracker._cpu, tracker._cuda = cpu.clone(), None if cuda is None else cuda.clone()
+    return now

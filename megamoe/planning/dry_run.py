@@ -12,12 +12,13 @@ import torch
 from megamoe.config import RunConfig
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
+from megamoe.planning.activations import recompute_name
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 
 
 def launch_layout(run: RunConfig) -> Layout:
-    """The memory model's Layout of a run's flags (no recompute yet)."""
+    """The memory model's Layout of a run's flags."""
     par = run.parallel
     vpp = 1
     if par.num_layers_per_virtual_pipeline_stage:
@@ -26,7 +27,8 @@ def launch_layout(run: RunConfig) -> Layout:
     return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                   vpp=vpp, ep=par.expert_model_parallel_size, etp=par.etp,
                   dp=par.data_parallel_size, cp=par.context_parallel_size,
-                  distributed_optimizer=par.use_distributed_optimizer, recompute="none",
+                  distributed_optimizer=par.use_distributed_optimizer,
+                  recompute=recompute_name(run.recompute),
                   micro_batch_size=run.train.micro_batch_size)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from megamoe.config import ModelConfig
 from megamoe.model.flops import _attention_params, _ffn_params, _norm_params
+from megamoe.planning.activations import layer_values, recompute_config
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Layout:
     dp: int
     cp: int
     distributed_optimizer: bool
-    recompute: str  # none | full
+    recompute: str  # none | full | selective[:modules] (activations.recompute_config)
     micro_batch_size: int
 
 
@@ -110,35 +111,17 @@ def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2) -> dict[s
 
 def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes: int = 2
                      ) -> float:
-    """Saved activations on the first pipeline stage (it holds PP micro-batches in 1F1B)."""
-    h, d = model.hidden_size, model.kv_channels
-    nq, nkv = model.num_attention_heads, model.num_query_groups
+    """Saved activations on the first pipeline stage (it holds PP micro-batches in 1F1B):
+    per layer what activations.py counts for the layout's recompute mode."""
+    h = model.hidden_size
     tokens = seq_length // lay.cp * lay.micro_batch_size
-    attn = 3 * h + (nq + 2 * nkv) * d + 2 * nq * d  # norm/qkv/proj inputs, q k v, out + lse
-    per_layer = []
-    for i in range(model.num_layers):
-        if model.is_moe_layer(i):
-            m, f = model.moe, model.moe.ffn_hidden_size
-            fc1 = 2 * f if model.swiglu else f
-            # Per token copy: fc1's output and the (weighted) activation (moe/swiglu.py);
-            # the local path gathers rows inside fc1 and weights the activation, while the
-            # dispatcher path keeps the received rows and the expert outputs (for the
-            # combine weights), plus the all-to-all send/receive buffers (k x h each way).
-            copy = (fc1 + f) / lay.etp
-            if lay.ep > 1:
-                copy += 2 * h
-            elif not (model.swiglu or f <= h):
-                copy += h  # GELU experts wider than H weight the output
-            expert = m.topk * copy + (2 * m.topk * h if lay.ep > 1 else 0)
-            mlp = 2 * h + expert + m.num_experts * 4 / act_bytes  # fp32 router probs
-        else:
-            f = model.ffn_hidden_size
-            fc1 = 2 * f if model.swiglu else f
-            mlp = (2 * h + fc1 + f) / lay.tp
-        per_layer.append(attn / lay.tp + mlp)
+    recompute = recompute_config(lay.recompute)
+    kept = recompute if recompute.granularity != "full" else recompute_config("none")
+    per_layer = [layer_values(model, i, kept, tp=lay.tp, ep=lay.ep, etp=lay.etp,
+                              act_bytes=act_bytes) for i in range(model.num_layers)]
     layers_per_stage = model.num_layers / lay.pp
     mean_layer = sum(per_layer) / len(per_layer)
-    if lay.recompute == "full":  # only each layer's input, plus one layer being recomputed
+    if recompute.granularity == "full":  # each layer's input, plus one layer being replayed
         stage = layers_per_stage * h / lay.tp + max(per_layer)
     else:
         stage = layers_per_stage * mean_layer

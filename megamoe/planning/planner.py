@@ -18,7 +18,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from megamoe.config import ModelConfig
-from megamoe.model.flops import flops_per_token
+from megamoe.model.flops import flops_per_token, recompute_flops_per_token
+from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 
@@ -45,8 +46,9 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     """Seconds per global batch, by component."""
     tokens = global_batch_size * seq_length
     flops = flops_per_token(model) * tokens / hw.gpus
-    if lay.recompute == "full":
-        flops *= 4 / 3  # one more forward
+    # What recompute replays: one more forward of the recomputed modules.
+    recompute = recompute_config(lay.recompute)
+    flops += recompute_flops_per_token(model, recompute) * tokens / hw.gpus
     # Sharded GEMMs are smaller and run further from peak: ~5% per doubling of TP / ETP.
     eff = hw.gemm_efficiency * (1 - 0.05 * math.log2(lay.tp)) * (1 - 0.03 * math.log2(lay.etp))
     compute = flops / (hw.peak_tflops * 1e12 * eff)
@@ -68,6 +70,8 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
         # dispatch + combine, forward and backward: 4 all-to-alls of k copies of each token
         vol = 4 * model.moe.topk * local_tokens / lay.tp * h * 2 * (lay.ep - 1) / lay.ep
         a2a = vol * moe_local / bw(lay.ep * lay.etp)
+        if recompute.granularity == "full" or "moe" in recompute.selected:
+            a2a *= 1.5  # the replayed forward runs dispatch and combine again
     cp_comm = 0.0
     if lay.cp > 1:  # ring attention: K and V pass around the ring, forward and backward
         kv = 2 * model.num_query_groups * model.kv_channels
@@ -91,6 +95,12 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
             "cp_comm": cp_comm, "bubble": busy * bubble, "dp_comm": dp_comm, "p2p": p2p}
 
 
+def _recompute_modes(model: ModelConfig) -> list[str]:
+    """The recompute modes worth ranking (activations.RECOMPUTE_MODES, the MoE ones only
+    for a MoE model)."""
+    return [name for name in RECOMPUTE_MODES if model.moe is not None or "moe" not in name]
+
+
 def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_length: int,
                   gpus_per_node: int) -> list[Layout]:
     """Every layout megamoe's argument rules accept for this model and world size."""
@@ -111,7 +121,7 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
                 if (gpus // pp) % (ep * etp):  # expert-data-parallel size must be whole
                     continue
                 for mbs, dist_opt, rec in itertools.product((1, 2, 4), (False, True),
-                                                            ("none", "full")):
+                                                            _recompute_modes(model)):
                     if global_batch_size % (mbs * dp) or (dist_opt and dp * cp == 1):
                         continue
                     out.append(Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs))
@@ -153,6 +163,6 @@ def explain(r: dict, hw: Hardware) -> str:
     return (f"TP{lay['tp']} PP{lay['pp']} VPP{lay['vpp']} EP{lay['ep']} ETP{lay['etp']} "
             f"DP{lay['dp']} CP{lay['cp']} mbs{lay['micro_batch_size']}"
             f"{' distopt' if lay['distributed_optimizer'] else ''}"
-            f"{' recompute' if lay['recompute'] == 'full' else ''}: "
+            f"{'' if lay['recompute'] == 'none' else ' recompute ' + lay['recompute']}: "
             f"{r['memory_gb']['total']:.1f}/{hw.gpu_memory_gb:.0f} GB, "
             f"{t['total']:.2f} s/step, {r['tflops_per_gpu']:.0f} TFLOP/s/GPU ({shares})")

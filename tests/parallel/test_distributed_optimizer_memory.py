@@ -48,7 +48,7 @@ from megamoe.training.checkpoint.dist import AsyncDistSaver, save_dist_checkpoin
 from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules import forward_backward
 from tests.distributed import run_distributed
-from tests.memory_tracking import TensorMemoryTracker
+from tools.memory_tracking import TensorMemoryTracker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -37,6 +37,7 @@ from megamoe.moe.dispatchers.alltoall import AllToAllDispatcher
 from megamoe.moe.dispatchers.base import Experts, TokenDispatcher
 from megamoe.moe.dispatchers.expert_parallel import ExpertParallelDispatcher
 from megamoe.moe.dispatchers.local import LocalDispatcher
+from megamoe.parallel.checkpointing import is_recomputing
 from megamoe.parallel.comm import (
     all_gather_no_grad,
     all_to_all_uneven,
@@ -46,6 +47,10 @@ from megamoe.parallel.comm import (
 
 PARALLEL_MODES = ("ep", "dp", "tp")
 Params = dict[str, torch.Tensor]
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def mode_from_adaptive_r(r: int, ep_size: int) -> str:
@@ -165,7 +170,9 @@ class AdaptiveDispatcher(TokenDispatcher):
         probes = {name: p.detach().requires_grad_() for name, p in experts.named_parameters()}
         modes = self.modes()
         seconds = {m: float("inf") for m in modes}
-        with torch.enable_grad():
+        # Identity saved-tensor hooks: inside a checkpointed MoE layer the probes' graphs
+        # keep their own tensors (the checkpoint's hooks must not see them).
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             for i in range(1 + repeats):  # the first round warms up
                 for mode in modes:
                     dist.barrier(group=self.group)
@@ -195,7 +202,7 @@ class AdaptiveDispatcher(TokenDispatcher):
                              f"({experts.fc2_weight.shape[1]}) divisible by the "
                              f"expert-parallel size ({self.size})")
         self.last_mode = mode
-        if experts.training:
+        if experts.training and not is_recomputing():
             self.mode_counts[mode] += 1
         return self._run(x_TH, probs_TE, routing_map_TE, experts, mode)
 

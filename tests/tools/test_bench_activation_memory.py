@@ -1,0 +1,43 @@
+"""The activation memory benchmark runs end to end and the memory model of each recompute
+mode (megamoe/planning/activations.py) matches the bytes measured for it: within 5% on
+the tiny shape and on a scaled-down fine-grained one (the issue asks 25%; the model counts
+what megamoe's layers keep, so it can be held tighter), and recompute lowers them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_tiny_json_within_5_percent():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools",
+                                                       "bench_activation_memory.py"),
+                          "--shapes", "tiny", "--json", "--threads", "1", "--max-error", "0.05"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    modes = json.loads(out.stdout)["shapes"]["tiny"]["modes"]
+    assert set(modes) == {"none", "core_attn", "layernorm", "moe_act", "moe", "mlp",
+                          "shared_experts", "full"}
+    got = {m: v["measured_bytes_per_layer"] for m, v in modes.items()}
+    assert got["full"] < got["moe"] < got["moe_act"] < got["layernorm"] < got["none"]
+    assert got["mlp"] < modes["mlp"]["measured_bytes_per_layer_without_recompute"]
+    assert got["shared_experts"] < modes["shared_experts"][
+        "measured_bytes_per_layer_without_recompute"]
+
+
+def test_fine_grained_shape_within_5_percent():
+    sys.path.insert(0, ROOT)
+    from tools import bench_activation_memory as bench
+
+    shape = dict(E=32, k=8, H=128, F=32, S=128, heads=4, groups=2)
+    for mode in ("none", "moe_act", "layernorm", "moe", "full"):
+        config = bench.model_config(shape, 2)
+        measured = bench.measure(config, mode, torch.float32)
+        modelled = bench.modelled(config, mode, 4)
+        assert abs(measured / modelled - 1) <= 0.05, (mode, measured, modelled)
