@@ -31,10 +31,11 @@ from megamoe.config import (
     MoEExecutionConfig,
     OptimizerConfig,
     ParallelConfig,
+    RecomputeConfig,
 )
 from megamoe.model.gpt_model import GPTModel
 from megamoe.parallel.mesh import single_process_mesh
-from megamoe.parallelize import parallelize
+from megamoe.parallelize import apply_recompute, parallelize
 from megamoe.training.materialize import materialize
 from megamoe.training.optim import build_optimizer
 from megamoe.training.optim.distributed import DistributedOptimizer
@@ -139,3 +140,18 @@ def _tensor_metadata(shape, dtype):
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+
+
+@pytest.mark.parametrize("recompute", [
+    RecomputeConfig(granularity="full", method="uniform", num_layers=1),
+    RecomputeConfig(granularity="selective", modules=["core_attn", "mlp", "layernorm"])])
+def test_recompute_replays_on_the_device(recompute):
+    """Activation recompute's replay (checkpointed regions, output-discarding) makes and
+    reads every tensor on the device: a host tensor in the replay fails here."""
+    model, mesh = _parallelized(DENSE, torch.bfloat16)
+    apply_recompute(model, recompute)
+    with _fake_mode():
+        model = materialize(model, mesh, seed=1)
+        tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
+        model(tokens, labels=tokens).float().mean().backward()
+        assert all(p.grad is not None and p.grad.device == ACCEL for p in model.parameters())

@@ -117,13 +117,15 @@ def discard_saved(output: torch.Tensor, recompute: Callable[[], torch.Tensor]
     if not _wants_checkpoint() or output.numel() == 0 or not output.is_contiguous():
         yield
         return
-    # The hooks live as long as what they packed: they must not hold `output` itself.
-    ptr, base = output.untyped_storage().data_ptr(), output.storage_offset()
+    # The hooks live as long as what they packed: they must not hold `output` itself. The
+    # storage is told by its StorageImpl (shared by every view), not its data pointer
+    # (which fake and compiled tensors do not have).
+    ptr, base = output.untyped_storage()._cdata, output.storage_offset()
     device, dtype = output.device, output.dtype
     cache: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> Any:
-        if t.device == device and t.dtype == dtype and t.untyped_storage().data_ptr() == ptr:
+        if t.device == device and t.dtype == dtype and t.untyped_storage()._cdata == ptr:
             return _Discarded(t.size(), t.stride(), t.storage_offset() - base)
         return t
 
