@@ -1,13 +1,15 @@
 """LayerNorm / RMSNorm chosen by `config.normalization`.
 
 On a GPU, NVIDIA apex's fused kernels run them when apex is importable (the same math:
-statistics in fp32, output in the input's dtype); otherwise, and on the CPU, the portable
-path below. The parameters and checkpoints are the same either way.
+statistics in fp32, output in the input's dtype); otherwise, and on the CPU, torch's own
+(`F.rms_norm`, fused on CPU and CUDA; `nn.LayerNorm`). The parameters and checkpoints are
+the same either way.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
@@ -22,7 +24,11 @@ except Exception:  # noqa: BLE001 - absent, another package, or built without CU
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, statistics in fp32 (bf16 mean-of-squares loses too much)."""
+    """x / rms(x) * weight, statistics in fp32 (bf16 mean-of-squares loses too much).
+
+    torch's fused kernel computes in fp32 and rounds once at the end; Hugging Face's
+    Llama/Mixtral norm rounds the normalised input to the model dtype before the weight:
+    identical in fp32, one rounding apart in bf16."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__()
@@ -32,9 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and fused_rms_norm_affine is not None:
             return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
