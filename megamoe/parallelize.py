@@ -18,7 +18,9 @@ the seed, or on the meta device), then `parallelize` applies, in this order:
   6. the dropout streams: one per pipeline stage (and per TP rank for split activations);
   7. the dtype (bf16: the routers' expert bias stays fp32);
   8. activation recompute (--recompute-*): which layer groups (full) or modules
-     (selective) of this rank's layers keep only their inputs (parallel/checkpointing.py).
+     (selective) of this rank's layers keep only their inputs (parallel/checkpointing.py);
+  9. --compile: torch.compile each transformer layer in place (its parameters and state
+     dict keys stay as they are).
 
 Every step only slices, marks or wraps: the values of a shard are the single-process
 values at the same global position, so every layout computes what one process computes.
@@ -68,7 +70,8 @@ Group = Optional[dist.ProcessGroup]
 def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
                 moe: MoEExecutionConfig, *, seed: int,
                 dtype: torch.dtype = torch.float32,
-                recompute: Optional[RecomputeConfig] = None) -> nn.Module:
+                recompute: Optional[RecomputeConfig] = None,
+                compile_layers: bool = False) -> nn.Module:
     """This rank's part of `model` (a GPTModel, or with PP a PipelineModel of its stages),
     in the order of the module docstring. `seed` is --seed: the TP dropout stream and the
     per-stage dropout streams derive from it."""
@@ -93,6 +96,21 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
         model = model.to(dtype)
     if recompute is not None:
         apply_recompute(model, recompute)
+    if compile_layers:
+        compile_transformer_layers(model)
+    return model
+
+
+def compile_transformer_layers(model: nn.Module) -> nn.Module:
+    """Step 9, in place: `nn.Module.compile` on every transformer layer (attention, norms,
+    the MLP or MoE layer with its router, permutation and grouped GEMMs). Compilation
+    happens at the first call, per input shape. What the compiler cannot trace (a
+    collective, a host read of the dispatch sizes, the routing statistics) runs eagerly
+    between compiled pieces, so every layout and option works; the math is the eager
+    math up to fp32 rounding (tests/training/test_compile.py)."""
+    for m in model.modules():
+        if isinstance(m, TransformerLayer):
+            m.compile()
     return model
 
 

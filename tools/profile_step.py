@@ -102,6 +102,8 @@ def instrument(side: MegamoeSide) -> None:
             if isinstance(m, classes):
                 m.forward = _labelled(m.forward, label)
                 break
+        if isinstance(m, TopKRouter):  # the MoE layer calls route(), not forward()
+            m.route = _labelled(m.route, "router")
     gpt_model.lm_head = _labelled(gpt_model.lm_head, "loss")
     for name in ("_moe_scalars", "_dp_mean", "update_expert_biases"):
         setattr(loop, name, _labelled(getattr(loop, name), "statistics"))

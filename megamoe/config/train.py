@@ -37,6 +37,8 @@ class TrainConfig:
     # Megatron's torch.cuda.empty_cache() calls: >= 1 after each forward-backward (training
     # and evaluation), >= 2 also after the optimizer step (training/loop.py).
     empty_unused_memory_level: int = flag("--empty-unused-memory-level", 0)
+    # megamoe's extension (not a Megatron flag): torch.compile each transformer layer.
+    compile: bool = flag("--compile", False)
 
     def __post_init__(self) -> None:
         if self.rampup_batch_size is not None:

@@ -210,6 +210,10 @@ def resolve_backend(x_NK: torch.Tensor, w_EKM: torch.Tensor, backend: str = "aut
 _IMPLS = {"grouped_gemm": _mm_grouped_gemm, "torch": _mm_torch, "loop": _mm_loop}
 
 
+# Under --compile the grouped GEMMs stay eager calls between the compiled graphs: torch's
+# fake (tracing) kernel of _grouped_mm accepts bf16 only, and the backends' checks read
+# sizes and pointers. The kernel that runs is the same; what surrounds it is compiled.
+@torch.compiler.disable
 def grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, tokens_per_expert_E: Sizes,
                backend: str = "auto") -> torch.Tensor:
     """y_NM where rows of group e are multiplied by w_EKM[e]; differentiable in x and w.
@@ -262,6 +266,7 @@ class _GatherGroupedMM(torch.autograd.Function):
         return grad_x, None, grad_w, None
 
 
+@torch.compiler.disable
 def gather_grouped_mm(x_TK: torch.Tensor, token_indices_N: torch.Tensor, w_EKM: torch.Tensor,
                       tokens_per_expert_E: Sizes, backend: str = "auto") -> torch.Tensor:
     """grouped_mm(x_TK[token_indices_N], w_EKM) without keeping the gathered rows for

@@ -39,12 +39,13 @@ def build_model(run: RunConfig, mesh: Optional[Mesh] = None) -> torch.nn.Module:
     set_seed(seed)
     if run.model.moe is not None and run.moe_training.use_upcycling:
         model = parallelize(_upcycled(run), mesh, run.parallel, run.moe_execution,
-                            seed=seed, dtype=dtype, recompute=run.recompute)
+                            seed=seed, dtype=dtype, recompute=run.recompute,
+                            compile_layers=run.train.compile)
         return model.to(mesh.device)
     with torch.device("meta"):
         model = GPTModel(run.model)
     model = parallelize(model, mesh, run.parallel, run.moe_execution, seed=seed, dtype=dtype,
-                        recompute=run.recompute)
+                        recompute=run.recompute, compile_layers=run.train.compile)
     return materialize(model, mesh, seed, on_host=run.parallel.use_cpu_initialization)
 
 
