@@ -1,0 +1,116 @@
+"""--overlap-grad-reduce / --ddp-bucket-size / --overlap-param-gather: every layout trains
+to the losses and grad norms of the same layout without overlap (fp32, rel <= 1e-5, two
+micro-batches per rank and step, several buckets); the flags' rules stop in one line.
+The timing evidence (buckets launched during the backward, gathers waited during the
+forward) is in tests/parallel/test_overlap_timing.py."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+import megamoe.training.pretrain as pretrain_module
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.main import pretrain
+from megamoe.moe.losses import MoELossTracker
+from tests.distributed import run_distributed
+from tests.flags import parse_error
+from tests.training.test_pretrain import TINY_MOE
+
+EXTRA = "--train-iters 3 --clip-grad 0.05"
+KEYS = ("lm loss", "load_balancing_loss", "z_loss", "grad norm")
+# a few thousand elements: the tiny MoE's dense and expert parameters fill several buckets
+OVERLAP = "--overlap-grad-reduce --ddp-bucket-size 3000"
+
+
+def _history(args: str, world_size: int, base: str) -> list[dict]:
+    MoELossTracker.clear()
+    parsed = parse_args(shlex.split(f"{base} {EXTRA} {args}"), world_size=world_size)
+    return pretrain(parsed, print_fn=lambda _m: None).history
+
+
+def _worker(rank: int, world_size: int, extra: str, overlap: str, base: str
+            ) -> tuple[list, list]:
+    """The layout without, then with overlap, in the same process group (the first run
+    leaves it up for the second)."""
+    original = pretrain_module.destroy_mesh
+    pretrain_module.destroy_mesh = lambda _mesh: None
+    try:
+        plain = _history(extra, world_size, base)
+    finally:
+        pretrain_module.destroy_mesh = original
+    return plain, _history(f"{extra} {overlap}", world_size, base)
+
+
+def _check(extra: str, world_size: int, overlap: str = OVERLAP,
+           keys: tuple[str, ...] = KEYS, base: str = TINY_MOE) -> None:
+    for rank, (plain, overlapped) in enumerate(run_distributed(_worker, world_size, 300,
+                                                               extra, overlap, base)):
+        assert len(plain) == len(overlapped) == 3
+        for a, b in zip(plain, overlapped):
+            for k in keys:
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (rank, k, plain, overlapped)
+
+
+def test_dp2_overlap_grad_reduce_matches_no_overlap():
+    _check("", 2)
+
+
+@pytest.mark.slow
+def test_dp2_distributed_optimizer_overlap_param_gather_matches():
+    _check("--use-distributed-optimizer", 2, f"{OVERLAP} --overlap-param-gather")
+
+
+@pytest.mark.slow
+def test_ep2_x_dp2_distributed_optimizer_overlap_matches():
+    _check("--use-distributed-optimizer --expert-model-parallel-size 2 "
+           "--moe-token-dispatcher-type alltoall", 4, f"{OVERLAP} --overlap-param-gather")
+
+
+@pytest.mark.slow
+def test_ep2_x_dp2_overlap_grad_reduce_matches():
+    _check("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall", 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist_opt", ["", "--use-distributed-optimizer"])
+def test_tp2_sp_x_dp2_overlap_matches(dist_opt):
+    gather = " --overlap-param-gather" if dist_opt else ""
+    _check(f"--tensor-model-parallel-size 2 --sequence-parallel {dist_opt}", 4,
+           OVERLAP + gather)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist_opt", ["", "--use-distributed-optimizer"])
+def test_pp2_x_dp2_tied_embeddings_overlap_matches(dist_opt):
+    # tied embedding on both stages: its gradient summed over the embedding group after
+    # the data-parallel reduction (with the distributed optimizer: its own bucket)
+    gather = " --overlap-param-gather" if dist_opt else ""
+    tied = TINY_MOE.replace("--untie-embeddings-and-output-weights", "")
+    _check(f"--pipeline-model-parallel-size 2 {dist_opt}", 4, OVERLAP + gather, base=tied)
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_x_dp2_overlap_matches():
+    _check("--num-layers 4 --pipeline-model-parallel-size 2 "
+           "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 16", 4)
+
+
+@pytest.mark.slow
+def test_dp2_balancing_losses_and_expert_bias_overlap_matches():
+    """seq aux loss + z-loss, aux-loss-free expert bias (sigmoid router), capacity drops."""
+    _check("--moe-router-load-balancing-type seq_aux_loss --moe-router-score-function "
+           "sigmoid --moe-router-enable-expert-bias --moe-expert-capacity-factor 1.5", 2,
+           keys=("lm loss", "seq_load_balancing_loss", "z_loss", "grad norm"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--overlap-param-gather --overlap-grad-reduce",
+     "--overlap-param-gather needs --use-distributed-optimizer"),
+    ("--overlap-param-gather --use-distributed-optimizer",
+     "--overlap-param-gather needs --overlap-grad-reduce"),
+    ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size must be positive"),
+])
+def test_overlap_flag_rules_are_one_line(capsys, flags, message):
+    assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {flags}", 2)
