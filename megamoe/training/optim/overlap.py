@@ -215,34 +215,58 @@ class GradReduceOverlap:
 class ParamGatherOverlap:
     """The distributed optimizer's parameter all-gathers, overlapped with the next forward
     (module doc). `starts[i]()` launches bucket i's all-gather (async) and returns its work;
-    `params[i]` are the bucket's parameters."""
+    `params[i]` are the bucket's parameters.
+
+    A forward pre-hook on each module owning parameters waits, before the module runs, for
+    the buckets holding them and every bucket launched before those. Modules owning
+    parameters whose forward never runs (weight holders: the untied output layer, whose
+    weight lm_head reads) are found on the first forward, which always precedes the first
+    gather (it runs on the initial parameters); their buckets are launched first and
+    waited for by the first module the forward calls, so no parameter is read before its
+    gather is complete."""
 
     def __init__(self, model: torch.nn.Module, params: list[list[torch.nn.Parameter]],
                  starts: list[Callable[[], Work]]) -> None:
         self.starts = starts
         self.events: Optional[list] = None
         position = {id(p): i for i, p in enumerate(model.parameters())}
-        first = [min(position[id(p)] for p in ps) for ps in params]
-        # buckets in the order the forward first needs them
-        self.order = sorted(range(len(params)), key=lambda i: first[i])
-        rank_in_order = {b: k for k, b in enumerate(self.order)}
+        self._first = [min(position[id(p)] for p in ps) for ps in params]
         bucket_of = {id(p): i for i, ps in enumerate(params) for p in ps}
-        self._pending: list[tuple[int, Work]] = []  # (bucket, work), in forward order
+        self._owned: dict[int, set[int]] = {}  # module -> buckets holding its parameters
         for module in model.modules():
-            own = [bucket_of[id(p)] for p in module.parameters(recurse=False)
-                   if id(p) in bucket_of]
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)
+                   if id(p) in bucket_of}
             if own:
-                module.register_forward_pre_hook(
-                    self._pre_hook(max(rank_in_order[b] for b in own)))
+                self._owned[id(module)] = own
+                module.register_forward_pre_hook(self._pre_hook)
+        self._called: Optional[set[int]] = set()  # modules run so far; None once ordered
+        self.order: list[int] = []  # launch order of the buckets
+        self._upto: dict[int, int] = {}  # module -> last position in `order` it waits for
+        self._pending: list[tuple[int, Work]] = []  # (position in order, work)
 
-    def _pre_hook(self, upto: int) -> Callable:
-        def hook(_module: torch.nn.Module, _args) -> None:
-            self._wait(upto)
-        return hook
+    def _pre_hook(self, module: torch.nn.Module, _args) -> None:
+        if self._called is not None:  # before the first launch: nothing is in flight
+            self._called.add(id(module))
+        elif self._pending:
+            self._wait(self._upto[id(module)])
+
+    def _fix_order(self) -> None:
+        """Weight holders' buckets first, then the rest in the order the forward needs."""
+        called = self._called or set()
+        holders = {b for m, own in self._owned.items() if m not in called for b in own}
+        rest = [b for b in range(len(self.starts)) if b not in holders]
+        self.order = (sorted(holders, key=lambda b: self._first[b])
+                      + sorted(rest, key=lambda b: self._first[b]))
+        at = {b: k for k, b in enumerate(self.order)}
+        self._upto = {m: max([at[b] for b in own] + [len(holders) - 1])
+                      for m, own in self._owned.items()}
+        self._called = None
 
     def launch(self) -> None:
-        """After the update: start every bucket's all-gather, in forward order."""
+        """After the update: start every bucket's all-gather."""
         self.wait()
+        if self._called is not None:
+            self._fix_order()
         for k, b in enumerate(self.order):
             self._pending.append((k, self.starts[b]()))
             self._record("gather_launch", b)
