@@ -40,7 +40,25 @@ def _worker(rank: int, world_size: int, extra: str, overlap: str, base: str
         plain = _history(extra, world_size, base)
     finally:
         pretrain_module.destroy_mesh = original
-    return plain, _history(f"{extra} {overlap}", world_size, base)
+    built = []
+    original_build = pretrain_module.build_optimizer
+
+    def spy(*args, **kwargs):
+        built.append(original_build(*args, **kwargs))
+        built[-1].grad_sync.events = []
+        return built[-1]
+
+    pretrain_module.build_optimizer = spy
+    try:
+        overlapped = _history(f"{extra} {overlap}", world_size, base)
+    finally:
+        pretrain_module.build_optimizer = original_build
+    kinds = [kind for kind, _b, _t in built[0].grad_sync.events]
+    # every bucket of every step launched from the backward (the schedule said which
+    # micro-batch was the last), none left for the step to launch
+    assert kinds.count("launch") == 3 * len(built[0].grad_sync.buckets), kinds
+    assert "late_launch" not in kinds
+    return plain, overlapped
 
 
 def _check(extra: str, world_size: int, overlap: str = OVERLAP,

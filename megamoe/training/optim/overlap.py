@@ -28,8 +28,9 @@ late layers' gathers complete while the early layers compute. `wait()` finishes 
 and is called before anything else reads the parameters (the next step, evaluation,
 checkpoints, the end of training).
 
-`events`, when set to a list, records ("launch" | "wait" | "gather_launch" | "gather_wait",
-bucket, time.perf_counter()) for the tests that show the overlap.
+`events`, when set to a list, records ("launch" | "late_launch" (from finish) | "wait" |
+"gather_launch" | "gather_wait", bucket, time.perf_counter()) for the tests that show the
+overlap.
 """
 
 from __future__ import annotations
@@ -177,14 +178,14 @@ class GradReduceOverlap:
             self._launch(bucket)
 
     @torch.no_grad()
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket, kind: str = "launch") -> None:
         if self.check_nan:  # this rank's own gradients, before the collective
             local = torch.linalg.vector_norm(bucket.flat_grad, dtype=torch.float32)
             self._bad |= ~torch.isfinite(local)
         bucket.launched = True
         bucket.work = bucket.start()
         self._launch_order.append(bucket)
-        self._record("launch", bucket)
+        self._record(kind, bucket)
 
     @torch.no_grad()
     def finish(self) -> torch.Tensor:
@@ -192,8 +193,8 @@ class GradReduceOverlap:
         this rank's local gradients held a NaN/Inf (a 0-d device bool; False unchecked).
         Resets for the next step."""
         for bucket in self.buckets:
-            if not bucket.launched:
-                self._launch(bucket)
+            if not bucket.launched:  # none of its parameters got a gradient this step
+                self._launch(bucket, "late_launch")
         for bucket in self._launch_order:
             if bucket.work is not None:
                 bucket.work.wait()
