@@ -18,7 +18,7 @@ from tests.distributed import run_distributed
 from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
 
-EXTRA = "--train-iters 3 --clip-grad 0.05"
+EXTRA = "--clip-grad 0.05"
 KEYS = ("lm loss", "load_balancing_loss", "z_loss", "grad norm")
 # a few thousand elements: the tiny MoE's dense and expert parameters fill several buckets
 OVERLAP = "--overlap-grad-reduce --ddp-bucket-size 3000"
@@ -34,6 +34,7 @@ def _worker(rank: int, world_size: int, extra: str, overlap: str, base: str
             ) -> tuple[list, list]:
     """The layout without, then with overlap, in the same process group (the first run
     leaves it up for the second)."""
+    extra = f"--train-iters 3 {extra}"
     original = pretrain_module.destroy_mesh
     pretrain_module.destroy_mesh = lambda _mesh: None
     try:
@@ -132,3 +133,36 @@ def test_dp2_balancing_losses_and_expert_bias_overlap_matches():
 ])
 def test_overlap_flag_rules_are_one_line(capsys, flags, message):
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {flags}", 2)
+
+
+def _resume_worker(rank: int, world_size: int, root: str) -> dict[str, list[float]]:
+    """A straight run; checkpoints at iteration 2 saved with overlap and resumed without,
+    and the other way round (one process group for all five runs)."""
+    dist_opt = "--use-distributed-optimizer --train-iters 4"
+    overlap = f"{OVERLAP} --overlap-param-gather"
+    runs = {"straight": dist_opt,
+            "save_on": f"{dist_opt} {overlap} --exit-interval 2 --save {root}/on "
+                       "--save-interval 2",
+            "resume_off": f"{dist_opt} --load {root}/on",
+            "save_off": f"{dist_opt} --exit-interval 2 --save {root}/off --save-interval 2",
+            "resume_on": f"{dist_opt} {overlap} --load {root}/off"}
+    original = pretrain_module.destroy_mesh
+    pretrain_module.destroy_mesh = lambda _mesh: None
+    try:
+        return {name: [h["lm loss"] for h in _history(flags, world_size, TINY_MOE)]
+                for name, flags in runs.items()}
+    finally:
+        pretrain_module.destroy_mesh = original
+
+
+@pytest.mark.slow
+def test_checkpoints_load_across_overlap_on_and_off(tmp_path):
+    """torch_dist checkpoints are per parameter: the distributed optimizer's per-bucket
+    shards (overlap) and whole-buffer shards (no overlap) load into each other."""
+    for runs in run_distributed(_resume_worker, 2, 300, str(tmp_path)):
+        straight = runs["straight"]
+        assert len(straight) == 4
+        for name in ("resume_off", "resume_on"):
+            assert len(runs[name]) == 2
+            for a, b in zip(straight[2:], runs[name]):
+                assert abs(a - b) <= 1e-5 * abs(a), (name, runs)
