@@ -9,11 +9,19 @@ from __future__ import annotations
 import shlex
 
 import pytest
+import torch
 
 import megamoe.training.pretrain as pretrain_module
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.main import pretrain
+from megamoe.cli.mapping import run_config_from_args
 from megamoe.moe.losses import MoELossTracker
+from megamoe.parallel.mesh import single_process_mesh
+from megamoe.training.build import build_model
+from megamoe.training.loop import train_step
+from megamoe.training.optim import build_optimizer
+from megamoe.training.optim.overlap import OverlapOptions
+from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
 from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
@@ -166,3 +174,32 @@ def test_checkpoints_load_across_overlap_on_and_off(tmp_path):
             assert len(runs[name]) == 2
             for a, b in zip(straight[2:], runs[name]):
                 assert abs(a - b) <= 1e-5 * abs(a), (name, runs)
+
+
+@pytest.mark.parametrize("precision", ["", "--bf16"])
+def test_overlap_adds_no_host_sync_and_keeps_the_single_process_step(precision):
+    """One process (buckets without collectives): the same losses and grad norms as
+    without overlap (bf16: fp32 main gradients in the buckets) and no extra host sync."""
+    from tests.moe.test_host_syncs import HostSyncCounter
+    from tests.training.test_nan_check import _batches
+
+    results = {}
+    for overlap in (None, OverlapOptions(3000)):
+        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 {precision}"),
+                          world_size=1)
+        run = run_config_from_args(args, 97)
+        mesh = single_process_mesh(torch.device("cpu"))
+        model = build_model(run, mesh)
+        opt = build_optimizer(model, run.optim, mesh=mesh, overlap=overlap)
+        assert (opt.grad_sync is None) == (overlap is None)
+        scheduler = LRScheduler(opt, run.optim, run.train.train_iters)
+        data = _batches(0)
+        history = [train_step(run, mesh, model, opt, scheduler, data, 1)]
+        with HostSyncCounter() as counter:
+            history.append(train_step(run, mesh, model, opt, scheduler, data, 2))
+        results[overlap is None] = (history, counter.total)
+    (plain, syncs_plain), (overlapped, syncs) = results[True], results[False]
+    assert syncs == syncs_plain
+    for a, b in zip(plain, overlapped):
+        for k in KEYS:
+            assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, plain, overlapped)
