@@ -149,7 +149,9 @@ def _check_gather_overlap(r: dict) -> None:
                                                                first_layer)
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["allreduce", "distopt"])
+@pytest.mark.parametrize("distributed", [
+    pytest.param(False, marks=pytest.mark.slow, id="allreduce"),  # (the default set: one)
+    pytest.param(True, id="distopt")])
 def test_buckets_reduce_during_backward_and_gather_during_forward(distributed):
     for r in run_distributed(_worker, 2, 120, distributed):
         _check_grad_overlap(r)
