@@ -88,7 +88,8 @@ if [ "$NGPU" -ge 2 ]; then
                 "ep2_allgather:--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather" \
                 "pp2_1f1b:--pipeline-model-parallel-size 2" \
                 "pp2_interleaved:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" \
-                "dp2_distopt:--use-distributed-optimizer"; do
+                "dp2_distopt:--use-distributed-optimizer" \
+                "dp2_distopt_overlap:--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000"; do
     name=${layout%%:*}
     # shellcheck disable=SC2086
     check "${name}_run" history "$WORK/$name.json" 2 "${TINY[@]}" "${ITERS[@]}" ${layout#*:}

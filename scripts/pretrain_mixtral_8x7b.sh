@@ -115,8 +115,9 @@ MODEL_PARALLEL_ARGS=(
   --pipeline-model-parallel-size "$PP"
   --sequence-parallel           # needed by MoE with TP > 1; ignored (as in Megatron) at TP 1
 )
+MODEL_PARALLEL_ARGS+=(--overlap-grad-reduce)  # gradient buckets reduced during backward
 if [ "$DIST_OPT" = "1" ]; then
-  MODEL_PARALLEL_ARGS+=(--use-distributed-optimizer)
+  MODEL_PARALLEL_ARGS+=(--use-distributed-optimizer --overlap-param-gather)
 fi
 
 LOGGING_ARGS=(

@@ -138,7 +138,8 @@ MIXTRAL_SCRIPT = """
 --micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 3 --lr-decay-iters 3
 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 1 --clip-grad 1.0
 --bf16 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --sequence-parallel
---use-distributed-optimizer --log-interval 1 --eval-interval 1000 --eval-iters 1
+--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+--log-interval 1 --eval-interval 1000 --eval-iters 1
 --no-load-optim --no-load-rng
 """
 

@@ -227,6 +227,10 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
         ("--num-layers 4 --pipeline-model-parallel-size 2 "
          "--decoder-last-pipeline-num-layers 1", 2, 1),
     "--use-distributed-optimizer": ("--use-distributed-optimizer", 2, True),
+    "--overlap-grad-reduce": ("--overlap-grad-reduce", 2, True),
+    "--overlap-param-gather": ("--use-distributed-optimizer --overlap-grad-reduce "
+                               "--overlap-param-gather", 2, True),
+    "--ddp-bucket-size": ("--overlap-grad-reduce --ddp-bucket-size 1000", 2, 1000),
     "--use-cpu-initialization": ("--use-cpu-initialization", 1, True),
     "--distributed-backend": ("--distributed-backend gloo", 1, "gloo"),
     "--distributed-timeout-minutes": ("--distributed-timeout-minutes 3", 1, 3.0),

@@ -22,6 +22,13 @@ class ParallelConfig:
                                                       None)  # None = TP
     sequence_parallel: bool = flag("--sequence-parallel", False)
     use_distributed_optimizer: bool = flag("--use-distributed-optimizer", False)
+    # Megatron's DDP options (training/optim/overlap.py): data-parallel gradient reduction
+    # in buckets launched from the backward as each fills, the distributed optimizer's
+    # parameter all-gather overlapped with the next forward, and the bucket size in
+    # elements (None: Megatron's max(40M, 1M x DP) when overlapping, else one bucket).
+    overlap_grad_reduce: bool = flag("--overlap-grad-reduce", False)
+    overlap_param_gather: bool = flag("--overlap-param-gather", False)
+    ddp_bucket_size: Optional[int] = flag("--ddp-bucket-size", None)
     world_size: int = derived("WORLD_SIZE (torchrun's environment)", 1)
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         "--num-layers-per-virtual-pipeline-stage", None)
@@ -79,7 +86,8 @@ class ParallelConfig:
                        "context_parallel_size", "expert_model_parallel_size",
                        "expert_tensor_parallel_size", "world_size",
                        "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage",
-                       "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                       "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                       "ddp_bucket_size")
         tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                       self.context_parallel_size)
         ep, etp = self.expert_model_parallel_size, self.etp
@@ -93,6 +101,11 @@ class ParallelConfig:
                 f"--pipeline-model-parallel-size ({pp})")
         require(etp in (1, tp), f"not supported yet: --expert-tensor-parallel-size {etp} "
                                 f"other than 1 or --tensor-model-parallel-size ({tp})")
+        if self.overlap_param_gather:  # Megatron's asserts in arguments.py
+            require(self.use_distributed_optimizer,
+                    "--overlap-param-gather needs --use-distributed-optimizer")
+            require(self.overlap_grad_reduce,
+                    "--overlap-param-gather needs --overlap-grad-reduce")
         backend = self.distributed_backend
         require(backend is None or backend in BACKENDS,
                 f"--distributed-backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

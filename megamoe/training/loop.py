@@ -88,7 +88,8 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
-    lm_loss = forward_backward(model, data_iter, n_micro)
+    lm_loss = forward_backward(model, data_iter, n_micro,
+                               grad_sync=getattr(optimizer, "grad_sync", None))
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging
@@ -217,6 +218,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     while state.iteration < t.train_iters:
         gbs = t.global_batch_size_at(state.consumed_train_samples)
         if gbs != batch_size and save_fn is not None and saved_at != state.iteration:
+            optimizer.wait_param_gather()
             save_fn(state)
         batch_size = gbs
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
@@ -233,15 +235,18 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
         if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+            optimizer.wait_param_gather()  # (--overlap-param-gather) parameters up to date
             loss = evaluate(run, mesh, model, valid_iter)
             report_validation(state.iteration, loss, logger, mesh, print_fn)
             state.history[-1]["valid lm loss"] = loss
         if save_fn is not None and save_interval and state.iteration % save_interval == 0:
+            optimizer.wait_param_gather()
             save_fn(state)
             saved_at = state.iteration
         state.exit_reason = exits.reason(state.iteration)
         if state.exit_reason is not None:
             break
+    optimizer.wait_param_gather()  # whatever runs next reads the trained parameters
     return state
 
 

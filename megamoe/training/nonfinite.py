@@ -53,6 +53,11 @@ class NonFiniteCheck:
             total = torch.stack([n.float() for n in norms]).sum()
             self.grads_bad = ~torch.isfinite(total.to(self.grads_bad.device))
 
+    def see_local_verdict(self, bad: torch.Tensor) -> None:
+        """The verdict on this rank's gradients taken before each bucket's collective
+        (--overlap-grad-reduce: they are reduced during the backward; overlap.py)."""
+        self.grads_bad = bad.to(self.grads_bad.device)
+
     def _agreed(self) -> torch.Tensor:
         """[first rank with a bad loss, first rank with bad gradients] (the world size
         where none), the same on every rank: one all-reduce over all ranks."""

@@ -23,6 +23,7 @@ from megamoe.training.exits import ExitConditions
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
 from megamoe.training.metrics import MetricsLogger
 from megamoe.training.optim import build_optimizer
+from megamoe.training.optim.overlap import OverlapOptions, bucket_numel
 from megamoe.training.schedules.lr import LRScheduler
 
 Log = Callable[[str], None]
@@ -63,7 +64,8 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
     model = build_model(run, mesh)
     _log_model(run, mesh, model, log)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
-                                distributed=run.parallel.use_distributed_optimizer)
+                                distributed=run.parallel.use_distributed_optimizer,
+                                overlap=_overlap(run, mesh))
     t = run.train
     scheduler = LRScheduler(optimizer, run.optim, t.train_iters, t.global_batch_size,
                             t.train_samples)
@@ -91,6 +93,16 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
         if logger is not None:
             logger.close()
     return state
+
+
+def _overlap(run: RunConfig, mesh: Mesh) -> Optional[OverlapOptions]:
+    """--overlap-grad-reduce (--ddp-bucket-size, --overlap-param-gather)."""
+    p = run.parallel
+    if not p.overlap_grad_reduce:
+        return None
+    return OverlapOptions(bucket_numel(p.ddp_bucket_size, mesh.dp_size),
+                          check_nan=run.train.check_for_nan_in_loss_and_grad,
+                          param_gather=p.overlap_param_gather)
 
 
 def _log_model(run: RunConfig, mesh: Mesh, model: torch.nn.Module, log: Log) -> None:

@@ -175,6 +175,12 @@ def test_check_off_skips_the_step_and_trains_on(monkeypatch, kind, nan_iters):
     # so this names rank 1 only if the check looks before the reduction
     ("inf-grad:2:1", "", "the gradients"),
     ("inf-grad:2:1", "--use-distributed-optimizer", "the gradients"),
+    # the same with the buckets reduced during the backward: each checked before its
+    # collective is launched
+    ("inf-grad:2:1", "--overlap-grad-reduce --ddp-bucket-size 3000", "the gradients"),
+    pytest.param("inf-grad:2:1", "--use-distributed-optimizer --overlap-grad-reduce "
+                 "--overlap-param-gather --ddp-bucket-size 3000", "the gradients",
+                 marks=pytest.mark.slow),
     # PP=2: the loss is the last stage's (rank 1); the first stage gets an all-reduced copy
     ("nan-loss:2:1", "--pipeline-model-parallel-size 2", "the loss"),
 ])

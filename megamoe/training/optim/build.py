@@ -1,5 +1,6 @@
 """The optimizer of a run: the plain fp32-main one, or the distributed one (ZeRO-1), with
-gradient reduction and norm wired to the mesh's groups."""
+gradient reduction and norm wired to the mesh's groups, optionally overlapped with the
+backward and the forward (overlap.py)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,41 @@ from megamoe.parallel.mesh import Mesh
 from megamoe.training.optim.distributed import DistributedOptimizer
 from megamoe.training.optim.grads import model_parallel_grad_norm, reduce_gradients
 from megamoe.training.optim.mixed_precision import MixedPrecisionOptimizer, ReduceGradsFn
+from megamoe.training.optim.overlap import OverlapOptions
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
                     reduce_grads_fn: Optional[ReduceGradsFn] = None,
-                    mesh: Optional[Mesh] = None, distributed: bool = False):
+                    mesh: Optional[Mesh] = None, distributed: bool = False,
+                    overlap: Optional[OverlapOptions] = None):
     """With a `mesh` (and no explicit `reduce_grads_fn`), gradients are reduced over its TP,
     DP and EDP groups and the grad norm counts every parameter once across TP, EP and PP.
     `distributed` (--use-distributed-optimizer) shards main params and states over DP /
-    EDP (distributed.py); with one rank in both it is this same optimizer."""
+    EDP (distributed.py); with one rank in both it is this same optimizer. `overlap`
+    (--overlap-grad-reduce, with a mesh) reduces the data-parallel gradients in buckets
+    launched from the backward; its `param_gather` needs the distributed optimizer."""
+    if mesh is None or reduce_grads_fn is not None:
+        overlap = None
     if distributed and mesh is not None and reduce_grads_fn is None and (
             mesh.dp_size > 1 or mesh.edp_size > 1):
         return DistributedOptimizer(
             model, config, tp_group=mesh.group("tp"), dp_group=mesh.group("dp"),
             pp_group=mesh.group("pp"), embd_group=mesh.group("embd"),
             ep_group=mesh.group("ep"), edp_group=mesh.group("edp"),
-            etp_group=mesh.group("etp"))
-    opt = MixedPrecisionOptimizer(model, config, reduce_grads_fn)
+            etp_group=mesh.group("etp"), overlap=overlap)
+    if overlap is not None and overlap.param_gather:  # one rank per shard: nothing to gather
+        overlap = OverlapOptions(overlap.bucket_size, overlap.check_nan)
+    opt = MixedPrecisionOptimizer(
+        model, config, reduce_grads_fn, overlap=overlap,
+        dp_group=None if mesh is None else mesh.group("dp"),
+        edp_group=None if mesh is None else mesh.group("edp"))
     if mesh is not None and reduce_grads_fn is None:
         params = opt.model_params  # aligned with the grads the hooks receive
-        tp, dp, pp = mesh.group("tp"), mesh.group("dp"), mesh.group("pp")
-        embd, edp, ep = mesh.group("embd"), mesh.group("edp"), mesh.group("ep")
-        etp = mesh.group("etp")
+        tp, pp = mesh.group("tp"), mesh.group("pp")
+        # with overlap the data-parallel part already ran in the buckets
+        dp, edp = (None, None) if overlap is not None else (mesh.group("dp"),
+                                                            mesh.group("edp"))
+        embd, ep, etp = mesh.group("embd"), mesh.group("ep"), mesh.group("etp")
         opt.model_parallel_groups = (tp, pp, ep, etp)
         opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
                                                              embd_group=embd, edp_group=edp)

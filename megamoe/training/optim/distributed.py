@@ -45,19 +45,38 @@ from megamoe.training.optim.common import (
 )
 from megamoe.training.optim.flat_shards import FlatShards, Piece
 from megamoe.training.optim.grads import clip_coefficient, sum_marked
+from megamoe.training.optim.overlap import (
+    Bucket,
+    GradReduceOverlap,
+    OverlapOptions,
+    ParamGatherOverlap,
+    backward_order,
+    split_buckets,
+)
 
 Group = Optional[dist.ProcessGroup]
 ParamStates = list[Optional[dict[str, torch.Tensor]]]
 
 
-def _shard_groups(params: list[torch.nn.Parameter], dp_group: Group, edp_group: Group
+def _shard_groups(params: list[torch.nn.Parameter], dp_group: Group, edp_group: Group,
+                  order: Optional[list[int]] = None, bucket_size: Optional[int] = None
                   ) -> list[FlatShards]:
-    """One FlatShards per (dense | expert, dtype), in order of first appearance."""
+    """One FlatShards per (dense | expert, dtype), in order of first appearance. With a
+    `bucket_size` (--overlap-grad-reduce) one per bucket of each, the parameters in `order`
+    (the backward's) and each bucket sharded on its own, as Megatron's: a tied embedding
+    alone in its bucket, so the first and last pipeline stage shard it the same way and
+    its reduce-scattered shards can be summed over the embedding group."""
     split: dict[tuple[bool, torch.dtype], list[tuple[int, torch.nn.Parameter]]] = {}
-    for i, p in enumerate(params):
+    for i in range(len(params)) if order is None else order:
+        p = params[i]
         split.setdefault((bool(getattr(p, "expert_parallel", False)), p.dtype), []).append((i, p))
-    return [FlatShards(members, edp_group if expert else dp_group, expert)
-            for (expert, _), members in split.items()]
+    if bucket_size is None:
+        return [FlatShards(members, edp_group if expert else dp_group, expert)
+                for (expert, _), members in split.items()]
+    return [FlatShards(part, edp_group if expert else dp_group, expert)
+            for (expert, _), members in split.items()
+            for part in split_buckets(members, lambda m: m[1].numel(), bucket_size,
+                                      lambda m: getattr(m[1], "shared_embedding", False))]
 
 
 class DistributedOptimizer:
@@ -66,7 +85,10 @@ class DistributedOptimizer:
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig, *, tp_group: Group,
                  dp_group: Group, pp_group: Group = None, embd_group: Group = None,
                  ep_group: Group = None, edp_group: Group = None,
-                 etp_group: Group = None) -> None:
+                 etp_group: Group = None, overlap: Optional[OverlapOptions] = None) -> None:
+        """`overlap` (--overlap-grad-reduce): one FlatShards per bucket, reduce-scattered
+        from the backward; with `overlap.param_gather` the all-gathers overlap the next
+        forward (overlap.py)."""
         self.config = config
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.embd_group, self.ep_group, self.edp_group = embd_group, ep_group, edp_group
@@ -74,7 +96,11 @@ class DistributedOptimizer:
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
-        self.buffers = _shard_groups(self.model_params, dp_group, edp_group)
+        self.buffers = _shard_groups(
+            self.model_params, dp_group, edp_group,
+            None if overlap is None else backward_order(model, self.model_params),
+            None if overlap is None else overlap.bucket_size)
+        self.grad_sync, self.param_gather = self._overlap(model, overlap)
         self.grad_buffers = [buf.grad_buffer for buf in self.buffers]
         self._where = {i: (buf, k) for buf in self.buffers
                        for k, (i, _) in enumerate(buf.params)}
@@ -87,6 +113,28 @@ class DistributedOptimizer:
         if not main_groups:  # a rank whose shards are empty still steps (no-op)
             main_groups = [{"params": [torch.zeros(0, device="cpu")]}]  # nothing to place
         self.optimizer = build_inner_optimizer(main_groups, config)
+
+    def _overlap(self, model: torch.nn.Module, overlap: Optional[OverlapOptions]
+                 ) -> tuple[Optional[GradReduceOverlap], Optional[ParamGatherOverlap]]:
+        if overlap is None:
+            return None, None
+        dp_size = group_size(self.dp_group)
+        buckets = [Bucket([p for _, p in buf.params], buf.grad_buffer, buf.start_reduce_scatter,
+                          lambda shard=buf.grad_shard: shard.div_(dp_size))
+                   for buf in self.buffers]
+        device = self.buffers[0].grad_buffer.device
+        grads = GradReduceOverlap(buckets, overlap.check_nan, device)
+        params = None
+        if overlap.param_gather:
+            params = ParamGatherOverlap(model, [b.params for b in buckets],
+                                        [buf.start_all_gather_params for buf in self.buffers])
+        return grads, params
+
+    def wait_param_gather(self) -> None:
+        """Wait for the overlapped all-gathers of the last update (--overlap-param-gather):
+        before anything but the forward's pre-hooks reads or writes the parameters."""
+        if self.param_gather is not None:
+            self.param_gather.wait()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -103,6 +151,8 @@ class DistributedOptimizer:
             p.grad = None
         for buf in self.buffers:
             buf.zero_grad()
+        if self.grad_sync is not None:
+            self.grad_sync.reset()
 
     def _grad_views(self) -> list[torch.Tensor]:
         """Each model parameter's gradient: its view of the grad buffer."""
@@ -155,6 +205,7 @@ class DistributedOptimizer:
     def params_norm(self) -> float:
         """L2 norm of all parameters: the fp32 main slices, summed over the shard groups
         (Megatron's calc_params_l2_norm of sharded main params)."""
+        self.wait_param_gather()
         return float(self._sharded_sum(
             lambda piece: torch.linalg.vector_norm(piece.main, dtype=torch.float32).square()
         ).sqrt())
@@ -163,10 +214,12 @@ class DistributedOptimizer:
     def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
              ) -> tuple[bool, float, Optional[int]]:
         """As MixedPrecisionOptimizer.step: reading the norm is the one host sync; a
-        `check` sees the whole local grad buffers before they are reduced."""
-        if check is not None:
+        `check` sees the whole local grad buffers before they are reduced (with overlap,
+        each bucket's before its collective started)."""
+        self.wait_param_gather()
+        if check is not None and self.grad_sync is None:
             check.see_grads(self.grad_buffers)
-        norm = self.reduce_and_norm()
+        norm = self.reduce_and_norm(check)
         grad_norm = read_grad_norm(norm, check)
         zeros = self.count_zeros() if count_zeros else None
         if not math.isfinite(grad_norm):
@@ -175,9 +228,22 @@ class DistributedOptimizer:
         return True, grad_norm, zeros
 
     @torch.no_grad()
-    def reduce_and_norm(self) -> torch.Tensor:
+    def reduce_and_norm(self, check: Optional[NonFiniteCheck] = None) -> torch.Tensor:
         """Sum the TP / embedding partial gradients, reduce-scatter every grad buffer (this
-        rank keeps its slice of the mean), and return the global norm (a device tensor)."""
+        rank keeps its slice of the mean), and return the global norm (a device tensor).
+        With overlap the reduce-scatters ran from the backward: wait for them, then sum the
+        partial gradients' slices (the same slices on the TP peers, which lay their buffers
+        out alike, and on the two embedding stages, where the embedding is a bucket of its
+        own): sums commute with the data-parallel one."""
+        if self.grad_sync is not None:
+            bad = self.grad_sync.finish()
+            if check is not None:
+                check.see_local_verdict(bad)
+            pieces = [piece for buf in self.buffers if not buf.expert for piece in buf.pieces]
+            grads, params = [pc.grad for pc in pieces], [pc.param for pc in pieces]
+            sum_marked(grads, params, "sequence_parallel", self.tp_group, 1 << 62)
+            sum_marked(grads, params, "shared_embedding", self.embd_group, 1 << 62)
+            return self._grad_norm()
         grads = self._grad_views()
         sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
         sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
@@ -197,6 +263,9 @@ class DistributedOptimizer:
         for piece in pieces:
             piece.main.grad = piece.grad
         self.optimizer.step()
+        if self.param_gather is not None:  # waited for by the next forward's pre-hooks
+            self.param_gather.launch()
+            return
         for buf in self.buffers:
             buf.all_gather_params()
 
@@ -211,11 +280,13 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict:
         """This rank's shard only (checkpoints with DP > 1 are rejected by the flags)."""
+        self.wait_param_gather()
         return {"optimizer": self.optimizer.state_dict(),
                 "main_params": [piece.main.detach().clone() for piece in self._pieces()]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self.wait_param_gather()
         self.optimizer.load_state_dict(state["optimizer"])
         for piece, saved in zip(self._pieces(), state["main_params"]):
             piece.main.copy_(saved)
@@ -259,6 +330,7 @@ class DistributedOptimizer:
         (None for the others): whole per-parameter tensors, views of this rank's shard
         where the parameter lies in it, else assembled here from the other holders' pieces
         (collective over the shard groups)."""
+        self.wait_param_gather()
         stepped, step = self._agreed_step()
         names = (["main"] if self.separate_main else []) + (self._state_names() if stepped
                                                                else [])
@@ -280,6 +352,7 @@ class DistributedOptimizer:
         """Whole per-parameter states (any dp layout they were saved from; only those of
         the parameters this rank holds a piece of are read) -> this rank's slices; "main"
         optional (else the loaded parameter)."""
+        self.wait_param_gather()
         for piece in self._pieces():
             st = states[piece.index]
             if "main" in st:
@@ -298,6 +371,7 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
+        self.wait_param_gather()
         for buf in self.buffers:
             if buf.separate_main:
                 own = buf.param_buffer[buf.lo:buf.lo + buf.shard_numel]

@@ -105,18 +105,35 @@ class FlatShards:
     def reduce_scatter(self, divisor: int) -> None:
         """The grad buffer's own shard becomes sum-over-group(grad buffers) / divisor; the
         rest of the buffer is left undefined (zero_grad clears it)."""
-        if self.size > 1:
-            _reduce_scatter(self.grad_shard, self.grad_buffer, group=self.group)
+        work = self.start_reduce_scatter()
+        if work is not None:
+            work.wait()
         self.grad_shard.div_(divisor)
+
+    def start_reduce_scatter(self) -> Optional[dist.Work]:
+        """The reduce-scatter of `reduce_scatter`, launched async (its work, None with one
+        rank); the caller waits, then divides the grad shard."""
+        if self.size == 1:
+            return None
+        return _reduce_scatter(self.grad_shard, self.grad_buffer, group=self.group,
+                               async_op=True)
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
         """Write every rank's updated main shard into the model parameters."""
+        work = self.start_all_gather_params()
+        if work is not None:
+            work.wait()
+
+    @torch.no_grad()
+    def start_all_gather_params(self) -> Optional[dist.Work]:
+        """`all_gather_params` launched async (its work, None with one rank)."""
         own = self.param_buffer[self.lo:self.lo + self.shard_numel]
         if self.separate_main:
             own.copy_(self.main_shard)  # rounds to the model dtype
-        if self.size > 1:
-            _all_gather(self.param_buffer, own, group=self.group)
+        if self.size == 1:
+            return None
+        return _all_gather(self.param_buffer, own, group=self.group, async_op=True)
 
     def _span(self, k: int) -> tuple[int, int]:
         """Group ranks holding a piece of parameter k: first and last."""

@@ -36,6 +36,12 @@ from megamoe.training.optim.grads import (
     squares,
     zero_counts,
 )
+from megamoe.training.optim.overlap import (
+    GradReduceOverlap,
+    OverlapOptions,
+    allreduce_buckets,
+    backward_order,
+)
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
 GradNormFn = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -46,7 +52,12 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig,
                  reduce_grads_fn: Optional[ReduceGradsFn] = None,
-                 grad_norm_fn: Optional[GradNormFn] = None) -> None:
+                 grad_norm_fn: Optional[GradNormFn] = None, *,
+                 overlap: Optional[OverlapOptions] = None, dp_group=None,
+                 edp_group=None) -> None:
+        """With `overlap` (--overlap-grad-reduce) the fp32 main gradients are views of
+        buckets all-reduced over `dp_group` / `edp_group` from the backward (overlap.py);
+        `reduce_grads_fn` then does only what follows the data-parallel reduction."""
         self.config = config
         self.reduce_grads_fn = reduce_grads_fn
         self.grad_norm_fn = grad_norm_fn or local_grad_norm
@@ -56,6 +67,14 @@ class MixedPrecisionOptimizer:
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
+        self.grad_sync: Optional[GradReduceOverlap] = None
+        self.grad_views: Optional[list[torch.Tensor]] = None
+        if overlap is not None:
+            self.grad_views, buckets = allreduce_buckets(
+                self.model_params, backward_order(model, self.model_params),
+                overlap.bucket_size, dp_group, edp_group)
+            for p, view in zip(self.model_params, self.grad_views):
+                p.register_post_accumulate_grad_hook(fp32_accumulate_hook(view))
         if self.separate_main:
             main_groups = []
             self.main_params: list[torch.Tensor] = []
@@ -65,10 +84,14 @@ class MixedPrecisionOptimizer:
                 main_groups.append({**g, "params": mains})
             groups = main_groups
             for p, main in zip(self.model_params, self.main_params):
-                main.grad = torch.zeros_like(main)
-                p.register_post_accumulate_grad_hook(fp32_accumulate_hook(main.grad))
+                if self.grad_views is None:
+                    main.grad = torch.zeros_like(main)
+                    p.register_post_accumulate_grad_hook(fp32_accumulate_hook(main.grad))
         else:
             self.main_params = self.model_params
+        if overlap is not None:  # its hooks run after the accumulating ones
+            self.grad_sync = GradReduceOverlap(buckets, overlap.check_nan,
+                                               self.grad_views[0].device)
         self.optimizer = build_inner_optimizer(groups, config)
 
     @property
@@ -81,7 +104,11 @@ class MixedPrecisionOptimizer:
     def zero_grad(self) -> None:
         for p in self.model_params:
             p.grad = None
-        if self.separate_main:
+        if self.grad_sync is not None:
+            for bucket in self.grad_sync.buckets:
+                bucket.flat_grad.zero_()
+            self.grad_sync.reset()
+        elif self.separate_main:
             for main in self.main_params:
                 main.grad.zero_()
         else:
@@ -89,7 +116,12 @@ class MixedPrecisionOptimizer:
                 p.grad = None
 
     def main_grads(self) -> list[torch.Tensor]:
-        """Gradients to reduce and clip; parameters that got no gradient get zeros."""
+        """Gradients to reduce and clip; parameters that got no gradient get zeros. With
+        overlap: the bucket views (the inner optimizer reads them as the mains' .grad)."""
+        if self.grad_views is not None:
+            for main, view in zip(self.main_params, self.grad_views):
+                main.grad = view
+            return list(self.grad_views)
         grads = []
         for p in self.main_params:
             if p.grad is None:
@@ -107,7 +139,11 @@ class MixedPrecisionOptimizer:
         the local gradients are checked before the reduction, and a NaN/Inf on any rank
         raises NonFiniteError before the update."""
         grads = self.main_grads()
-        if check is not None:
+        if self.grad_sync is not None:  # waits for the buckets the backward launched
+            bad = self.grad_sync.finish()
+            if check is not None:
+                check.see_local_verdict(bad)
+        elif check is not None:
             check.see_grads(grads)
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
@@ -124,6 +160,9 @@ class MixedPrecisionOptimizer:
         each element counted once across tp / pp / ep (Megatron's count_zeros_fp32)."""
         return int(model_parallel_sum(zero_counts(grads), self.model_params,
                                       *self.model_parallel_groups, dtype=torch.int64))
+
+    def wait_param_gather(self) -> None:
+        """The model parameters are this step's (they always are: no gather to wait)."""
 
     @torch.no_grad()
     def params_norm(self) -> float:

@@ -4,25 +4,27 @@ iterations (lr.py)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from megamoe.model.pipeline_stage import PipelineModel
-from megamoe.training.schedules.local import Batch, forward_backward_no_pipelining
+from megamoe.training.schedules.local import Batch, GradSync, forward_backward_no_pipelining
 from megamoe.training.schedules.lr import LRScheduler
 from megamoe.training.schedules.pipeline import forward_backward_pipelining
 
 
 def forward_backward(model: torch.nn.Module, data_iter: Iterator[Batch],
-                     num_microbatches: int, *, forward_only: bool = False) -> torch.Tensor:
-    """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel."""
+                     num_microbatches: int, *, forward_only: bool = False,
+                     grad_sync: Optional[GradSync] = None) -> torch.Tensor:
+    """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel.
+    `grad_sync`: the optimizer's overlapped gradient buckets (--overlap-grad-reduce)."""
     if isinstance(model, PipelineModel):
         return forward_backward_pipelining(model, data_iter, num_microbatches,
-                                           forward_only=forward_only)
+                                           forward_only=forward_only, grad_sync=grad_sync)
     return forward_backward_no_pipelining(model, data_iter, num_microbatches,
-                                          forward_only=forward_only)
+                                          forward_only=forward_only, grad_sync=grad_sync)
 
 
-__all__ = ["Batch", "LRScheduler", "forward_backward", "forward_backward_no_pipelining",
+__all__ = ["Batch", "GradSync", "LRScheduler", "forward_backward", "forward_backward_no_pipelining",
            "forward_backward_pipelining"]

@@ -55,6 +55,7 @@ from megamoe.model.pipeline_stage import PipelineModel
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
 from megamoe.training.loss import masked_lm_loss
+from megamoe.training.schedules.local import GradSync
 
 Batch = dict[str, torch.Tensor]
 Task = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
@@ -154,8 +155,10 @@ def _activation_template(model: PipelineModel, batch: Batch) -> torch.Tensor:
 class _Stages:
     """This rank's compute: F runs a chunk on a micro-batch, B backpropagates it."""
 
-    def __init__(self, model: PipelineModel, batches: list[Batch], forward_only: bool):
+    def __init__(self, model: PipelineModel, batches: list[Batch], forward_only: bool,
+                 grad_sync: Optional[GradSync] = None):
         self.model, self.batches, self.forward_only = model, batches, forward_only
+        self.grad_sync = grad_sync
         self.num_virtual = model.pp_size * len(model.chunks)
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         device = next(model.parameters()).device
@@ -205,6 +208,8 @@ class _Stages:
     def _backward(self, c: int, mb: int, grad: Optional[torch.Tensor]) -> dict[str, Message]:
         inp, out = self.saved.pop((c, mb))
         v = self._virtual(c)
+        if self.grad_sync is not None:  # a chunk's backwards run in micro-batch order
+            self.grad_sync.last_microbatch = mb == len(self.batches) - 1
         if v == self.num_virtual - 1:  # out is the loss
             (out / len(self.batches)).backward()
         else:
@@ -240,16 +245,17 @@ def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
 
 
 def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch],
-                                num_microbatches: int, *, forward_only: bool = False
-                                ) -> torch.Tensor:
+                                num_microbatches: int, *, forward_only: bool = False,
+                                grad_sync: Optional[GradSync] = None) -> torch.Tensor:
     """Run one global batch through the pipeline; returns the mean LM loss (fp32, on every
-    rank of the pipeline group). Gradients accumulate in the chunks' parameters."""
+    rank of the pipeline group). Gradients accumulate in the chunks' parameters;
+    `grad_sync` learns which backward is each chunk's last of the step."""
     m = num_microbatches
     batches = [next(data_iter) for _ in range(m)]  # every stage reads the same batches
     set_aux_loss_backward_scale(1.0 / m)
     if not forward_only:
         start_global_batch(model)
-    stages = _Stages(model, batches, forward_only)
+    stages = _Stages(model, batches, forward_only, grad_sync)
     p2p = _P2P(model, _activation_template(model, batches[0]))
     steps = pipeline_steps(m, model.pp_size, model.pp_rank, len(model.chunks), forward_only)
     received = p2p.exchange({}, stages.inbound(steps[0]))
@@ -259,6 +265,8 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
             sends.update(stages.run(task, received))
         following = steps[i + 1] if i + 1 < len(steps) else []
         received = p2p.exchange(sends, stages.inbound(following))
+    if grad_sync is not None:
+        grad_sync.last_microbatch = False
     dist.all_reduce(stages.total, group=model.pp_group)  # only the last stage holds the loss
     _sync_moe_logging(model, model.config.num_layers)
     return stages.total / m
