@@ -197,7 +197,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default with --overlap-grad-reduce: "
-                        "max(40M, 1M x data-parallel size); without it one bucket)")
+                        "max(40M, 1M x data-parallel size); needs --overlap-grad-reduce)")
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                    help="torch.cuda.empty_cache(): 1 after each forward-backward, 2 also "
                         "after each optimizer step")

@@ -101,6 +101,11 @@ class ParallelConfig:
                 f"--pipeline-model-parallel-size ({pp})")
         require(etp in (1, tp), f"not supported yet: --expert-tensor-parallel-size {etp} "
                                 f"other than 1 or --tensor-model-parallel-size ({tp})")
+        # Megatron ignores a bucket size without overlap (one bucket per buffer): refused
+        # here rather than accepted and ignored.
+        require(self.ddp_bucket_size is None or self.overlap_grad_reduce,
+                "--ddp-bucket-size needs --overlap-grad-reduce (without it the gradients "
+                "reduce as one bucket per buffer, as in Megatron-LM)")
         if self.overlap_param_gather:  # Megatron's asserts in arguments.py
             require(self.use_distributed_optimizer,
                     "--overlap-param-gather needs --use-distributed-optimizer")

@@ -138,6 +138,7 @@ def test_dp2_balancing_losses_and_expert_bias_overlap_matches():
     ("--overlap-param-gather --use-distributed-optimizer",
      "--overlap-param-gather needs --overlap-grad-reduce"),
     ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size must be positive"),
+    ("--ddp-bucket-size 1000", "--ddp-bucket-size needs --overlap-grad-reduce"),
 ])
 def test_overlap_flag_rules_are_one_line(capsys, flags, message):
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {flags}", 2)

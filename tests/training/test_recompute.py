@@ -155,6 +155,9 @@ LAYOUTS = {
     "ep2_dp2_distopt": (4, f"{BIAS} --expert-model-parallel-size 2 --moe-token-dispatcher-type "
                            "alltoall --use-distributed-optimizer",
                         f"{SEL} moe moe_act layernorm"),
+    "dp2_overlap_distopt_full": (2, "--use-distributed-optimizer --overlap-grad-reduce "
+                                    "--overlap-param-gather --ddp-bucket-size 3000",
+                                 MODES["full-uniform-1"]),
     "tp2_sp_ep2": (4, "--tensor-model-parallel-size 2 --sequence-parallel "
                       "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                    MODES["moe"]),
