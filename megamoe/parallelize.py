@@ -108,6 +108,11 @@ def compile_transformer_layers(model: nn.Module) -> nn.Module:
     collective, a host read of the dispatch sizes, the routing statistics) runs eagerly
     between compiled pieces, so every layout and option works; the math is the eager
     math up to fp32 rounding (tests/training/test_compile.py)."""
+    # Dropout and router jitter draw from the eager generators (the per-stage / TP streams
+    # and the recompute replay rely on them), not inductor's own RNG.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
     for m in model.modules():
         if isinstance(m, TransformerLayer):
             m.compile()

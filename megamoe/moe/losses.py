@@ -35,8 +35,10 @@ class _AuxLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.ones_like(aux_loss) * _AUX_LOSS_BACKWARD_SCALE
 
 
+@torch.compiler.disable  # traced, the identity's extra gradient was lost (--compile)
 def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-    """Return `output` unchanged; its backward adds scale * d(aux_loss) to the gradients."""
+    """Return `output` unchanged; its backward adds scale * d(aux_loss) to the gradients
+    (the scale read when the backward runs: the schedule sets it per step)."""
     return _AuxLossAutoScaler.apply(output, aux_loss)
 
 

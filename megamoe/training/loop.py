@@ -221,8 +221,12 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
             optimizer.wait_param_gather()
             save_fn(state)
         batch_size = gbs
+        step_start = time.time()
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
                              state.iteration + 1, gbs)
+        if t.compile and not state.history and mesh.is_logging_rank:  # compile time apart
+            print_fn(f"> --compile: the first iteration took {time.time() - step_start:.1f} s "
+                     f"(it compiles the layers; later iterations run the compiled code)")
         metrics.update(observer.after_step())  # expert load, summed over data parallel
         lr = optimizer.param_groups[0]["lr"]
         _record(state, metrics, gbs, lr)
