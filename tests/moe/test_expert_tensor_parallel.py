@@ -1,7 +1,8 @@
 """An MoE layer inside TP + SP, with experts split over F (ETP = TP) or tokens split over
 the TP ranks (ETP = 1), alone and with expert parallelism, equals the single-process layer:
 outputs, input and router gradients on every rank, expert gradients after the edp sum
-(biases, shared experts with gate, aux and z losses included)."""
+(biases, shared experts with gate, aux and z losses included; the shared experts split
+over TP, as Megatron's)."""
 
 from __future__ import annotations
 
@@ -72,10 +73,8 @@ def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) 
     tol = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, ref_out[own], **tol)
     torch.testing.assert_close(x_local.grad, ref_xgrad[own], **tol)
-    for name in ("router.weight", "shared_experts.linear_fc1.weight",
-                 "shared_experts.gate_weight"):
-        mine = dict(layer.named_parameters())[name].grad
-        torch.testing.assert_close(mine, dict(ref.named_parameters())[name].grad, **tol)
+    torch.testing.assert_close(layer.router.weight.grad, ref.router.weight.grad, **tol)
+    _check_shared_experts(layer, ref, mesh, tol)
     # Experts: sum over the edp replicas (and, for the replicated fc2 bias, over etp, as
     # reduce_gradients does for `sequence_parallel` parameters) == sum over replicas.
     e0, j = layer.experts.expert_offset, mesh.local_rank_in("etp")
@@ -94,6 +93,31 @@ def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) 
                 want = want.chunk(etp, dim=1)[j]
         torch.testing.assert_close(g, want, **tol)
     return True
+
+
+def _check_shared_experts(layer: MoELayer, ref: MoELayer, mesh, tol: dict) -> None:
+    """The shared experts are split over TP like a dense MLP (fc1 [gate slice t; up slice
+    t] rows, fc2 columns t); the gate and fc2 bias are whole, their gradients partial per
+    sequence shard and marked for the TP sum. After that sum every gradient is this rank's
+    slice of the single-process one."""
+    tp, t = mesh.tp_size, mesh.local_rank_in("tp")
+    mine, full = dict(layer.shared_experts.named_parameters()), \
+        dict(ref.shared_experts.named_parameters())
+    assert set(mine) == {"linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+                         "linear_fc2.bias", "gate_weight"}
+    for name, p in mine.items():
+        want = full[name].grad
+        if name.startswith("linear_fc1"):
+            want = torch.cat([b.chunk(tp)[t] for b in want.chunk(2)])
+        elif name == "linear_fc2.weight":
+            want = want.chunk(tp, dim=1)[t]
+        assert getattr(p, "tensor_model_parallel", False) == (p.shape != full[name].shape)
+        assert getattr(p, "sequence_parallel", False) == (p.shape == full[name].shape)
+        assert p.numel() == full[name].numel() // (tp if p.shape != full[name].shape else 1)
+        g = p.grad.clone()
+        if getattr(p, "sequence_parallel", False):
+            torch.distributed.all_reduce(g, group=mesh.group("tp"))
+        torch.testing.assert_close(g, want, **tol)
 
 
 @pytest.mark.parametrize("etp", [1, 2])
