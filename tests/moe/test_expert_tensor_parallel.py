@@ -133,3 +133,38 @@ def test_tp2_x_ep2_layer_matches_single_process(etp, dispatcher):
 def test_etp_other_than_one_or_tp_is_refused():
     with pytest.raises(ConfigError, match="not supported yet: --expert-tensor-parallel-size 2"):
         ParallelConfig.layout(8, tp=4, etp=2)
+
+
+def _shared_share_worker(rank: int, world: int) -> tuple[int, int, float, float]:
+    """(shared-expert parameters on this rank, in one process; their forward + backward
+    FLOPs on this rank's sequence shard, on the whole sequence in one process)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mesh = build_mesh(ParallelConfig.layout(world, tp=world), "gloo")
+    full = _full_layer("alltoall")
+    layer = parallelize_moe(copy.deepcopy(full), tp_group=mesh.group("tp"),
+                            etp_group=mesh.group("etp"))
+    x, grad = _data(0)
+    own = slice(rank * S // world, (rank + 1) * S // world)
+
+    def flops(shared, x_SBH, grad_SBH) -> float:
+        x_SBH = x_SBH.clone().requires_grad_(True)
+        with FlopCounterMode(display=False) as counter:
+            (shared(x_SBH) * grad_SBH).sum().backward()
+        return counter.get_total_flops()
+
+    def count(m) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    return (count(layer.shared_experts), count(full.shared_experts),
+            flops(layer.shared_experts, x[own], grad[own]),
+            flops(full.shared_experts, x, grad))
+
+
+def test_each_tp_rank_holds_and_runs_its_share_of_the_shared_experts():
+    """TP=2: each rank holds half of the shared experts' matrices (the [1, H] gate and the
+    fc2 bias [H] stay whole) and runs half of their FLOPs, forward and backward (before,
+    every rank held them whole and ran them on the whole gathered sequence: TP times)."""
+    for mine, whole, mine_flops, whole_flops in run_distributed(_shared_share_worker, 2, 120):
+        assert mine == (whole - 2 * H) // 2 + 2 * H
+        assert mine_flops == whole_flops / 2 and whole_flops > 0
