@@ -1,9 +1,9 @@
 """--ckpt-format torch_dist: a checkpoint saved under EP=2 x TP=2 + SP (ETP = TP, shared
-experts split over TP) with the distributed optimizer at DP=2 loads under EP=4 (distributed optimizer, DP=4), PP=2 and one
-process. Each loading layout re-saves what it loaded: every tensor (weights, Adam states)
-is bitwise the original, so the logits are identical and the distributed optimizer's dp
-shards were re-sliced exactly; training then continues with the losses of a run that never
-changed layout."""
+experts split over TP) with the distributed optimizer at DP=2 loads under EP=4
+(distributed optimizer, DP=4), PP=2 and one process. Each loading layout re-saves what it
+loaded: every tensor (weights, Adam states) is bitwise the original, so the logits are
+identical and the distributed optimizer's dp shards were re-sliced exactly; training then
+continues with the losses of a run that never changed layout."""
 
 from __future__ import annotations
 
