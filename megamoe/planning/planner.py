@@ -60,8 +60,11 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     layers_local = model.num_layers / lay.pp
     tp_comm = 0.0
     if lay.tp > 1:  # SP: all-gather + reduce-scatter around attention and MLP, fwd and bwd
-        vol = 8 * local_tokens * h * 2 * (lay.tp - 1) / lay.tp / lay.tp
-        tp_comm = vol * layers_local / bw(lay.tp)
+        pairs = 2 * layers_local  # ... and around the shared experts of each MoE layer
+        if model.moe is not None and model.moe.shared_expert_intermediate_size is not None:
+            pairs += sum(model.is_moe_layer(i) for i in range(model.num_layers)) / lay.pp
+        vol = 4 * pairs * local_tokens * h * 2 * (lay.tp - 1) / lay.tp / lay.tp
+        tp_comm = vol / bw(lay.tp)
     a2a = 0.0
     if model.moe is not None and lay.ep > 1:
         moe_local = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / lay.pp

@@ -265,3 +265,29 @@ def test_cli_bad_input_is_one_line(tmp_path):
                         "--gpu-memory-gb", "80"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "nope.yaml" in p.stderr and "Traceback" not in p.stderr
+
+
+SHARED_TP2 = ("--tensor-model-parallel-size 2 --sequence-parallel "
+              "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate")
+
+
+def _parameters_worker(rank: int, world_size: int, flags: str) -> int:
+    from megamoe.parallel.mesh import build_mesh
+    from megamoe.training.build import build_model
+
+    _, run = _run_config(flags, world_size)
+    model = build_model(run, build_mesh(run.parallel, "gloo"))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_shared_experts_split_over_tp_in_the_memory_model():
+    """Shared experts are a TP MLP: each TP rank holds its half of their matrices (the
+    [1, H] gate whole), exactly the parameters the memory model counts."""
+    args, run = _run_config(SHARED_TP2, 2)
+    predicted = sum(pl.stage_parameters(run.model, _layout(args), 0))
+    for measured in run_distributed(_parameters_worker, 2, 120, SHARED_TP2):
+        assert measured == predicted
+    plain_args, plain = _run_config("--tensor-model-parallel-size 2 --sequence-parallel", 2)
+    without = sum(pl.stage_parameters(plain.model, _layout(plain_args), 0))
+    h, fs, moe_layers = 64, 64, 2  # configs/tiny.yaml: two MoE layers, swiglu
+    assert predicted - without == moe_layers * (3 * h * fs // 2 + h)
