@@ -45,10 +45,10 @@ from megamoe.planning.memory import (  # noqa: E402
     stage_bytes,
     stage_parameters,
 )
-from megamoe.planning.planner import Hardware, legal_layouts, plan  # noqa: E402
+from megamoe.planning.planner import Hardware, layout_flags, legal_layouts, plan  # noqa: E402
 
-__all__ = ["Hardware", "Layout", "activation_bytes", "legal_layouts", "model_bytes", "plan",
-           "stage_bytes", "stage_parameters"]
+__all__ = ["Hardware", "Layout", "activation_bytes", "layout_flags", "legal_layouts",
+           "model_bytes", "plan", "stage_bytes", "stage_parameters"]
 
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:
