@@ -3,10 +3,11 @@
 The model is built as one process would build it (plain `GPTModel(config)`, on the CPU with
 the seed, or on the meta device), then `parallelize` applies, in this order:
 
-  1. tensor + sequence parallelism: attention, dense MLP, word embedding and output layer
-     keep this TP rank's rows/columns (the layers' `shard`), norms and position embeddings
-     fed by sequence shards are marked for the TP gradient sum, the modules that run TP
-     collectives get the TP context (group, SP, dropout stream);
+  1. tensor + sequence parallelism: attention, dense MLP, shared experts, word embedding
+     and output layer keep this TP rank's rows/columns (the layers' `shard`), norms,
+     position embeddings and shared-expert gates fed by sequence shards are marked for
+     the TP gradient sum, the modules that run TP collectives get the TP context (group,
+     SP, dropout stream);
   2. pipeline parallelism: keep this rank's (virtual) stages of the TP-sharded model;
   3. experts (`parallelize_moe`): keep this ep rank's experts, this etp rank's slice of
      their hidden dimension, give every MoE layer the dispatcher of the layout (local,
@@ -32,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch import nn
 
@@ -49,7 +51,7 @@ from megamoe.moe.dispatchers import (
     LocalDispatcher,
     TensorParallelDispatcher,
 )
-from megamoe.moe.experts import GroupedExperts, use_grouped_gemm
+from megamoe.moe.experts import GroupedExperts, SharedExpertMLP, use_grouped_gemm
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.router import TopKRouter
 from megamoe.moe.sharding import mark_expert_parallel, shard_expert_hidden, shard_experts
@@ -110,8 +112,6 @@ def compile_transformer_layers(model: nn.Module) -> nn.Module:
     math up to fp32 rounding (tests/training/test_compile.py)."""
     # Dropout and router jitter draw from the eager generators (the per-stage / TP streams
     # and the recompute replay rely on them), not inductor's own RNG.
-    import torch._inductor.config as inductor_config
-
     inductor_config.fallback_random = True
     for m in model.modules():
         if isinstance(m, TransformerLayer):
@@ -150,6 +150,8 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
             m.shard(tp)
         elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention)):
             m.tp = tp
+        if isinstance(m, SharedExpertMLP) and m.gate_weight is not None and tp.sp:
+            m.gate_weight.sequence_parallel = True  # whole gate, run on the sequence shard
         if isinstance(m, TransformerLayer):
             mark_sequence_parallel(m.input_layernorm, tp)
             mark_sequence_parallel(m.pre_mlp_layernorm, tp)
@@ -178,7 +180,8 @@ def parallelize_moe(model: nn.Module, *, ep_group: Group = None, tp_group: Group
     MoE layers, e.g. one standalone layer): keep this ep rank's experts and give the layer
     the expert-parallel dispatcher; under TP (sequence parallel) split the experts' hidden
     dimension over `etp_group` (ETP = TP) or the routed tokens over the TP ranks (ETP = 1)
-    around it (moe/dispatchers/tensor_parallel.py). Returns `model`."""
+    around it (moe/dispatchers/tensor_parallel.py), and shard the shared experts over
+    `tp_group` unless step 1 did (a layer parallelized on its own). Returns `model`."""
     execution = execution or MoEExecutionConfig()
     ep, tp, etp = group_size(ep_group), group_size(tp_group), group_size(etp_group)
     for layer in _moe_layers(model):
@@ -190,6 +193,11 @@ def parallelize_moe(model: nn.Module, *, ep_group: Group = None, tp_group: Group
                 execution.token_dispatcher_type, layer.config.num_experts, ep_group,
                 execution.a2a_overlap_degree)
             shard_experts(layer.experts, dispatcher.local_start, dispatcher.num_local_experts)
+        shared = layer.shared_experts
+        if tp > 1 and shared is not None and shared.linear_fc1.tp.size == 1:
+            # A layer parallelized on its own (step 1 shards a whole model's): the MoE
+            # layer under TP always takes sequence shards.
+            apply_tensor_parallel(shared, TensorParallel(tp_group, sequence_parallel=True))
         if tp > 1 or etp > 1:  # after the ep slice, which makes new parameters
             shard_expert_hidden(layer.experts, etp, group_rank(etp_group))
             dispatcher = TensorParallelDispatcher(

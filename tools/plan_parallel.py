@@ -10,8 +10,9 @@ Memory per GPU = weights + gradients + optimizer states + activations of the mic
 in flight (1F1B keeps PP of them on the first stage) including the MoE dispatch buffers.
 The static part follows megamoe's actual layout (stage_parameters / stage_bytes), checked
 tensor by tensor against runs of configs/tiny.yaml under DP, ZeRO-1, TP+SP, PP, EP and
-combinations (tests/tools/test_plan_parallel.py: exact to the byte): norms, routers,
-row-parallel biases and shared experts are replicated over TP; routed experts are split
+combinations (tests/tools/test_plan_parallel.py: exact to the byte): shared experts are
+split over TP like the dense MLP; norms, routers, row-parallel biases and the shared-expert
+gate are replicated over TP; routed experts are split
 over EP and their matrices over ETP; a tied embedding has a copy on the last stage; fp32
 gradients are full size on every rank; the distributed optimizer keeps two fp32 Adam
 moments per owned element (8 bytes; a bf16 model adds its fp32 main slice: 12) over DP for
@@ -44,10 +45,10 @@ from megamoe.planning.memory import (  # noqa: E402
     stage_bytes,
     stage_parameters,
 )
-from megamoe.planning.planner import Hardware, legal_layouts, plan  # noqa: E402
+from megamoe.planning.planner import Hardware, layout_flags, legal_layouts, plan  # noqa: E402
 
-__all__ = ["Hardware", "Layout", "activation_bytes", "legal_layouts", "model_bytes", "plan",
-           "stage_bytes", "stage_parameters"]
+__all__ = ["Hardware", "Layout", "activation_bytes", "layout_flags", "legal_layouts",
+           "model_bytes", "plan", "stage_bytes", "stage_parameters"]
 
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:

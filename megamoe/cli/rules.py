@@ -3,7 +3,8 @@
 Every rule raises `ArgumentError` with one sentence that names the flags involved; the
 caller prints it as one line and exits with code 2. Rules run on the parsed namespace
 only (sizes come from the environment), before any process group or file is created.
-Features that are parsed but not built yet are rejected here with "not supported yet".
+Features that are parsed but not built yet (config/unsupported.py) are rejected here with
+"not supported yet".
 """
 
 from __future__ import annotations
@@ -16,31 +17,13 @@ from typing import Optional
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
 from megamoe.config.fields import flag_dest
+from megamoe.config.unsupported import NOT_SUPPORTED_YET
 from megamoe.data.builder import parse_data_path
 from megamoe.data.errors import DataError
 
 
 class ArgumentError(ConfigError):
     """A bad flag or flag combination; the message names the flag(s)."""
-
-
-# Flags parsed (so Megatron scripts are recognised) whose feature is not built yet. Any value
-# other than the parser default fails with "not supported yet: --flag".
-NOT_SUPPORTED_YET = (
-    "--context-parallel-size",
-    "--rotary-seq-len-interpolation-factor",
-    "--apply-layernorm-1p",
-    "--qk-layernorm",
-    "--moe-router-force-load-balancing",
-    "--moe-use-legacy-grouped-gemm",
-    "--moe-permute-fusion",
-    "--moe-shared-expert-overlap",
-    "--fp16",
-    "--loss-scale",
-    "--initial-loss-scale",  # fp16's dynamic loss scaler
-    "--log-timers-to-tensorboard",  # timers (--timing-log-level) are not built
-    "--reset-attention-mask",
-)
 
 
 def env_world_size() -> int:

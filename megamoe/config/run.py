@@ -131,6 +131,10 @@ class RunConfig:
         require(etp == 1 or moe.ffn_hidden_size % etp == 0,
                 f"--moe-ffn-hidden-size ({moe.ffn_hidden_size}) must be divisible by "
                 f"--expert-tensor-parallel-size ({etp})")
+        shared = moe.shared_expert_intermediate_size  # split over TP, as a dense MLP
+        require(shared is None or shared % tp == 0,
+                f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})")
         if not self.train.skip_train:  # (evaluating a converted top-1 Mixtral is fine)
             moe.check_router_gradient()
         moe.check_expert_parallel(ep)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megamoe.moe.grouped_gemm import Sizes, as_group_sizes, gather_grouped_mm, grouped_mm
 from megamoe.moe.swiglu import swiglu
 from megamoe.parallel.checkpointing import maybe_discard
-from megamoe.parallel.linear import Linear
+from megamoe.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def _rows_bias(bias_EM: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
@@ -154,8 +154,18 @@ class SequentialExperts(nn.Module):
 class SharedExpertMLP(nn.Module):
     """Dense MLP every token passes through, added to the routed output (DeepSeek/Qwen).
 
+    As Megatron-Core's SharedExpertMLP, it is a tensor-parallel MLP over the dense TP group
+    (not the expert one): fc1 column-parallel (with SwiGLU the gate and up halves split
+    separately, as model/mlp.py), fc2 row-parallel. Under sequence parallelism it takes
+    this rank's [S/TP, B, H] shard: fc1 gathers the sequence, fc2 reduce-scatters it back,
+    so each TP rank holds and runs 1/TP of it. The parallelize step shards the linears
+    (their `shard`); built whole (one rank) it draws exactly the single-process weights.
+
     With `gate`, the output is scaled by sigmoid(x @ gate_weight^T) per token, as
-    Megatron-Core's --moe-shared-expert-gate.
+    Megatron-Core's --moe-shared-expert-gate: computed on the layer's input, so under SP on
+    this rank's shard with the whole [1, H] gate replicated over TP; its gradient is then
+    partial per shard and is marked `sequence_parallel` (summed over TP) by the parallelize
+    step.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, swiglu: bool,
@@ -163,10 +173,16 @@ class SharedExpertMLP(nn.Module):
                  output_init_std: float) -> None:
         super().__init__()
         self.swiglu = swiglu
-        self.linear_fc1 = Linear(hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size,
-                                 bias=add_bias, init_std=init_method_std)
-        self.linear_fc2 = Linear(ffn_hidden_size, hidden_size, bias=add_bias,
-                                 init_std=output_init_std)
+        self.linear_fc1 = ColumnParallelLinear(
+            hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size, bias=add_bias,
+            init_std=init_method_std, blocks=(ffn_hidden_size, ffn_hidden_size) if swiglu
+            else None)
+        self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=add_bias,
+                                            init_std=output_init_std)
+        # Before they were split over TP these were replicated whole tensors: their TP
+        # shards keep those tensors' seeded values and load their checkpoints
+        # (training/checkpoint/sharded_state.py `whole_key`).
+        self.linear_fc1.was_replicated = self.linear_fc2.was_replicated = True
         self.gate_weight = None
         self.init_stds = {"gate_weight": init_method_std}
         if gate:
@@ -174,13 +190,15 @@ class SharedExpertMLP(nn.Module):
             nn.init.normal_(self.gate_weight, mean=0.0, std=init_method_std)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        h_TF = self.linear_fc1(x_TH)
+        """x_TH: the layer's input rows (under SP this rank's sequence shard) -> the same
+        rows of the shared experts' output."""
+        h_TF = self.linear_fc1(x_TH)  # [T (SP: gathered), F or 2F] (local: / TP)
         if self.swiglu:
             gate_TF, up_TF = h_TF.chunk(2, dim=-1)
             h_TF = F.silu(gate_TF) * up_TF
         else:
             h_TF = F.gelu(h_TF)
-        y_TH = self.linear_fc2(h_TF)
+        y_TH = self.linear_fc2(h_TF)  # summed over TP (SP: reduce-scattered to x's rows)
         if self.gate_weight is not None:
             y_TH = y_TH * torch.sigmoid(F.linear(x_TH, self.gate_weight))  # [T, 1] bcast
         return y_TH

@@ -143,10 +143,10 @@ class MoELayer(nn.Module):
         before = self.config.expert_bias_counts_before_capacity
         self.router.count_for_expert_bias(routed_E if before else kept_E)
         out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode)
-        if self.shared_experts is not None:
-            shared_TH = maybe_checkpoint(self.recompute_shared, self.shared_experts,
-                                         x_TH).to(out_TH.dtype)
-            out_TH = out_TH + self.dispatcher.scatter_sequence(shared_TH)
+        if self.shared_experts is not None:  # on the layer's input: under SP its shard
+            mine_TH = x_TH if full is hidden else hidden.reshape(-1, self.hidden_size)
+            shared_TH = maybe_checkpoint(self.recompute_shared, self.shared_experts, mine_TH)
+            out_TH = out_TH + shared_TH.to(out_TH.dtype)
         if aux_loss is not None:
             out_TH = attach_aux_loss(out_TH, aux_loss)
         return out_TH.reshape(hidden.shape)

@@ -12,7 +12,8 @@ token of the layer's sequence, per rank:
              dense: fc1's output, silu(gate) (SwiGLU) and the activation;
              MoE: the router's fp32 logits and probabilities, per routed copy fc1's output
              and the activation (the fused SwiGLU keeps nothing else), the all-to-all
-             buffers under EP; shared experts like a dense MLP.
+             buffers under EP; shared experts like a dense MLP split over TP (plus, with
+             their gate, the output the gate scales).
 
 Recompute (megamoe/config/recompute.py) removes:
   core_attn       the softmax statistics only (the region's inputs q k v and its output are
@@ -73,7 +74,11 @@ def moe_values(model: ModelConfig, tp: int, ep: int, etp: int, act_bytes: int,
     values += 3 * m.num_experts * FP32 / act_bytes  # fp32 logits, scores, probabilities
     shared = m.shared_expert_intermediate_size
     if shared is not None and "shared_experts" not in recompute.selected:
-        values += _dense_mlp(h, shared, model.swiglu, tp)
+        # A TP MLP on the layer's sequence shard: under SP fc1 keeps the gathered input
+        # (without TP it is the router's input, counted above); the gate keeps the output.
+        values += _dense_mlp(h, shared, model.swiglu, tp) + (h if tp > 1 else 0)
+        if m.shared_expert_gate:
+            values += h / tp
     return values
 
 
@@ -137,3 +142,15 @@ def recompute_name(config: RecomputeConfig) -> str:
     if config.granularity == "selective" and config.selected:
         return "selective:" + ",".join(config.selected)
     return "none"
+
+
+def recompute_flags(name: str) -> list[str]:
+    """The pretrain_gpt.py flags of a Layout's recompute mode."""
+    config = recompute_config(name)
+    if config.granularity == "full":
+        return ["--recompute-granularity=full", f"--recompute-method={config.method}",
+                f"--recompute-num-layers={config.num_layers}"]
+    if config.granularity == "selective":
+        return ["--recompute-granularity=selective",
+                "--recompute-modules", *config.selected]
+    return []

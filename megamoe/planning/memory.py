@@ -38,10 +38,10 @@ def _stage_of_layer(model: ModelConfig, lay: Layout, i: int) -> int:
 def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float, float]:
     """(dense, routed-expert) parameters one rank of pipeline stage `stage` holds.
 
-    megamoe's layout: attention and dense-MLP matrices and the (padded) vocabulary are
-    split over TP; norms, routers, row-parallel biases and shared experts are replicated
-    over TP; routed experts are split over EP and their hidden dimension over ETP
-    (moe/sharding.py; an fc2 bias stays whole)."""
+    megamoe's layout: attention, dense-MLP and shared-expert matrices and the (padded)
+    vocabulary are split over TP; norms, routers, row-parallel biases and the shared-expert
+    gate are replicated over TP; routed experts are split over EP and their hidden
+    dimension over ETP (moe/sharding.py; an fc2 bias stays whole)."""
     h, norm = model.hidden_size, _norm_params(model)
     dense = expert = 0.0
     for i in range(model.num_layers):
@@ -54,10 +54,11 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
             m = model.moe
             one_expert, _ = _ffn_params(model, m.ffn_hidden_size)
             dense += m.num_experts * h  # router
-            if m.shared_expert_intermediate_size is not None:
-                dense += _ffn_params(model, m.shared_expert_intermediate_size)[0]
-                dense += h if m.shared_expert_gate else 0
             fc2_bias = h if model.add_bias_linear else 0
+            if m.shared_expert_intermediate_size is not None:  # a TP MLP, as Megatron's
+                shared, _ = _ffn_params(model, m.shared_expert_intermediate_size)
+                dense += (shared - fc2_bias) / lay.tp + fc2_bias
+                dense += h if m.shared_expert_gate else 0
             expert += m.num_experts * ((one_expert - fc2_bias) / lay.etp + fc2_bias) / lay.ep
         else:
             mlp, _ = _ffn_params(model, model.ffn_hidden_size)

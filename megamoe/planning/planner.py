@@ -6,9 +6,12 @@ the micro-batches in flight (memory.py) and the distributed optimizer's step / c
 save transients (optimizer_memory.py). Step time = GEMM FLOPs at peak x efficiency + TP/SP
 collectives + EP all-to-all, stretched by the pipeline bubble, + the gradient all-reduce and
 pipeline p2p.
-Link speeds are GB/s per GPU; a group stays on NVLink when it fits in one node. Layouts
-the argument rules would reject are never generated (divisibility of heads, query groups,
-layers, experts, world size and global batch).
+Link speeds are GB/s per GPU; a group stays on NVLink when it fits in one node. Only
+layouts `pretrain_gpt.py` accepts are generated: each candidate must pass the run
+config's own rules (RunConfig: divisibility of heads, query groups, hidden sizes, layers,
+experts, world size and global batch, the pipeline's micro-batches, ...) and need no
+feature that is not built yet (config/unsupported.py: no context parallelism, no
+recompute while their flags are refused).
 """
 
 from __future__ import annotations
@@ -17,9 +20,17 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
-from megamoe.config import ModelConfig
+from megamoe.config import (
+    ConfigError,
+    ModelConfig,
+    MoEExecutionConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from megamoe.config.unsupported import is_built
 from megamoe.model.flops import flops_per_token, recompute_flops_per_token
-from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config
+from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 
@@ -62,8 +73,11 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     layers_local = model.num_layers / lay.pp
     tp_comm = 0.0
     if lay.tp > 1:  # SP: all-gather + reduce-scatter around attention and MLP, fwd and bwd
-        vol = 8 * local_tokens * h * 2 * (lay.tp - 1) / lay.tp / lay.tp
-        tp_comm = vol * layers_local / bw(lay.tp)
+        pairs = 2 * layers_local  # ... and around the shared experts of each MoE layer
+        if model.moe is not None and model.moe.shared_expert_intermediate_size is not None:
+            pairs += sum(model.is_moe_layer(i) for i in range(model.num_layers)) / lay.pp
+        vol = 4 * pairs * local_tokens * h * 2 * (lay.tp - 1) / lay.tp / lay.tp
+        tp_comm = vol / bw(lay.tp)
     a2a = 0.0
     if model.moe is not None and lay.ep > 1:
         moe_local = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / lay.pp
@@ -101,15 +115,60 @@ def _recompute_modes(model: ModelConfig) -> list[str]:
     return [name for name in RECOMPUTE_MODES if model.moe is not None or "moe" not in name]
 
 
+def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: int) -> bool:
+    """Whether the run config's rules accept `lay` for this model (what pretrain_gpt.py
+    checks after its flags: the same RunConfig validation), with sequence parallelism
+    under TP as MoE needs, and every feature the layout uses built."""
+    if (lay.cp > 1 and not is_built("--context-parallel-size")) or (
+            lay.recompute != "none" and not is_built("--recompute-granularity")):
+        return False
+    moe = model.moe is not None  # (the planner assumes --moe-grouped-gemm: moe_act needs it)
+    vpp_layers = None if lay.vpp == 1 else model.num_layers // (lay.pp * lay.vpp)
+    try:
+        RunConfig(model, parallel=ParallelConfig(
+            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
+            expert_tensor_parallel_size=lay.etp, sequence_parallel=lay.tp > 1,
+            use_distributed_optimizer=lay.distributed_optimizer, world_size=gpus,
+            num_layers_per_virtual_pipeline_stage=vpp_layers),
+            train=TrainConfig(micro_batch_size=lay.micro_batch_size,
+                              global_batch_size=global_batch_size, train_iters=1),
+            moe_execution=MoEExecutionConfig(grouped_gemm=moe),
+            recompute=recompute_config(lay.recompute))
+    except ConfigError:
+        return False
+    return True
+
+
+def layout_flags(model: ModelConfig, lay: Layout) -> list[str]:
+    """The pretrain_gpt.py flags that launch `lay` (Megatron-LM's names)."""
+    flags = [f"--tensor-model-parallel-size={lay.tp}", f"--pipeline-model-parallel-size={lay.pp}",
+             f"--expert-model-parallel-size={lay.ep}", f"--expert-tensor-parallel-size={lay.etp}",
+             f"--micro-batch-size={lay.micro_batch_size}"]
+    if lay.tp > 1:
+        flags.append("--sequence-parallel")
+    if lay.cp > 1:
+        flags.append(f"--context-parallel-size={lay.cp}")
+    if lay.vpp > 1:
+        layers = model.num_layers // (lay.pp * lay.vpp)
+        flags.append(f"--num-layers-per-virtual-pipeline-stage={layers}")
+    if lay.distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
+    if model.moe is not None:
+        flags.append("--moe-grouped-gemm")
+    return flags + recompute_flags(lay.recompute)
+
+
 def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_length: int,
                   gpus_per_node: int) -> list[Layout]:
-    """Every layout megamoe's argument rules accept for this model and world size."""
+    """Every layout megamoe's argument rules accept for this model and world size: the
+    candidates (TP within a node; the sizes that multiply to the world size), kept when
+    `rules_accept` them."""
     out = []
     experts = model.moe.num_experts if model.moe else 1
-    heads, groups = model.num_attention_heads, model.num_query_groups
     for tp, pp, cp in itertools.product(divisors(gpus_per_node), divisors(model.num_layers),
                                         (1, 2, 4)):
-        if heads % tp or groups % tp or gpus % (tp * pp * cp) or seq_length % (2 * cp):
+        if gpus % (tp * pp * cp) or seq_length % (2 * cp):  # (CP: 2 x CP sequence chunks)
             continue
         dp = gpus // (tp * pp * cp)
         for vpp in (1, 2, 4):
@@ -118,13 +177,13 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
             for ep, etp in itertools.product(divisors(experts), sorted({1, tp})):
                 if model.moe is None and (ep > 1 or etp != tp):
                     continue
-                if (gpus // pp) % (ep * etp):  # expert-data-parallel size must be whole
-                    continue
                 for mbs, dist_opt, rec in itertools.product((1, 2, 4), (False, True),
                                                             _recompute_modes(model)):
-                    if global_batch_size % (mbs * dp) or (dist_opt and dp * cp == 1):
+                    if dist_opt and dp * cp == 1:
                         continue
-                    out.append(Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs))
+                    lay = Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs)
+                    if rules_accept(model, lay, gpus, global_batch_size):
+                        out.append(lay)
     return out
 
 
@@ -152,6 +211,7 @@ def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: i
     results.sort(key=lambda r: (r["step_time_s"]["total"], r["memory_gb"]["total"]))
     for r in results[:top]:
         r["explanation"] = explain(r, hw)
+        r["flags"] = " ".join(layout_flags(model, Layout(**r["layout"])))
     return results[:top]
 
 

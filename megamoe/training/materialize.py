@@ -51,20 +51,14 @@ def _init_kind(module: nn.Module, name: str) -> tuple[str, float]:
     return "fill", 0.0
 
 
-def _global_offsets(part: Part, local: torch.Tensor) -> list[int]:
-    """Where `local` (this rank's slice of the part) starts in the logical tensor."""
-    offsets = [0] * local.dim()
-    for i, placement in enumerate(part.placements):
-        coord = (part.device_mesh.get_local_rank(i) if part.device_mesh.ndim > 1
-                 else part.device_mesh.get_local_rank())
-        offsets[placement.dim] += coord * local.shape[placement.dim]
-    return offsets
-
-
 def _vector_axis(part: Part, ndim: int) -> int:
     """The dimension drawn as one vector: the last that no layout ever splits, so a rank
     draws only the vectors it holds (a row-parallel weight draws columns, an expert fc1
-    draws along its hidden size)."""
+    draws along its hidden size). A part of a formerly whole tensor (`whole_key`: the
+    shared experts) draws along the last dim, as that tensor did; a rank holding a slice
+    of its vectors draws them whole and keeps the slice."""
+    if part.whole_key is not None:
+        return ndim - 1
     free = [d for d in range(ndim) if d not in part.shardable_dims]
     return free[-1] if free else ndim - 1
 
@@ -91,11 +85,13 @@ def _fill_normal(part: Part, local: torch.Tensor, std: float, seed: int) -> None
     """`part`'s region of its logical tensor, drawn vector by vector along _vector_axis
     (vector i: flat index i over the other dims) and copied into `local` a chunk at a time
     along the first of the other dims."""
-    shape, offsets = part.global_shape, _global_offsets(part, local)
+    shape, offsets = part.global_shape, part.global_offsets(tuple(local.shape))
     axis = _vector_axis(part, len(shape))
+    key, first = (part.key, 0) if part.whole_key is None else (part.whole_key, part.whole_row)
     others = [d for d in range(len(shape)) if d != axis]
     if not others:  # 1-D: one vector
-        local.copy_(_draw(seed, part.key, [0], shape[axis], std)[0])
+        local.copy_(_draw(seed, key, [0], shape[axis], std)[0].narrow(
+            0, offsets[axis], local.shape[axis]))
         return
     c, rest = others[0], others[1:]
     inner = _flat_indices(shape, rest, offsets, tuple(local.shape))
@@ -107,9 +103,11 @@ def _fill_normal(part: Part, local: torch.Tensor, std: float, seed: int) -> None
     k = max(1, _CHUNK_BYTES // (4 * shape[axis] * len(inner)))
     for i0 in range(0, local.shape[c], k):
         n = min(k, local.shape[c] - i0)
-        rows = [(offsets[c] + i0 + i) * per + r for i in range(n) for r in inner]
-        host = _draw(seed, part.key, rows, shape[axis], std)
-        host = host.reshape(n, *[local.shape[d] for d in rest], shape[axis]).permute(perm)
+        rows = [(first + offsets[c] + i0 + i) * per + r for i in range(n) for r in inner]
+        host = _draw(seed, key, rows, shape[axis], std)
+        host = host.narrow(1, offsets[axis], local.shape[axis])  # a split axis: the slice
+        host = host.reshape(n, *[local.shape[d] for d in rest], local.shape[axis])
+        host = host.permute(perm)
         local.narrow(c, i0, n).copy_(host)
 
 

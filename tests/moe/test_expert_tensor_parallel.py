@@ -1,7 +1,8 @@
 """An MoE layer inside TP + SP, with experts split over F (ETP = TP) or tokens split over
 the TP ranks (ETP = 1), alone and with expert parallelism, equals the single-process layer:
 outputs, input and router gradients on every rank, expert gradients after the edp sum
-(biases, shared experts with gate, aux and z losses included)."""
+(biases, shared experts with gate, aux and z losses included; the shared experts split
+over TP, as Megatron's)."""
 
 from __future__ import annotations
 
@@ -72,10 +73,8 @@ def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) 
     tol = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, ref_out[own], **tol)
     torch.testing.assert_close(x_local.grad, ref_xgrad[own], **tol)
-    for name in ("router.weight", "shared_experts.linear_fc1.weight",
-                 "shared_experts.gate_weight"):
-        mine = dict(layer.named_parameters())[name].grad
-        torch.testing.assert_close(mine, dict(ref.named_parameters())[name].grad, **tol)
+    torch.testing.assert_close(layer.router.weight.grad, ref.router.weight.grad, **tol)
+    _check_shared_experts(layer, ref, mesh, tol)
     # Experts: sum over the edp replicas (and, for the replicated fc2 bias, over etp, as
     # reduce_gradients does for `sequence_parallel` parameters) == sum over replicas.
     e0, j = layer.experts.expert_offset, mesh.local_rank_in("etp")
@@ -96,6 +95,31 @@ def _worker(rank: int, world: int, tp: int, ep: int, etp: int, dispatcher: str) 
     return True
 
 
+def _check_shared_experts(layer: MoELayer, ref: MoELayer, mesh, tol: dict) -> None:
+    """The shared experts are split over TP like a dense MLP (fc1 [gate slice t; up slice
+    t] rows, fc2 columns t); the gate and fc2 bias are whole, their gradients partial per
+    sequence shard and marked for the TP sum. After that sum every gradient is this rank's
+    slice of the single-process one."""
+    tp, t = mesh.tp_size, mesh.local_rank_in("tp")
+    mine, full = dict(layer.shared_experts.named_parameters()), \
+        dict(ref.shared_experts.named_parameters())
+    assert set(mine) == {"linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+                         "linear_fc2.bias", "gate_weight"}
+    for name, p in mine.items():
+        want = full[name].grad
+        if name.startswith("linear_fc1"):
+            want = torch.cat([b.chunk(tp)[t] for b in want.chunk(2)])
+        elif name == "linear_fc2.weight":
+            want = want.chunk(tp, dim=1)[t]
+        assert getattr(p, "tensor_model_parallel", False) == (p.shape != full[name].shape)
+        assert getattr(p, "sequence_parallel", False) == (p.shape == full[name].shape)
+        assert p.numel() == full[name].numel() // (tp if p.shape != full[name].shape else 1)
+        g = p.grad.clone()
+        if getattr(p, "sequence_parallel", False):
+            torch.distributed.all_reduce(g, group=mesh.group("tp"))
+        torch.testing.assert_close(g, want, **tol)
+
+
 @pytest.mark.parametrize("etp", [1, 2])
 def test_tp2_layer_matches_single_process(etp):
     assert all(run_distributed(_worker, 2, 120, 2, 1, etp, "alltoall"))
@@ -109,3 +133,38 @@ def test_tp2_x_ep2_layer_matches_single_process(etp, dispatcher):
 def test_etp_other_than_one_or_tp_is_refused():
     with pytest.raises(ConfigError, match="not supported yet: --expert-tensor-parallel-size 2"):
         ParallelConfig.layout(8, tp=4, etp=2)
+
+
+def _shared_share_worker(rank: int, world: int) -> tuple[int, int, float, float]:
+    """(shared-expert parameters on this rank, in one process; their forward + backward
+    FLOPs on this rank's sequence shard, on the whole sequence in one process)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mesh = build_mesh(ParallelConfig.layout(world, tp=world), "gloo")
+    full = _full_layer("alltoall")
+    layer = parallelize_moe(copy.deepcopy(full), tp_group=mesh.group("tp"),
+                            etp_group=mesh.group("etp"))
+    x, grad = _data(0)
+    own = slice(rank * S // world, (rank + 1) * S // world)
+
+    def flops(shared, x_SBH, grad_SBH) -> float:
+        x_SBH = x_SBH.clone().requires_grad_(True)
+        with FlopCounterMode(display=False) as counter:
+            (shared(x_SBH) * grad_SBH).sum().backward()
+        return counter.get_total_flops()
+
+    def count(m) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    return (count(layer.shared_experts), count(full.shared_experts),
+            flops(layer.shared_experts, x[own], grad[own]),
+            flops(full.shared_experts, x, grad))
+
+
+def test_each_tp_rank_holds_and_runs_its_share_of_the_shared_experts():
+    """TP=2: each rank holds half of the shared experts' matrices (the [1, H] gate and the
+    fc2 bias [H] stay whole) and runs half of their FLOPs, forward and backward (before,
+    every rank held them whole and ran them on the whole gathered sequence: TP times)."""
+    for mine, whole, mine_flops, whole_flops in run_distributed(_shared_share_worker, 2, 120):
+        assert mine == (whole - 2 * H) // 2 + 2 * H
+        assert mine_flops == whole_flops / 2 and whole_flops > 0

@@ -1,9 +1,9 @@
-"""--ckpt-format torch_dist: a checkpoint saved under EP=2 x TP=2 + SP (ETP = TP) with the
-distributed optimizer at DP=2 loads under EP=4 (distributed optimizer, DP=4), PP=2 and one
-process. Each loading layout re-saves what it loaded: every tensor (weights, Adam states)
-is bitwise the original, so the logits are identical and the distributed optimizer's dp
-shards were re-sliced exactly; training then continues with the losses of a run that never
-changed layout."""
+"""--ckpt-format torch_dist: a checkpoint saved under EP=2 x TP=2 + SP (ETP = TP, shared
+experts split over TP) with the distributed optimizer at DP=2 loads under EP=4
+(distributed optimizer, DP=4), PP=2 and one process. Each loading layout re-saves what it
+loaded: every tensor (weights, Adam states) is bitwise the original, so the logits are
+identical and the distributed optimizer's dp shards were re-sliced exactly; training then
+continues with the losses of a run that never changed layout."""
 
 from __future__ import annotations
 
@@ -29,7 +29,12 @@ from megamoe.training.checkpoint import (
 from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
-from tests.training.test_pretrain import TINY_MOE
+from tests.training.test_pretrain import TINY_MOE as TINY
+
+# With shared experts (and their gate): split over TP since they are Megatron's TP MLP, they
+# reshard like the dense MLP (fc1 saved as its gate and up halves).
+TINY_MOE = f"{TINY} --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate"
+SHARED_FC1 = "model.decoder.layers.1.mlp.shared_experts.linear_fc1.weight"
 
 SAVED_LAYOUT = ("--tensor-model-parallel-size 2 --sequence-parallel "
                 "--expert-model-parallel-size 2 --use-distributed-optimizer "
@@ -87,6 +92,7 @@ def _check_resharded(saved: dict, dst: str, resumed: list[list[float]]) -> None:
     original = read_dist_tensors(checkpoint_file(saved["src"]))
     again = read_dist_tensors(checkpoint_file(dst))
     assert original.keys() == again.keys()
+    assert original[f"{SHARED_FC1}.gate"].shape == original[f"{SHARED_FC1}.up"].shape == (32, 32)
     assert any(k.startswith("optimizer.") and k.endswith("exp_avg_sq") for k in original)
     for key, t in original.items():
         assert torch.equal(t, again[key]), key

@@ -7,9 +7,11 @@ import shlex
 import time
 
 import pytest
+import torch
 
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.main import pretrain
+from megamoe.training.checkpoint import checkpoint_file, read_dist_tensors
 from tests.distributed import run_distributed
 from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
@@ -53,6 +55,45 @@ def test_tensor_parallel_training_matches_single_process(world_size, etp):
         _assert_same(single, hist, keys)
 
 
+SHARED = "--moe-shared-expert-intermediate-size 32"
+TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel"
+
+
+@pytest.mark.parametrize("shared, layout, world_size", [
+    (f"{SHARED} --moe-shared-expert-gate", "", 2),
+    pytest.param(SHARED, "", 2, marks=pytest.mark.slow),
+    pytest.param(f"{SHARED} --moe-shared-expert-gate", "--expert-tensor-parallel-size 1", 2,
+                 marks=pytest.mark.slow),
+    pytest.param(f"{SHARED} --moe-shared-expert-gate --use-distributed-optimizer",
+                 "--expert-model-parallel-size 2", 4, marks=pytest.mark.slow),
+    pytest.param(f"{SHARED} --moe-shared-expert-gate", "--pipeline-model-parallel-size 2", 4,
+                 marks=pytest.mark.slow),
+], ids=["gate", "no_gate", "gate_etp1", "gate_ep2_distopt", "gate_pp2"])
+def test_shared_experts_split_over_tp_match_single_process(tmp_path, shared, layout,
+                                                           world_size):
+    """Shared experts (Megatron's TP MLP: fc1 column-, fc2 row-parallel over the sequence
+    shards; the gate whole, its gradient summed over TP) under TP=2 + SP, with ETP = TP or
+    1, EP=2 and the distributed optimizer, or PP=2: the single-process losses and grad
+    norms (clipping active, so a wrong grad norm shows in the losses too), and every
+    weight after training (a gate whose gradient stayed partial barely moves the losses
+    under Adam, but its weights drift apart)."""
+    save = "--save-interval 5 --ckpt-format torch_dist --save"
+    single = _history(f"{shared} {save} {tmp_path / 'single'}", 1)
+    per_rank = run_distributed(_worker, world_size, 300,
+                               f"{shared} {TP2_SP} {layout} {save} {tmp_path / 'tp'}")
+    assert all(h["grad norm"] > 0.05 for h in single)
+    reported = [hist for hist in per_rank if hist]  # (PP: the last stage reports)
+    assert reported
+    for hist in reported:
+        _assert_same(single, hist, ("lm loss", "load_balancing_loss", "z_loss", "grad norm"))
+    want, got = (read_dist_tensors(checkpoint_file(str(tmp_path / d)), "model.")
+                 for d in ("single", "tp"))
+    assert want.keys() == got.keys() and any("shared_experts.linear_fc2" in k for k in want)
+    assert any("shared_experts.gate_weight" in k for k in want) == ("gate" in shared)
+    for key, t in want.items():
+        torch.testing.assert_close(got[key], t, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def _fails(capsys, extra: str, world_size: int) -> str:
     return parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world_size)
 
@@ -77,6 +118,10 @@ def _fails(capsys, extra: str, world_size: int) -> str:
      "--tensor-model-parallel-size (1)"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --moe-ffn-hidden-size 33", 2,
      "--moe-ffn-hidden-size (33) must be divisible by --expert-tensor-parallel-size (2)"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel "
+     "--moe-shared-expert-intermediate-size 33", 2,
+     "--moe-shared-expert-intermediate-size (33) must be divisible by "
+     "--tensor-model-parallel-size (2)"),
 ])
 def test_bad_tensor_parallel_layouts_fail_in_one_line(capsys, extra, world, message):
     assert message in _fails(capsys, extra, world)

@@ -35,10 +35,6 @@ class TokenDispatcher:
         parallel wrapper gathers the sequence)."""
         return hidden
 
-    def scatter_sequence(self, full_TH: torch.Tensor) -> torch.Tensor:
-        """A replicated output over the routed tokens (shared experts) -> this rank's part."""
-        return full_TH
-
     def capacity_shards(self) -> int:
         """Capacity is counted separately in this many equal, contiguous blocks of the
         routed tokens (moe/capacity.py); `pad` is then rows per expert per block."""

@@ -69,9 +69,6 @@ class TensorParallelDispatcher(TokenDispatcher):
         the backward keeps this rank's chunk of the gradient)."""
         return gather_from_sequence(hidden_SBH, self.tp_group, reduce_grad=False)
 
-    def scatter_sequence(self, full_TH: torch.Tensor) -> torch.Tensor:
-        return scatter_to_sequence(full_TH, self.tp_group)
-
     def mode_for(self, parallel_mode, adaptive_r):
         return self.inner.mode_for(parallel_mode, adaptive_r)
 

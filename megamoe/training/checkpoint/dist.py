@@ -331,6 +331,42 @@ def _request(meta: dict, ckpt_dir: str, key: str, part, like: torch.Tensor,
     targets.append((request[key][1], target))
 
 
+def _request_part(meta: dict, ckpt_dir: str, prefix: str, suffix: str, part, like: torch.Tensor,
+                  request: dict, targets: list, target: Callable[[torch.Tensor], None]) -> None:
+    """`_request` of `prefix + part.key + suffix`, or, for a part of a tensor that older
+    checkpoints hold whole (`part.whole_key`: the shared experts before they were split
+    over TP), of that whole tensor, read entirely and sliced to this rank's region."""
+    key, whole = f"{prefix}{part.key}{suffix}", f"{prefix}{part.whole_key}{suffix}"
+    if key in meta or part.whole_key is None or whole not in meta:
+        _request(meta, ckpt_dir, key, part, like, request, targets, target)
+        return
+    saved = tuple(meta[whole].size)
+    rows = part.global_shape[0]
+    if saved[1:] != part.global_shape[1:] or saved[0] < part.whole_row + rows:
+        raise CheckpointError(f"{ckpt_dir}: does not match the model ({whole} has shape "
+                              f"{list(saved)} in the checkpoint, which holds no rows "
+                              f"{part.whole_row}:{part.whole_row + rows} of shape "
+                              f"{list(part.global_shape)})")
+    if whole not in request:
+        buf = torch.empty(saved, dtype=like.dtype, device=like.device)
+        request[whole] = (buf, buf)
+    local_shape = tuple(part.local(like).shape)
+    offsets = part.global_offsets(local_shape)
+
+    def mine(buf: torch.Tensor) -> torch.Tensor:
+        region = buf.narrow(0, part.whole_row, rows)
+        for d, (start, n) in enumerate(zip(offsets, local_shape)):
+            region = region.narrow(d, start, n)
+        return region
+
+    targets.append((request[whole][1], lambda buf: target(mine(buf))))
+
+
+def _in_checkpoint(meta: dict, prefix: str, part, suffix: str) -> bool:
+    return (f"{prefix}{part.key}{suffix}" in meta or part.whole_key is not None
+            and f"{prefix}{part.whole_key}{suffix}" in meta)
+
+
 def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, mesh, *,
                          load_optim: bool = True, load_rng: bool = True,
                          finetune: bool = False, common: Optional[dict] = None,
@@ -347,8 +383,8 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     targets: list = []
     for e in entries:
         for part in e.parts:
-            _request(meta, ckpt_dir, f"model.{part.key}", part, e.tensor, request, targets,
-                     lambda buf, t=e.tensor, p=part: p.local(t).copy_(buf))
+            _request_part(meta, ckpt_dir, "model.", "", part, e.tensor, request, targets,
+                          lambda buf, t=e.tensor, p=part: p.local(t).copy_(buf))
     optim = common.get("optimizer")
     use_optim = (optimizer is not None and load_optim and not finetune and optim is not None)
     per_param: list[dict[str, torch.Tensor]] = []
@@ -360,13 +396,15 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
             if not optimizer.loads_param(i):  # the distributed optimizer: no piece here
                 continue
             for name in optim["names"]:
-                if name == "main" and f"optimizer.{e.parts[0].key}.main" not in meta:
+                if name == "main" and not _in_checkpoint(meta, "optimizer.", e.parts[0],
+                                                         ".main"):
                     continue
                 full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
                 st[name] = full
                 for part in e.parts:
-                    _request(meta, ckpt_dir, f"optimizer.{part.key}.{name}", part, full,
-                             request, targets, lambda buf, t=full, q=part: q.local(t).copy_(buf))
+                    _request_part(meta, ckpt_dir, "optimizer.", f".{name}", part, full,
+                                  request, targets,
+                                  lambda buf, t=full, q=part: q.local(t).copy_(buf))
     _dcp_load({k: v[0] for k, v in request.items()}, ckpt_dir, no_dist=world == 1)
     with torch.no_grad():
         for buf, target in targets:

@@ -22,7 +22,7 @@ slices this layout needs: that is the resharding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -57,9 +57,26 @@ class Part:
     device_mesh: Optional[DeviceMesh] = None  # None: not sharded (replicated or one rank)
     placements: tuple[Placement, ...] = ()
     shardable_dims: tuple[int, ...] = ()  # dims some layout splits (whatever this one does)
+    # Set for the shared experts' TP-sharded tensors, which were one replicated tensor
+    # before they were split over TP: this part is rows [whole_row, whole_row + rows) of
+    # logical tensor `whole_key`. The materializer draws it as those rows (along the last
+    # dim, as the whole tensor was drawn: seeds keep their values) and a checkpoint that
+    # saved the whole tensor loads into it (dist.py).
+    whole_key: Optional[str] = None
+    whole_row: int = 0
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dim is None else t.narrow(self.dim, self.start, self.length)
+
+    def global_offsets(self, local_shape: tuple[int, ...]) -> list[int]:
+        """Where this rank's `local_shape` region of the part starts in the logical tensor
+        (the Shard placements' coordinates x local sizes)."""
+        offsets = [0] * len(local_shape)
+        for i, placement in enumerate(self.placements):
+            mesh = self.device_mesh
+            coord = mesh.get_local_rank(i) if mesh.ndim > 1 else mesh.get_local_rank()
+            offsets[placement.dim] += coord * local_shape[placement.dim]
+        return offsets
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """The shard as DCP sees it: a DTensor placed in the logical tensor, or plain."""
@@ -142,6 +159,16 @@ def _column_names(module: ColumnParallelLinear, prefix: str) -> list[Optional[st
 
 def _parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
            meshes: _Meshes) -> list[Part]:
+    parts = _layout_parts(module, pname, t, key, meshes)
+    if getattr(module, "was_replicated", False):  # a shared expert's linear (experts.py)
+        rows = [p.global_shape[0] for p in parts]
+        parts = [replace(p, whole_key=key, whole_row=sum(rows[:i]))
+                 for i, p in enumerate(parts)]
+    return parts
+
+
+def _layout_parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
+                  meshes: _Meshes) -> list[Part]:
     shape = tuple(t.shape)
     if isinstance(module, ColumnParallelLinear):  # rows = blocks, each split over tp
         parts, start = [], 0
