@@ -101,12 +101,15 @@ BAD = [
     ("--tensorboard-log-interval", "0", "", 1, "must be positive"),
     ("--peak-tflops", "-1", "", 1, "must be positive"),
     ("--timing-log-level", "1", "", 1, "not supported yet"),
+    ("--ddp-bucket-size", "0", "--overlap-grad-reduce", 1, "must be positive"),
+    ("--recompute-num-layers", "0", "--recompute-granularity full --recompute-method uniform",
+     1, "must be >= 1"),
 ]
 
 # Flags whose range another rule covers (not supported yet whatever the value), or that are
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
-    "--rotary-seq-len-interpolation-factor", "--recompute-num-layers", "--loss-scale",
+    "--rotary-seq-len-interpolation-factor", "--loss-scale",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)
     "--train-samples", "--rampup-batch-size", "--lr-decay-samples", "--lr-warmup-samples",
