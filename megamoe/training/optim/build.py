@@ -49,6 +49,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
                                                             mesh.group("edp"))
         embd, ep, etp = mesh.group("embd"), mesh.group("ep"), mesh.group("etp")
         opt.model_parallel_groups = (tp, pp, ep, etp)
+        opt.single_rank = mesh.world_size == 1
         opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
                                                              embd_group=embd, edp_group=edp)
         if tp is not None or pp is not None or ep is not None:

@@ -64,6 +64,9 @@ class MixedPrecisionOptimizer:
         # (tp, pp, ep, etp): how params norm and zero counts count each parameter once
         # (build_optimizer sets them from the mesh; None: this process holds every one).
         self.model_parallel_groups: tuple = (None, None, None, None)
+        # One rank and nothing to reduce (build_optimizer sets it from the mesh): the NaN
+        # check reads the step's norm instead of a norm pass of its own.
+        self.single_rank = False
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
@@ -143,11 +146,15 @@ class MixedPrecisionOptimizer:
             bad = self.grad_sync.finish()
             if check is not None:
                 check.see_local_verdict(bad)
-        elif check is not None:
+        elif check is not None and not self.single_rank:
             check.see_grads(grads)
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
         norm = self.grad_norm_fn(grads)
+        if check is not None and self.single_rank and self.grad_sync is None:
+            # One rank: no reduction changes the gradients, so the norm of the step is the
+            # local norm the check needs (Megatron checks a norm too): one pass, not two.
+            check.see_local_verdict(~torch.isfinite(norm))
         grad_norm = read_grad_norm(norm, check)
         zeros = self.count_zeros(grads) if count_zeros else None
         if not math.isfinite(grad_norm):
