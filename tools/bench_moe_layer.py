@@ -8,6 +8,9 @@ In one process and one run, on the same weights and input (SwiGLU experts, fp32 
   einsum  GShard/fairseq: one-hot [T, E, C] dispatch/combine einsums, capacity factor 1.0
   dense   a dense SwiGLU MLP with intermediate k x F: the same expert FLOPs as one GEMM
           each, this machine's ceiling
+  experts_gemm  the moe layer's two grouped GEMMs alone (forward and backward, its group
+          sizes): dense_ms / experts_gemm_ms bounds ratio_vs_dense from above, and
+          moe_ms - experts_gemm_ms is what the layer spends outside its GEMMs
 Peak activation memory = bytes saved for backward during the forward (unique storages),
 the memory a training step holds per layer; reported relative to dense, with the saved
 tensors of >= 1 MiB listed per variant (`saved_tensors`: [MiB, shape, dtype]).
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamoe.config import MoEConfig  # noqa: E402
-from megamoe.moe.grouped_gemm import resolve_backend  # noqa: E402
+from megamoe.moe.grouped_gemm import grouped_mm, resolve_backend  # noqa: E402
 from megamoe.moe.layer import MoELayer  # noqa: E402
 from megamoe.moe.router import topk_routing  # noqa: E402
 
@@ -153,6 +156,14 @@ def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int,
         n = repeats if k in ("moe", "dense") else baseline_repeats
         ms[k] = 1e3 * time_fwd_bwd(fn, x, n)
         print(f"# {name} {dtype_name} {k}: {ms[k]:.1f} ms", file=sys.stderr, flush=True)
+    # The MoE layer's expert GEMMs alone (fc1, fc2, forward and backward, the same group
+    # sizes as its routing): what the layer would cost with nothing around its GEMMs.
+    sizes = layer.tokens_per_expert.clone()
+    x_NH = torch.randn(int(sizes.sum()), s["H"], device=device).to(dtype)
+    ex = layer.experts
+    ms["experts_gemm"] = 1e3 * time_fwd_bwd(
+        lambda xi: grouped_mm(grouped_mm(xi, ex.fc1_weight, sizes)[:, :s["F"]],
+                              ex.fc2_weight, sizes), x_NH, repeats)
     saved = {k: saved_tensors(fns[k], x) for k in ("moe", "dense", "einsum")}
     mem = {k: sum(b for b, _, _ in v) for k, v in saved.items()}
     expert_flops = 3 * 2 * s["T"] * s["k"] * 3 * s["H"] * s["F"]  # fwd + 2x bwd, 3 GEMMs
@@ -164,6 +175,9 @@ def bench_shape(name: str, dtype_name: str, repeats: int, baseline_repeats: int,
         "moe_ms": round(ms["moe"], 1), "loop_ms": round(ms["loop"], 1),
         "einsum_ms": round(ms["einsum"], 1), "dense_ms": round(ms["dense"], 1),
         "ratio_vs_dense": round(ms["dense"] / ms["moe"], 3),
+        "experts_gemm_ms": round(ms["experts_gemm"], 1),
+        "gemm_bound_ratio_vs_dense": round(ms["dense"] / ms["experts_gemm"], 3),
+        "moe_outside_gemms_ms": round(ms["moe"] - ms["experts_gemm"], 1),
         "speedup_vs_loop": round(ms["loop"] / ms["moe"], 3),
         "speedup_vs_einsum": round(ms["einsum"] / ms["moe"], 3),
         "peak_mem_ratio_vs_dense": round(mem["moe"] / mem["dense"], 3),
