@@ -101,6 +101,8 @@ class Mesh:
     device: torch.device = torch.device("cpu")  # this rank's one device (default_device)
     device_mesh: Optional[DeviceMesh] = None  # dense pp x dp x cp x tp
     expert_device_mesh: Optional[DeviceMesh] = None  # pp x edp x ep x etp
+    # init_mesh created the default process group (else the caller had: it keeps it).
+    owns_world: bool = False
 
     def size(self, name: str) -> int:
         return self.sizes[name]
@@ -226,13 +228,16 @@ def init_mesh(parallel: ParallelConfig) -> Mesh:
     backend = parallel.distributed_backend
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    owns_world = not dist.is_initialized()
+    if owns_world:
         timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
         store, rank, world = _restart_store(timeout)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    return build_mesh(parallel, backend, device)
+    mesh = build_mesh(parallel, backend, device)
+    mesh.owns_world = owns_world
+    return mesh
 
 
 def _restart_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
@@ -251,5 +256,16 @@ def _restart_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:
 
 
 def destroy_mesh(mesh: Mesh) -> None:
-    if mesh.world_size > 1 and dist.is_initialized():
+    """Tear down what init_mesh made: every process group when it created the default one;
+    when the caller had initialised torch.distributed (a library user, a test harness
+    running several trainings in one process), only the mesh's own groups: the caller's
+    group lives on (destroying it, then rendezvousing again on the same port, raced)."""
+    if mesh.world_size == 1 or not dist.is_initialized():
+        return
+    if mesh.owns_world:
         dist.destroy_process_group()
+        return
+    world = dist.group.WORLD
+    for group in {id(g): g for g in mesh.groups.values() if g is not None}.values():
+        if group is not world:
+            dist.destroy_process_group(group)

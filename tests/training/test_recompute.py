@@ -67,8 +67,19 @@ def _assert_same(base: list[dict], got: list[dict], what: str = "") -> None:
             assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]) + 1e-12, (what, k, base, got)
 
 
-def _worker(rank: int, world_size: int, extra: str, recompute: str):
-    return _both(extra, recompute, world_size)
+def _worker(rank: int, world_size: int, extra: str):
+    return _history(extra, world_size)
+
+
+def _both_distributed(world: int, extra: str, recompute: str, timeout: float
+                      ) -> list[tuple[list[dict], list[dict]]]:
+    """Per rank (without, with recompute), each run in fresh processes: two process groups
+    one after the other in one process can race (a fast rank reaching the second
+    rendezvous while rank 0 still serves the first one's store)."""
+    model_flags = SHARED if SHARED in recompute else ""
+    base = run_distributed(_worker, world, timeout, f"{extra} {model_flags}")
+    got = run_distributed(_worker, world, timeout, f"{extra} {recompute}")
+    return list(zip(base, got))
 
 
 @pytest.mark.parametrize("losses", ["balancing", "expert_bias"])
@@ -140,7 +151,7 @@ def test_expert_parallel_alltoall_replays_its_all_to_all():
     both ranks (the default set's multi-rank case)."""
     extra = (f"{BALANCING} --expert-model-parallel-size 2 --moe-token-dispatcher-type "
              "alltoall")
-    for base, got in run_distributed(_worker, 2, 240, extra, MODES["moe-layer-recompute"]):
+    for base, got in _both_distributed(2, extra, MODES["moe-layer-recompute"], 240):
         _assert_same(base, got, "ep2")
 
 
@@ -168,6 +179,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layouts_train_as_without_recompute(layout):
     world, extra, recompute = LAYOUTS[layout]
-    for rank, (base, got) in enumerate(run_distributed(
-            _worker, world, 600, f"{BALANCING} {extra}", recompute)):
+    for rank, (base, got) in enumerate(_both_distributed(world, f"{BALANCING} {extra}",
+                                                         recompute, 600)):
         _assert_same(base, got, f"{layout} rank {rank}")
