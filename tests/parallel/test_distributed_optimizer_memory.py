@@ -86,8 +86,8 @@ def _measure(rank: int, world_size: int, flags: str, root: str, fused: bool) -> 
     mesh = build_mesh(run.parallel, "gloo")
     model = build_model(run, mesh)
     opt = build_optimizer(model, run.optim, mesh=mesh, distributed=True)
-    for group in opt.optimizer.param_groups:
-        group["fused" if fused else "foreach"] = True  # fused: as megamoe on a GPU
+    for group in opt.optimizer.param_groups:  # fused: as megamoe runs Adam (GPU and CPU)
+        group["fused"], group["foreach"] = (True, False) if fused else (False, True)
     _train_step(run, mesh, model, opt)
     step = _train_step(run, mesh, model, opt)
     with TensorMemoryTracker() as save:
