@@ -64,6 +64,7 @@ from megamoe.parallel.tensor_parallel import (
     TensorParallel,
     VocabParallelEmbedding,
     mark_sequence_parallel,
+    mark_tp_partial,
 )
 
 Group = Optional[dist.ProcessGroup]
@@ -150,6 +151,9 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
             m.shard(tp)
         elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention)):
             m.tp = tp
+        if isinstance(m, SelfAttention) and m.q_layernorm is not None:
+            mark_tp_partial(m.q_layernorm, tp)
+            mark_tp_partial(m.k_layernorm, tp)
         if isinstance(m, SharedExpertMLP) and m.gate_weight is not None and tp.sp:
             m.gate_weight.sequence_parallel = True  # whole gate, run on the sequence shard
         if isinstance(m, TransformerLayer):

@@ -48,6 +48,9 @@ class ModelConfig:
     # Attention through SDPA's flash-attention kernel only (Megatron: the flash-attn
     # package); SDPA raises when the inputs do not fit it, never silently falls back.
     use_flash_attn: bool = flag("--use-flash-attn", False)
+    # Megatron's --qk-layernorm: one norm (--normalization) over each query and key head's
+    # channels, weights shared by the heads, before RoPE (Qwen3-MoE, OLMo-2 style).
+    qk_layernorm: bool = flag("--qk-layernorm", False)
     # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
     moe: Optional[MoEConfig] = derived("--num-experts and the other --moe-* flags", None)
     moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)

@@ -11,7 +11,6 @@ NOT_SUPPORTED_YET = (
     "--context-parallel-size",
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
-    "--qk-layernorm",
     "--moe-router-force-load-balancing",
     "--moe-use-legacy-grouped-gemm",
     "--moe-permute-fusion",

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamoe.config import ModelConfig
+from megamoe.model.norms import build_norm
 from megamoe.model.rope import apply_rotary
 from megamoe.parallel.checkpointing import maybe_checkpoint
 from megamoe.parallel.tensor_parallel import (
@@ -52,6 +53,10 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(
             q_size, config.hidden_size, bias=config.add_bias_linear,
             init_std=std / math.sqrt(2.0 * config.num_layers))
+        # --qk-layernorm: per head, weights shared by the heads (and by the TP ranks, whose
+        # gradients each see their own heads: the parallelize step marks them for a sum).
+        self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
 
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -64,6 +69,8 @@ class SelfAttention(nn.Module):
         k_SBGD = k.view(s, b, -1, self.head_dim)
         v_SBGD = v.view(s, b, -1, self.head_dim)
         num_heads = q_SBND.shape[2]
+        if self.q_layernorm is not None:
+            q_SBND, k_SBGD = self.q_layernorm(q_SBND), self.k_layernorm(k_SBGD)
         if rotary is not None:
             q_SBND = apply_rotary(q_SBND, *rotary)
             k_SBGD = apply_rotary(k_SBGD, *rotary)

@@ -35,7 +35,8 @@ def _attention_params(config: ModelConfig) -> tuple[int, int]:
     q_size = config.num_attention_heads * d
     weights = h * qkv_out + q_size * h
     bias = (qkv_out + h) if config.add_bias_linear else 0
-    return weights + bias, weights
+    qk_norms = 2 * _norm_params(config) // h * d if config.qk_layernorm else 0
+    return weights + bias + qk_norms, weights
 
 
 def _ffn_params(config: ModelConfig, ffn: int) -> tuple[int, int]:

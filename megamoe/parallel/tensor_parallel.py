@@ -76,6 +76,16 @@ def mark_sequence_parallel(module: nn.Module, tp: TensorParallel) -> nn.Module:
     return module
 
 
+def mark_tp_partial(module: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Tag `module`'s TP-replicated parameters whose gradient each rank computes from its
+    own heads only (--qk-layernorm, Megatron's finalize_model_grads sums them over TP):
+    the gradient reduction sums them over TP like the sequence-parallel ones."""
+    if tp.group is not None:
+        for p in module.parameters():
+            p.sequence_parallel = True
+    return module
+
+
 def shard_rows(full: torch.Tensor, blocks: Sequence[int], size: int, rank: int) -> torch.Tensor:
     """Rows of `full` split into consecutive `blocks`; keep chunk `rank` of each block."""
     if size == 1:

@@ -6,7 +6,8 @@ token of the layer's sequence, per rank:
 
   attention  norm1 (RMSNorm keeps its input and the normalised input, LayerNorm its input),
              qkv's input (the gathered sequence under SP: not divided by TP), q k v, the
-             rotated q and k (RoPE), the attention output (= linear_proj's input) and the
+             q and k the --qk-layernorm norms keep, the rotated q and k (RoPE), the
+             attention output (= linear_proj's input) and the
              softmax statistics (fp32, one per head: flash-style SDPA keeps no scores);
   MLP        norm2, the MLP input (gathered under SP), then
              dense: fc1's output, silu(gate) (SwiGLU) and the activation;
@@ -47,7 +48,8 @@ def attention_values(model: ModelConfig, tp: int, act_bytes: int,
     if not ("layernorm" in selected and tp == 1):
         values += h  # linear_qkv's input
     rotated = (nq + nkv) * d if model.position_embedding_type == "rope" else 0
-    values += ((nq + 2 * nkv) * d + rotated + nq * d) / tp
+    qk_norms = (nq + nkv) * d if model.qk_layernorm else 0  # the per-head norms' inputs
+    values += ((nq + 2 * nkv) * d + rotated + qk_norms + nq * d) / tp
     if "core_attn" not in selected:
         values += nq * FP32 / act_bytes / tp
     return values

@@ -67,6 +67,41 @@ def test_attention_matches_naive(groups, bias, rope, kv):
         torch.testing.assert_close(a, r, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_qk_layernorm_normalises_each_head_before_rope(normalization):
+    """--qk-layernorm (Megatron's meaning): one norm over each query and key head's channels,
+    its weights shared by the heads, applied before RoPE."""
+    torch.manual_seed(0)
+    c = ModelConfig(hidden_size=16, num_attention_heads=4, num_query_groups=2,
+                    attention_dropout=0.0, qk_layernorm=True, normalization=normalization)
+    attn = SelfAttention(c).double()
+    with torch.no_grad():
+        for norm in (attn.q_layernorm, attn.k_layernorm):
+            norm.weight.normal_()
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.normal_()
+    s, b, d = 5, 2, c.kv_channels
+    x = torch.randn(s, b, 16, dtype=torch.float64)
+    cos, sin = rotary_cos_sin(s, d, 10000.0)
+    rotary = (cos.double(), sin.double())
+    out = attn(x, rotary)
+
+    def norm(t, m):  # by hand, over the last (head) dimension
+        if normalization == "RMSNorm":
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.norm_epsilon) * m.weight
+        return torch.nn.functional.layer_norm(t, (d,), m.weight, m.bias, c.norm_epsilon)
+
+    wq, wk, wv = split_qkv_weight(attn.linear_qkv.weight, c)
+    q = apply_rotary(norm((x @ wq.t()).view(s, b, 4, d), attn.q_layernorm), *rotary)
+    k = apply_rotary(norm((x @ wk.t()).view(s, b, 2, d), attn.k_layernorm), *rotary)
+    v = (x @ wv.t()).view(s, b, 2, d)
+    k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, 4 * d)
+    torch.testing.assert_close(out, o @ attn.linear_proj.weight.t(), atol=1e-10, rtol=1e-10)
+
+
 def test_attention_dropout_only_in_training():
     torch.manual_seed(0)
     c = ModelConfig(hidden_size=16, num_attention_heads=4, attention_dropout=0.5)

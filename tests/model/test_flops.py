@@ -14,6 +14,8 @@ DENSE = [
     dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, kv_channels=24,
          position_embedding_type="rope"),
     dict(position_embedding_type="none", vocab_size=1000, make_vocab_size_divisible_by=64),
+    dict(qk_layernorm=True, kv_channels=20),  # LayerNorm: weight and bias per head dim
+    dict(qk_layernorm=True, normalization="RMSNorm", num_query_groups=2),
 ]
 MOE = [
     dict(moe_layer_pattern=[1, 1, 1]),

@@ -55,6 +55,17 @@ def test_tensor_parallel_training_matches_single_process(world_size, etp):
         _assert_same(single, hist, keys)
 
 
+def test_qk_layernorm_under_tensor_parallelism_matches_single_process():
+    """--qk-layernorm under TP=2+SP: each rank normalises its own heads with the shared
+    weights, whose gradients are summed over TP (Megatron's finalize_model_grads)."""
+    extra = "--qk-layernorm"
+    single = _history(extra, 1)
+    per_rank = run_distributed(_worker, 2, 240, f"{extra} --tensor-model-parallel-size 2 "
+                                                "--sequence-parallel")
+    for hist in per_rank:
+        _assert_same(single, hist, ("lm loss", "load_balancing_loss", "z_loss", "grad norm"))
+
+
 SHARED = "--moe-shared-expert-intermediate-size 32"
 TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel"
 

@@ -212,6 +212,7 @@ def _exportable(config: ModelConfig) -> Optional[str]:
         (config.rotary_percent != 1.0, "--rotary-percent < 1"),
         (not config.swiglu, "no --swiglu"),
         (config.add_bias_linear, "linear biases (no --disable-bias-linear)"),
+        (config.qk_layernorm, "--qk-layernorm (Mixtral has no q/k norms)"),
     ]
     if moe is not None:
         checks += [
