@@ -51,6 +51,8 @@ class ModelConfig:
     # Megatron's --qk-layernorm: one norm (--normalization) over each query and key head's
     # channels, weights shared by the heads, before RoPE (Qwen3-MoE, OLMo-2 style).
     qk_layernorm: bool = flag("--qk-layernorm", False)
+    # Megatron's --add-qkv-bias: a bias in the QKV projection even without linear biases.
+    add_qkv_bias: bool = flag("--add-qkv-bias", False)
     # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
     moe: Optional[MoEConfig] = derived("--num-experts and the other --moe-* flags", None)
     moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)

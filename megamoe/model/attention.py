@@ -48,7 +48,8 @@ class SelfAttention(nn.Module):
         kv_size = groups * self.head_dim
         std = config.init_method_std
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, q_size + 2 * kv_size, bias=config.add_bias_linear,
+            config.hidden_size, q_size + 2 * kv_size,
+            bias=config.add_bias_linear or config.add_qkv_bias,
             init_std=std, blocks=(q_size, kv_size, kv_size))
         self.linear_proj = RowParallelLinear(
             q_size, config.hidden_size, bias=config.add_bias_linear,

@@ -34,7 +34,7 @@ def _attention_params(config: ModelConfig) -> tuple[int, int]:
     qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
     q_size = config.num_attention_heads * d
     weights = h * qkv_out + q_size * h
-    bias = (qkv_out + h) if config.add_bias_linear else 0
+    bias = (qkv_out + h) if config.add_bias_linear else (qkv_out if config.add_qkv_bias else 0)
     qk_norms = 2 * _norm_params(config) // h * d if config.qk_layernorm else 0
     return weights + bias + qk_norms, weights
 

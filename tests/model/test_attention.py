@@ -102,6 +102,30 @@ def test_qk_layernorm_normalises_each_head_before_rope(normalization):
     torch.testing.assert_close(out, o @ attn.linear_proj.weight.t(), atol=1e-10, rtol=1e-10)
 
 
+def test_add_qkv_bias_puts_a_bias_in_qkv_only():
+    """--add-qkv-bias (Megatron, Qwen2): a QKV bias without the other linear biases; the
+    attention matches the naive one with that bias."""
+    torch.manual_seed(0)
+    c = ModelConfig(hidden_size=16, num_attention_heads=4, num_query_groups=2,
+                    add_bias_linear=False, add_qkv_bias=True, attention_dropout=0.0)
+    attn = SelfAttention(c).double()
+    assert attn.linear_qkv.bias is not None and attn.linear_proj.bias is None
+    with torch.no_grad():
+        attn.linear_qkv.bias.normal_()
+    x = torch.randn(5, 2, 16, dtype=torch.float64)
+    b_q, b_k, b_v = split_qkv_weight(attn.linear_qkv.bias, c)
+    q_w, k_w, v_w = split_qkv_weight(attn.linear_qkv.weight, c)
+    s, b, d = 5, 2, c.kv_channels
+    q = (x @ q_w.t() + b_q).view(s, b, 4, d)
+    k = (x @ k_w.t() + b_k).view(s, b, 2, d).repeat_interleave(2, dim=2)
+    v = (x @ v_w.t() + b_v).view(s, b, 2, d).repeat_interleave(2, dim=2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), v).reshape(s, b, 4 * d)
+    torch.testing.assert_close(attn(x), o @ attn.linear_proj.weight.t(), atol=1e-10,
+                               rtol=1e-10)
+
+
 def test_attention_dropout_only_in_training():
     torch.manual_seed(0)
     c = ModelConfig(hidden_size=16, num_attention_heads=4, attention_dropout=0.5)

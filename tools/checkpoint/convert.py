@@ -213,6 +213,7 @@ def _exportable(config: ModelConfig) -> Optional[str]:
         (not config.swiglu, "no --swiglu"),
         (config.add_bias_linear, "linear biases (no --disable-bias-linear)"),
         (config.qk_layernorm, "--qk-layernorm (Mixtral has no q/k norms)"),
+        (config.add_qkv_bias, "--add-qkv-bias (Mixtral has no QKV bias)"),
     ]
     if moe is not None:
         checks += [
