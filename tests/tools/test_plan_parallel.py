@@ -302,6 +302,7 @@ def _parameters_worker(rank: int, world_size: int, flags: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_shared_experts_split_over_tp_in_the_memory_model():
     """Shared experts are a TP MLP: each TP rank holds its half of their matrices (the
     [1, H] gate whole), exactly the parameters the memory model counts."""
