@@ -51,7 +51,8 @@ NO_OP = {
     "--no-persist-layer-norm": FUSION,
     "--attention-softmax-in-fp32": "attention softmax always runs in fp32 (SDPA)",
     "--no-create-attention-mask-in-dataloader":
-        "megamoe never materialises attention masks (causal SDPA)",
+        "megamoe never builds masks in the data loader: the batch carries document ids "
+        "(--reset-attention-mask) and the model builds the mask on the device",
     "--accumulate-allreduce-grads-in-fp32":
         "with --bf16 gradients always accumulate and are reduced in fp32",
     "--log-memory-to-tensorboard": "memory scalars are always written to TensorBoard",
@@ -256,6 +257,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--dataloader-type": ("--dataloader-type cyclic", 1, "cyclic"),
     "--no-data-sharding": ("--no-data-sharding", 1, False),
     "--reset-position-ids": ("--reset-position-ids", 1, True),
+    "--reset-attention-mask": ("--reset-attention-mask", 1, True),
     "--eod-mask-loss": ("--eod-mask-loss", 1, True),
     "--optimizer": ("--optimizer sgd", 1, "sgd"),
     "--lr": ("--lr 0.25", 1, 0.25),

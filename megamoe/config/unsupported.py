@@ -20,7 +20,6 @@ NOT_SUPPORTED_YET = (
     "--loss-scale",
     "--initial-loss-scale",  # fp16's dynamic loss scaler
     "--log-timers-to-tensorboard",  # timers (--timing-log-level) are not built
-    "--reset-attention-mask",
 )
 
 

@@ -30,7 +30,7 @@ class GradSync(Protocol):
 
 def forward_step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
-                    labels=batch["labels"])
+                    labels=batch["labels"], document_ids=batch.get("document_ids"))
     return masked_lm_loss(loss_BS, batch["loss_mask"])
 
 

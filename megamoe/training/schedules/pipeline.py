@@ -197,7 +197,8 @@ class _Stages:
             inp.requires_grad_(not self.forward_only)
         with torch.set_grad_enabled(not self.forward_only):
             out = self.model.chunks[c](inp, batch["tokens"], batch.get("position_ids"),
-                                       batch["labels"] if v == last else None)
+                                       batch["labels"] if v == last else None,
+                                       batch.get("document_ids"))
             if v == last:
                 out = masked_lm_loss(out, batch["loss_mask"])
                 self.total += out.detach()
