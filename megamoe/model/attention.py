@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megamoe.config import ModelConfig
 from megamoe.model.rope import apply_rotary
 from megamoe.parallel.checkpointing import maybe_checkpoint
+from megamoe.parallel.context_parallel import cp_attention
 from megamoe.parallel.tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -80,6 +81,10 @@ class SelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.use_flash_attn = config.use_flash_attn
         self.recompute_core_attn = False  # --recompute-modules core_attn (parallelize sets it)
+        # Context parallelism (parallelize sets both): this rank holds chunks r and
+        # 2CP-1-r of the sequence; core attention runs parallel/context_parallel.py's op.
+        self.cp_group = None
+        self.cp_comm_type = "p2p"
         q_size = heads * self.head_dim
         kv_size = groups * self.head_dim
         std = config.init_method_std
@@ -108,9 +113,14 @@ class SelfAttention(nn.Module):
             k_SBGD = apply_rotary(k_SBGD, *rotary)
         # SDPA wants [B, heads, S, D].
         q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
-        mask_B1SS = docs.mask() if docs is not None else None
-        o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.core_attention,
-                                  q_BNSD, k_BGSD, v_BGSD, mask_B1SS)
+        if self.cp_group is not None:
+            o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.cp_core_attention,
+                                      q_BNSD, k_BGSD, v_BGSD,
+                                      docs.ids_BS if docs is not None else None)
+        else:
+            mask_B1SS = docs.mask() if docs is not None else None
+            o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.core_attention,
+                                      q_BNSD, k_BGSD, v_BGSD, mask_B1SS)
         o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, num_heads * self.head_dim)
         return self.linear_proj(o_SBX)
 
@@ -127,6 +137,16 @@ class SelfAttention(nn.Module):
                 q_BNSD, k_BGSD, v_BGSD, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
                 dropout_p=self.attention_dropout if self.training else 0.0,
                 enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
+
+    def cp_core_attention(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor,
+                          v_BGSD: torch.Tensor,
+                          doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Core attention of this cp rank's queries against the whole sequence."""
+        if self.training and self.attention_dropout > 0:
+            raise ValueError("not supported yet: --attention-dropout with "
+                             "--context-parallel-size > 1")
+        return cp_attention(q_BNSD, k_BGSD, v_BGSD, self.cp_group, self.cp_comm_type,
+                            doc_ids_BS)
 
 
 def split_qkv_weight(w: torch.Tensor, config: ModelConfig
