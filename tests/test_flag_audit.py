@@ -38,6 +38,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
            C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training",
            C.RecomputeConfig: "recompute"}
 
+CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
     "--help": "argparse's help",
@@ -214,6 +215,9 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--tensor-model-parallel-size": ("--tensor-model-parallel-size 2 --sequence-parallel",
                                      2, 2),
     "--sequence-parallel": ("--tensor-model-parallel-size 2 --sequence-parallel", 2, True),
+    "--context-parallel-size": (f"--context-parallel-size 2 {CP_OK}", 2, 2),
+    "--cp-comm-type": (f"--context-parallel-size 2 --cp-comm-type allgather {CP_OK}", 2,
+                       ["allgather"]),
     "--pipeline-model-parallel-size": ("--pipeline-model-parallel-size 2", 2, 2),
     "--expert-model-parallel-size": ("--expert-model-parallel-size 2", 2, 2),
     "--expert-tensor-parallel-size": ("--tensor-model-parallel-size 2 --sequence-parallel "

@@ -185,29 +185,6 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
             raise ArgumentError(f"not supported yet: {flag}")
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("not supported yet: --transformer-impl transformer_engine")
-    if args.context_parallel_size > 1:
-        _check_context_parallel(args)
-
-
-def _check_context_parallel(args: argparse.Namespace) -> None:
-    """What context parallelism needs, and what it does not support yet."""
-    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    split = 2 * cp * (tp if args.sequence_parallel else 1)
-    if args.seq_length % split:
-        what = " x TP (sequence parallel)" if split > 2 * cp else ""
-        raise ArgumentError(f"--seq-length {args.seq_length} must be divisible by 2 x "
-                            f"--context-parallel-size{what} ({split})")
-    if args.attention_dropout > 0:
-        raise ArgumentError("not supported yet: --attention-dropout > 0 with "
-                            "--context-parallel-size > 1")
-    if args.num_experts:
-        types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
-        coeffs = coeffs * len(types) if len(coeffs) == 1 else coeffs
-        for t, c in zip(types, coeffs):
-            if t in ("aux_loss", "seq_aux_loss") and c > 0:
-                raise ArgumentError(f"not supported yet: --moe-router-load-balancing-type {t} "
-                                    "with --context-parallel-size > 1 (global_aux_loss "
-                                    "balances over dp x cp)")
 
 
 def _check_required(args: argparse.Namespace) -> None:
