@@ -95,3 +95,30 @@ def test_cp_refusals(capsys, extra, message):
     world = 3 if "size 3" in extra else 2
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}",
                                   world_size=world)
+
+
+def _lm_losses(rank: int, world_size: int, extra: str) -> list[float]:
+    return [h["lm loss"] for h in _train(f"{CP_BASE} {extra}", world_size)[0]]
+
+
+@pytest.mark.slow
+def test_cp2_checkpoint_loads_at_cp1_and_back(tmp_path):
+    """torch_dist: a CP=2 run with the distributed optimizer (its shards span cp) saves
+    at iteration 2; one process loads it and finishes with the unchanged run's losses;
+    and a one-process checkpoint resumes under CP=2 the same way."""
+    reference = _lm_losses(0, 1, "")
+    cp2 = "--context-parallel-size 2 --use-distributed-optimizer"
+    src = str(tmp_path / "cp2")
+    for losses in run_distributed(_lm_losses, 2, 300, f"{cp2} --exit-interval 2 "
+                                  f"--save-interval 2 --save {src}"):
+        _close(losses, reference[:2])
+    _close(_lm_losses(0, 1, f"--load {src}"), reference[2:])
+    one = str(tmp_path / "one")
+    _close(_lm_losses(0, 1, f"--exit-interval 2 --save-interval 2 --save {one}"),
+           reference[:2])
+    for losses in run_distributed(_lm_losses, 2, 300, f"{cp2} --load {one}"):
+        _close(losses, reference[2:])
+
+
+def _close(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)
