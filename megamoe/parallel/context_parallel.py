@@ -15,9 +15,11 @@ the op (allgather):
   rank r-1 in one `batch_isend_irecv` (send first, then receive, on every rank: the same
   order on both sides of each pair, as NCCL needs), issued before the block's attention
   is computed so the transfer overlaps the compute. Blocks merge by their log-sum-exp
-  (online softmax). Backward runs the ring again: each K/V block travels with the
-  gradient accumulated for it so far, and one last shift brings every rank its own
-  dK/dV (Megatron's / ring-flash-attention's scheme). Only q, k, v, the output and the
+  (online softmax). Backward runs the ring again: the next K/V block is fetched under
+  each block's compute, and each block's dK/dV, accumulated by the ranks it has visited,
+  follows it one step behind (a second batched send/recv per step, same order on every
+  rank), so after CP steps every rank holds its own complete dK/dV (Megatron's /
+  ring-flash-attention's scheme). Only q, k, v, the output and the
   log-sum-exp are kept for backward: scores are recomputed per block.
 - `allgather`: K/V of the whole sequence are all-gathered for the op (and freed after);
   backward reduce-scatters dK/dV.
@@ -198,32 +200,33 @@ class _CPAttention(torch.autograd.Function):
         if ctx.comm_type == "allgather":
             kv_all = all_gather_no_grad(kv[None].contiguous(), ctx.group)
             dkv_all = torch.zeros_like(kv_all)
-        # p2p: one buffer [4, ...] = (k, v, dk, dv) travels; its gradient half is the
-        # gradient accumulated so far for the block it carries.
-        state = torch.cat([kv, torch.zeros_like(kv)]) if ctx.comm_type == "p2p" else None
+        dkv = None  # p2p: the gradient of the block held, accumulated by earlier ranks
         for i in range(cp):
             src = (r - i) % cp
-            blk = state[:2] if state is not None else kv_all[src]
+            kv_works = None
+            if ctx.comm_type == "p2p" and i + 1 < cp:
+                kv_next, kv_works = ring.start(kv)  # the next block, under this compute
+            blk = kv if ctx.comm_type == "p2p" else kv_all[src]
             mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
                          None if all_ids is None else all_ids[src])
             dq_b, dk_b, dv_b = _block_backward(q, blk[0], blk[1], lse, dout, delta, mask,
                                                ctx.scale)
             dq += dq_b
-            if state is None:
+            if ctx.comm_type == "allgather":
                 dkv_all[src, 0] += dk_b
                 dkv_all[src, 1] += dv_b
                 continue
-            state[2] += dk_b
-            state[3] += dv_b
-            # the last shift carries the gradients only, home to their owner
-            send = state if i + 1 < cp else state[2:].contiguous()
-            nxt, works = ring.start(send)
-            ring.wait(works)
-            state = nxt
-        if state is None:
+            g = torch.stack([dk_b, dv_b])
+            g = g if dkv is None else g + dkv
+            # on to the rank that holds this block next; after the last step it is home
+            dkv_next, g_works = ring.start(g)
+            if kv_works is not None:
+                ring.wait(kv_works)
+                kv = kv_next
+            ring.wait(g_works)
+            dkv = dkv_next
+        if ctx.comm_type == "allgather":
             dkv = _reduce_scatter_blocks(dkv_all, ctx.group)
-        else:
-            dkv = state[-2:]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
