@@ -12,8 +12,8 @@ ids), without ever holding the whole sequence's K/V at once (p2p) or holding it 
 the op (allgather):
 - `p2p` (Megatron's default `--cp-comm-type p2p`): K/V go around the cp ring; at each of
   the CP steps a rank sends the block it holds to rank r+1 and receives the next from
-  rank r-1 in one `batch_isend_irecv` (send first, then receive, on every rank: the same
-  order on both sides of each pair, as NCCL needs), issued before the block's attention
+  rank r-1 in one `batch_isend_irecv` (even ranks send first, odd ranks receive first,
+  so the two sides of each pair post in matching order, as NCCL needs), issued before the block's attention
   is computed so the transfer overlaps the compute. Blocks merge by their log-sum-exp
   (online softmax). Backward runs the ring again: the next K/V block is fetched under
   each block's compute, and each block's dK/dV, accumulated by the ranks it has visited,
@@ -139,7 +139,9 @@ def _block_backward(q, k, v, lse, dout, delta, mask, scale):
 
 
 class _Ring:
-    """Batched send-to-next / receive-from-previous on the cp ring (one buffer)."""
+    """Batched send-to-next / receive-from-previous on the cp ring (one buffer); every
+    rank issues its batches in the same sequence (tests/parallel/test_cp_attention.py
+    checks the order with the pipeline's NCCL order checker)."""
 
     def __init__(self, group: Group):
         self.group = group
@@ -151,6 +153,8 @@ class _Ring:
         buf = torch.empty_like(t)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group),
                dist.P2POp(dist.irecv, buf, self.prev, self.group)]
+        if self.rank % 2:  # as Transformer Engine's ring: odd ranks receive first, so at
+            ops.reverse()  # CP = 2 (next = prev) each send meets its receive in order
         return buf, dist.batch_isend_irecv(ops)
 
     @staticmethod

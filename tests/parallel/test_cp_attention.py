@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megamoe.parallel.context_parallel import (
     cp_attention,
@@ -17,6 +19,7 @@ from megamoe.parallel.context_parallel import (
     split_for_cp,
 )
 from tests.distributed import run_distributed
+from tests.training.test_p2p_order import Recorder, assert_mirrored, simulate
 
 B, N, G, S, D = 2, 4, 2, 32, 8
 
@@ -79,3 +82,33 @@ def test_cp_comm_type_parsing():
         parse_cp_comm_type(["p2p", "a2a+p2p"], 2)
     with pytest.raises(ValueError, match="one value or one per layer"):
         parse_cp_comm_type(["p2p", "p2p"], 3)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_p2p_is_ordered_for_nccl(cp):
+    """The ring's posts (forward and backward) checked like the pipeline schedule's
+    (tests/training/test_p2p_order.py): for every rank pair the sends of one are the
+    receives of the other in the same order and shapes, and NCCL's strictest progress
+    (each send waits for its receive) reaches the end on every rank."""
+    rec = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (dist, c10d):
+            for name in ("batch_isend_irecv", "isend", "irecv", "send", "recv"):
+                mp.setattr(module, name, getattr(rec, name))
+        for rank in range(cp):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+            try:
+                rec.rank, rec.param = rank, (torch.float32, torch.device("cpu"))
+                rec.programs[rank] = []
+                q, k, v, dout, ids = _inputs()
+                local = [split_for_cp(t.float(), rank, cp, dim=2).requires_grad_()
+                         for t in (q, k, v)]
+                with torch.device("meta"):  # a buffer allocated without device= lands here
+                    out = cp_attention(*local, dist.group.WORLD, "p2p",
+                                       split_for_cp(ids, rank, cp, dim=1))
+                    out.backward(torch.ones_like(out, device="cpu"))
+            finally:
+                dist.destroy_process_group()
+    assert all(rec.programs.values())
+    assert_mirrored(rec.programs)
+    simulate(rec.programs)
