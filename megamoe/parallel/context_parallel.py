@@ -13,8 +13,8 @@ the op (allgather):
 - `p2p` (Megatron's default `--cp-comm-type p2p`): K/V go around the cp ring; at each of
   the CP steps a rank sends the block it holds to rank r+1 and receives the next from
   rank r-1 in one `batch_isend_irecv` (even ranks send first, odd ranks receive first,
-  so the two sides of each pair post in matching order, as NCCL needs), issued before the block's attention
-  is computed so the transfer overlaps the compute. Blocks merge by their log-sum-exp
+  so the two sides of each pair post in matching order, as NCCL needs), issued before
+  the block's attention is computed so the transfer overlaps the compute. Blocks merge by their log-sum-exp
   (online softmax). Backward runs the ring again: the next K/V block is fetched under
   each block's compute, and each block's dK/dV, accumulated by the ranks it has visited,
   follows it one step behind (a second batched send/recv per step, same order on every
