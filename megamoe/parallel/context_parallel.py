@@ -14,12 +14,12 @@ the op (allgather):
   the CP steps a rank sends the block it holds to rank r+1 and receives the next from
   rank r-1 in one `batch_isend_irecv` (even ranks send first, odd ranks receive first,
   so the two sides of each pair post in matching order, as NCCL needs), issued before
-  the block's attention is computed so the transfer overlaps the compute. Blocks merge by their log-sum-exp
-  (online softmax). Backward runs the ring again: the next K/V block is fetched under
-  each block's compute, and each block's dK/dV, accumulated by the ranks it has visited,
-  follows it one step behind (a second batched send/recv per step, same order on every
-  rank), so after CP steps every rank holds its own complete dK/dV (Megatron's /
-  ring-flash-attention's scheme). Only q, k, v, the output and the
+  the block's attention is computed so the transfer overlaps the compute. Blocks merge
+  by their log-sum-exp (online softmax). Backward runs the ring again: the next K/V
+  block is fetched under each block's compute, and each block's dK/dV, accumulated by
+  the ranks it has visited, follows it one step behind (a second batched send/recv per
+  step, same order on every rank), so after CP steps every rank holds its own complete
+  dK/dV (Megatron's / ring-flash-attention's scheme). Only q, k, v, the output and the
   log-sum-exp are kept for backward: scores are recomputed per block.
 - `allgather`: K/V of the whole sequence are all-gathered for the op (and freed after);
   backward reduce-scatters dK/dV.
