@@ -200,7 +200,7 @@ class _CPAttention(torch.autograd.Function):
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q, dtype=out.dtype)
-        kv = torch.stack([k, v]).to(out.dtype)
+        kv = torch.stack([k, v])  # travels in the model dtype; blocks upcast on arrival
         if ctx.comm_type == "allgather":
             kv_all = all_gather_no_grad(kv[None].contiguous(), ctx.group)
             dkv_all = torch.zeros_like(kv_all)
@@ -232,6 +232,18 @@ class _CPAttention(torch.autograd.Function):
         if ctx.comm_type == "allgather":
             dkv = _reduce_scatter_blocks(dkv_all, ctx.group)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_bytes_per_layer(num_query_groups: int, kv_channels: int, tokens_per_rank: float,
+                         cp: int, tp: int = 1, dtype_bytes: int = 2,
+                         recompute_forward: bool = False) -> float:
+    """Bytes one cp rank sends per layer in `cp_attention`'s p2p ring for its
+    `tokens_per_rank` tokens: the forward passes CP-1 K/V blocks on, the backward CP-1
+    K/V blocks again plus CP dK/dV blocks in fp32 (the last one brings each rank its own);
+    a recomputed forward adds its ring again. The planner's CP cost uses this."""
+    kv = 2 * num_query_groups / tp * kv_channels * tokens_per_rank
+    forward = (cp - 1) * kv * dtype_bytes
+    return forward * (2 if recompute_forward else 1) + forward + cp * kv * 4
 
 
 def _reduce_scatter_blocks(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from megamoe.parallel.context_parallel import (
     cp_attention,
     parse_cp_comm_type,
+    ring_bytes_per_layer,
     split_for_cp,
 )
 from tests.distributed import run_distributed
@@ -112,3 +113,32 @@ def test_ring_p2p_is_ordered_for_nccl(cp):
     assert all(rec.programs.values())
     assert_mirrored(rec.programs)
     simulate(rec.programs)
+
+
+def _count_ring_bytes(rank, world_size):
+    """Bytes this rank's ring sends for one forward + backward (fp32 model dtype)."""
+    from megamoe.parallel import context_parallel as cpmod
+
+    sent = []
+    start = cpmod._Ring.start
+
+    def counting(self, t):
+        sent.append(t.numel() * t.element_size())
+        return start(self, t)
+
+    cpmod._Ring.start = counting
+    q, k, v, dout, ids = _inputs()
+    local = [split_for_cp(t.float(), rank, world_size, dim=2).requires_grad_()
+             for t in (q, k, v)]
+    out = cp_attention(*local, dist.new_group(list(range(world_size))), "p2p")
+    out.backward(split_for_cp(dout.float(), rank, world_size, dim=2))
+    return sum(sent)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_planner_ring_volume_is_what_the_ring_sends(cp):
+    """The planner's CP cost (ring_bytes_per_layer) equals the bytes the real ring sends
+    per rank for one layer's forward and backward."""
+    predicted = ring_bytes_per_layer(G, D, B * S / cp, cp, dtype_bytes=4)
+    for sent in run_distributed(_count_ring_bytes, cp, 120):
+        assert sent == predicted, (sent, predicted)
