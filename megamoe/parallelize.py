@@ -9,6 +9,9 @@ the seed, or on the meta device), then `parallelize` applies, in this order:
      the TP gradient sum, the modules that run TP collectives get the TP context (group,
      SP, dropout stream);
   2. pipeline parallelism: keep this rank's (virtual) stages of the TP-sharded model;
+  2b. context parallelism: every attention gets the cp group and its layer's
+     --cp-comm-type, and the model a `context_parallel` (group, rank, size) that the
+     schedules read to split each batch (training/cp_batch.py);
   3. experts (`parallelize_moe`): keep this ep rank's experts, this etp rank's slice of
      their hidden dimension, give every MoE layer the dispatcher of the layout (local,
      alltoall or allgather, inside a tensor-parallel one under TP), mark the expert
@@ -56,6 +59,7 @@ from megamoe.moe.layer import MoELayer
 from megamoe.moe.router import TopKRouter
 from megamoe.moe.sharding import mark_expert_parallel, shard_expert_hidden, shard_experts
 from megamoe.parallel.comm import group_rank, group_size
+from megamoe.parallel.context_parallel import parse_cp_comm_type
 from megamoe.parallel.mesh import Mesh
 from megamoe.parallel.rng import MODEL_PARALLEL_SEED_OFFSET, PIPELINE_SEED_STRIDE, RNGTracker
 from megamoe.parallel.tensor_parallel import (
@@ -85,6 +89,8 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
     if mesh.pp_size > 1:
         model = split_pipeline(model, parallel.layer_ranges(model.config.num_layers),
                                mesh.pp_rank, mesh.group("pp"), mesh.group_ranks["pp"])
+    if mesh.cp_size > 1:
+        apply_context_parallel(model, mesh.group("cp"), parallel.cp_comm_type)
     if model.config.moe is not None:
         use_grouped_gemm(model, moe.grouped_gemm)
         parallelize_moe(model, ep_group=mesh.group("ep"), tp_group=mesh.group("tp"),
@@ -101,6 +107,19 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
         apply_recompute(model, recompute)
     if compile_layers:
         compile_transformer_layers(model)
+    return model
+
+
+def apply_context_parallel(model: nn.Module, group: Group, comm_types: list[str]) -> nn.Module:
+    """Step 2b, in place: attention runs over the cp group (one --cp-comm-type value for
+    all layers or one per layer, indexed by the layer's global index as Megatron)."""
+    num_layers = model.config.num_layers
+    types = parse_cp_comm_type(list(comm_types), num_layers)
+    for m in model.modules():
+        if isinstance(m, TransformerLayer):
+            m.self_attention.cp_group = group
+            m.self_attention.cp_comm_type = types[m.layer_index]
+    model.context_parallel = (group, group_rank(group), group_size(group))
     return model
 
 

@@ -38,6 +38,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
            C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training",
            C.RecomputeConfig: "recompute"}
 
+CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
     "--help": "argparse's help",
@@ -51,7 +52,8 @@ NO_OP = {
     "--no-persist-layer-norm": FUSION,
     "--attention-softmax-in-fp32": "attention softmax always runs in fp32 (SDPA)",
     "--no-create-attention-mask-in-dataloader":
-        "megamoe never materialises attention masks (causal SDPA)",
+        "megamoe never builds masks in the data loader: the batch carries document ids "
+        "(--reset-attention-mask) and the model builds the mask on the device",
     "--accumulate-allreduce-grads-in-fp32":
         "with --bf16 gradients always accumulate and are reduced in fp32",
     "--log-memory-to-tensorboard": "memory scalars are always written to TensorBoard",
@@ -213,6 +215,9 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--tensor-model-parallel-size": ("--tensor-model-parallel-size 2 --sequence-parallel",
                                      2, 2),
     "--sequence-parallel": ("--tensor-model-parallel-size 2 --sequence-parallel", 2, True),
+    "--context-parallel-size": (f"--context-parallel-size 2 {CP_OK}", 2, 2),
+    "--cp-comm-type": (f"--context-parallel-size 2 --cp-comm-type allgather {CP_OK}", 2,
+                       ["allgather"]),
     "--pipeline-model-parallel-size": ("--pipeline-model-parallel-size 2", 2, 2),
     "--expert-model-parallel-size": ("--expert-model-parallel-size 2", 2, 2),
     "--expert-tensor-parallel-size": ("--tensor-model-parallel-size 2 --sequence-parallel "
@@ -256,6 +261,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--dataloader-type": ("--dataloader-type cyclic", 1, "cyclic"),
     "--no-data-sharding": ("--no-data-sharding", 1, False),
     "--reset-position-ids": ("--reset-position-ids", 1, True),
+    "--reset-attention-mask": ("--reset-attention-mask", 1, True),
     "--eod-mask-loss": ("--eod-mask-loss", 1, True),
     "--optimizer": ("--optimizer sgd", 1, "sgd"),
     "--lr": ("--lr 0.25", 1, 0.25),

@@ -238,6 +238,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   help="p2p (K/V ring) or allgather; one value or one per layer")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-cpu-initialization", action="store_true",

@@ -17,6 +17,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", 1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", 1)
     context_parallel_size: int = flag("--context-parallel-size", 1)
+    # Megatron's --cp-comm-type: one value for every layer or one per layer (checked
+    # against the layer count where the model is known: parallelize.py).
+    cp_comm_type: list[str] = flag("--cp-comm-type", default_factory=lambda: ["p2p"])
     expert_model_parallel_size: int = flag("--expert-model-parallel-size", 1)
     expert_tensor_parallel_size: Optional[int] = flag("--expert-tensor-parallel-size",
                                                       None)  # None = TP
@@ -111,6 +114,10 @@ class ParallelConfig:
                     "--overlap-param-gather needs --use-distributed-optimizer")
             require(self.overlap_grad_reduce,
                     "--overlap-param-gather needs --overlap-grad-reduce")
+        for v in self.cp_comm_type:
+            require(v not in ("a2a", "a2a+p2p"), f"not supported yet: --cp-comm-type {v}")
+            require(v in ("p2p", "allgather"),
+                    f"--cp-comm-type must be p2p, allgather, a2a or a2a+p2p, got {v!r}")
         backend = self.distributed_backend
         require(backend is None or backend in BACKENDS,
                 f"--distributed-backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -50,6 +50,26 @@ class RunConfig:
                     "--expert-model-parallel-size > 1 needs --num-experts")
         self._validate_checkpoint()
         self._validate_recompute()
+        if self.parallel.context_parallel_size > 1:
+            self._validate_context_parallel()
+
+    def _validate_context_parallel(self) -> None:
+        """What context parallelism needs (each rank 2 equal chunks, split again by TP
+        under SP), and what it does not support yet."""
+        p, m = self.parallel, self.model
+        cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+        split = 2 * cp * (tp if p.sequence_parallel else 1)
+        what = " x TP (sequence parallel)" if split > 2 * cp else ""
+        require(m.seq_length % split == 0,
+                f"--seq-length {m.seq_length} must be divisible by 2 x "
+                f"--context-parallel-size{what} ({split})")
+        require(m.attention_dropout == 0, "not supported yet: --attention-dropout > 0 with "
+                                          "--context-parallel-size > 1")
+        if m.moe is not None:
+            for kind in ("aux_loss", "seq_aux_loss"):
+                require(m.moe.aux_loss_coeff(kind) == 0,
+                        f"not supported yet: --moe-router-load-balancing-type {kind} with "
+                        "--context-parallel-size > 1 (global_aux_loss balances over dp x cp)")
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even; the vocabulary padding must not depend
@@ -180,6 +200,7 @@ class RunConfig:
             if size > 1:
                 raise ConfigError(f"--ckpt-format torch (single file) cannot save with "
                                   f"{name} > 1: use --ckpt-format torch_dist")
-        require(not (p.use_distributed_optimizer and p.data_parallel_size > 1),
+        require(not (p.use_distributed_optimizer
+                     and p.data_parallel_size * p.context_parallel_size > 1),
                 "--ckpt-format torch (single file) cannot save with --use-distributed-"
                 "optimizer and data-parallel size > 1: use --ckpt-format torch_dist")

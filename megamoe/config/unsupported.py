@@ -8,7 +8,6 @@ the command line and the planner then both accept it.
 from __future__ import annotations
 
 NOT_SUPPORTED_YET = (
-    "--context-parallel-size",
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
     "--moe-router-force-load-balancing",
@@ -19,7 +18,6 @@ NOT_SUPPORTED_YET = (
     "--loss-scale",
     "--initial-loss-scale",  # fp16's dynamic loss scaler
     "--log-timers-to-tensorboard",  # timers (--timing-log-level) are not built
-    "--reset-attention-mask",
 )
 
 

@@ -75,9 +75,6 @@ def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, in
                        seq_length: int, seed: int):
     """(train, valid, test) of `seq_length`-token samples, shuffled with `seed`; a split is
     None when its weight or its num_samples is 0."""
-    if config.reset_attention_mask:
-        raise DataError("--reset-attention-mask is not supported: megamoe attends causally "
-                        "without masks (use --reset-position-ids for per-document positions)")
     builder = _Builder(config, tokenizer, seq_length, seed)
     if config.mock_data:
         mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, seq_length, seed)
@@ -135,6 +132,7 @@ class _Builder:
         return GPTDataset(indexed, np.arange(begin, end), num_samples, self.seq_length, self.seed,
                           self.tokenizer.eod, eod_mask_loss=c.eod_mask_loss,
                           reset_position_ids=c.reset_position_ids,
+                          reset_attention_mask=c.reset_attention_mask,
                           cache_dir=self.cache_dir(prefix), name=SPLIT_NAMES[i])
 
     def blend(self, weights: list[float], prefixes: list[str], i: int, num_samples: int,

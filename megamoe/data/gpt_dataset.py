@@ -93,13 +93,15 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, indexed, document_ids: np.ndarray, num_samples: int, seq_length: int,
                  seed: int, eod: int, *, eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, cache_dir: Optional[str] = None,
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                 cache_dir: Optional[str] = None,
                  name: str = "train") -> None:
         self.indexed = indexed
         self.seq_length = seq_length
         self.eod = eod
         self.eod_mask_loss = eod_mask_loss
         self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.name = name
         document_ids = np.asarray(document_ids, dtype=np.int64)
         seq_ids = expand_documents(indexed.document_indices, document_ids)
@@ -186,12 +188,16 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         return make_sample(self.sample_tokens(idx), self.eod, self.eod_mask_loss,
-                           self.reset_position_ids)
+                           self.reset_position_ids, self.reset_attention_mask)
 
 
 def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool,
-                reset_position_ids: bool) -> dict[str, torch.Tensor]:
-    """S + 1 tokens -> the training dict (inputs, next-token labels, mask, positions)."""
+                reset_position_ids: bool, reset_attention_mask: bool = False
+                ) -> dict[str, torch.Tensor]:
+    """S + 1 tokens -> the training dict (inputs, next-token labels, mask, positions; with
+    `reset_attention_mask` also `document_ids` [S]: a document starts after every eod, the
+    eod itself ends the previous one, as Megatron's get_ltor_masks_and_position_ids cuts
+    its attention mask; attention keeps a token to the keys of its own document)."""
     tokens_S = torch.from_numpy(np.ascontiguousarray(text[:-1], dtype=np.int64))
     labels_S = torch.from_numpy(np.ascontiguousarray(text[1:], dtype=np.int64))
     seq = tokens_S.numel()
@@ -205,8 +211,17 @@ def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool,
         after_eod = torch.nonzero(tokens_S[:-1] == eod).flatten() + 1
         starts[after_eod] = after_eod
         position_ids_S = position_ids_S - torch.cummax(starts, dim=0).values
-    return {"tokens": tokens_S, "labels": labels_S, "loss_mask": loss_mask_S,
-            "position_ids": position_ids_S}
+    sample = {"tokens": tokens_S, "labels": labels_S, "loss_mask": loss_mask_S,
+              "position_ids": position_ids_S}
+    if reset_attention_mask:
+        sample["document_ids"] = document_ids(tokens_S, eod)
+    return sample
+
+
+def document_ids(tokens_S: torch.Tensor, eod: int) -> torch.Tensor:
+    """int64 [S]: how many eods come strictly before each position (its document)."""
+    is_eod = (tokens_S == eod).to(torch.int64)
+    return torch.cumsum(is_eod, dim=0) - is_eod
 
 
 def _source_key(indexed) -> dict:

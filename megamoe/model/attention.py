@@ -7,6 +7,14 @@ concatenation, and `split_qkv_weight` undoes it. (Megatron interleaves per query
 instead.) Tensor parallelism splits each of the three blocks into TP contiguous chunks, so
 rank r holds query heads r*Nq/TP.. and exactly the key/value groups those heads use (a
 GQA group never straddles ranks).
+
+Document masking (--reset-attention-mask): a `DocumentMask` carries each token's document
+id; attention is causal *and* within one document. The mask SDPA gets is boolean
+[B, 1, S, S], built once per forward and shared by every layer and head (1 byte per
+query/key pair per sample, broadcast over heads). Why not FlexAttention block masks:
+they are only fast compiled (torch.compile on the GPU; eager runs an unfused fallback
+that materialises scores for all heads), and the boolean mask runs in SDPA's
+memory-efficient kernel on CUDA and in the math kernel on CPU with the same semantics.
 """
 
 from __future__ import annotations
@@ -24,12 +32,42 @@ from megamoe.config import ModelConfig
 from megamoe.model.norms import build_norm
 from megamoe.model.rope import apply_rotary
 from megamoe.parallel.checkpointing import maybe_checkpoint
+from megamoe.parallel.context_parallel import cp_attention
 from megamoe.parallel.tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
 )
+
+
+class DocumentMask:
+    """Per-token document ids [B, S] of packed sequences; `mask()` is the boolean
+    document-causal mask [B, 1, S, S] (True: may attend), built on first use and kept, so
+    all layers of one forward share one mask."""
+
+    def __init__(self, ids_BS: torch.Tensor):
+        self.ids_BS = ids_BS
+        self._mask_B1SS: Optional[torch.Tensor] = None
+
+    def mask(self) -> torch.Tensor:
+        if self._mask_B1SS is None:
+            self._mask_B1SS = document_causal_mask(self.ids_BS, self.ids_BS)
+        return self._mask_B1SS
+
+
+def document_causal_mask(q_ids_BS: torch.Tensor, k_ids_BS: torch.Tensor,
+                         q_pos: Optional[torch.Tensor] = None,
+                         k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool [B, 1, Sq, Sk]: key j is visible to query i when both are in one document and
+    j is not after i (`q_pos`/`k_pos`: positions in the full sequence, default 0..S-1)."""
+    sq, sk = q_ids_BS.shape[1], k_ids_BS.shape[1]
+    dev = q_ids_BS.device
+    q_pos = torch.arange(sq, device=dev) if q_pos is None else q_pos
+    k_pos = torch.arange(sk, device=dev) if k_pos is None else k_pos
+    causal_SS = k_pos[None, :] <= q_pos[:, None]
+    same_BSS = q_ids_BS[:, :, None] == k_ids_BS[:, None, :]
+    return (same_BSS & causal_SS)[:, None]
 
 
 class SelfAttention(nn.Module):
@@ -44,6 +82,10 @@ class SelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.use_flash_attn = config.use_flash_attn
         self.recompute_core_attn = False  # --recompute-modules core_attn (parallelize sets it)
+        # Context parallelism (parallelize sets both): this rank holds chunks r and
+        # 2CP-1-r of the sequence; core attention runs parallel/context_parallel.py's op.
+        self.cp_group = None
+        self.cp_comm_type = "p2p"
         q_size = heads * self.head_dim
         kv_size = groups * self.head_dim
         std = config.init_method_std
@@ -60,9 +102,11 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
 
     def forward(self, x_SBH: torch.Tensor,
-                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                docs: Optional[DocumentMask] = None) -> torch.Tensor:
         """x [S, B, H] -> [S, B, H] (with SP: [S/TP, B, H] shards in and out); `rotary` =
-        (cos, sin) from `rope.rotary_cos_sin` for the full sequence."""
+        (cos, sin) from `rope.rotary_cos_sin` for the full sequence; `docs`: attention
+        stays inside each document (--reset-attention-mask)."""
         qkv = self.linear_qkv(x_SBH)  # [S, B, local q + 2 kv]: the full sequence
         s, b, _ = qkv.shape
         q, k, v = qkv.split(self.linear_qkv.local_blocks, dim=-1)
@@ -77,21 +121,40 @@ class SelfAttention(nn.Module):
             k_SBGD = apply_rotary(k_SBGD, *rotary)
         # SDPA wants [B, heads, S, D].
         q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
-        o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.core_attention,
-                                  q_BNSD, k_BGSD, v_BGSD)
+        if self.cp_group is not None:
+            o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.cp_core_attention,
+                                      q_BNSD, k_BGSD, v_BGSD,
+                                      docs.ids_BS if docs is not None else None)
+        else:
+            mask_B1SS = docs.mask() if docs is not None else None
+            o_BNSD = maybe_checkpoint(self.recompute_core_attn, self.core_attention,
+                                      q_BNSD, k_BGSD, v_BGSD, mask_B1SS)
         o_SBX = o_BNSD.permute(2, 0, 1, 3).reshape(s, b, num_heads * self.head_dim)
         return self.linear_proj(o_SBX)
 
     def core_attention(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor,
-                       v_BGSD: torch.Tensor) -> torch.Tensor:
-        """Causal SDPA (Megatron's "core attention": scores, softmax, dropout, x V)."""
-        kernel = (sdpa_kernel(SDPBackend.FLASH_ATTENTION) if self.use_flash_attn
-                  else contextlib.nullcontext())
+                       v_BGSD: torch.Tensor,
+                       mask_B1SS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal SDPA (Megatron's "core attention": scores, softmax, dropout, x V); with
+        `mask_B1SS` (document-causal, bool) the mask replaces is_causal. Flash attention
+        takes no mask: with documents SDPA picks its memory-efficient kernel instead."""
+        kernel = (sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+                  if self.use_flash_attn and mask_B1SS is None else contextlib.nullcontext())
         with self.tp.dropout_rng(split=True), kernel:  # this rank's heads: its own stream
             return F.scaled_dot_product_attention(
-                q_BNSD, k_BGSD, v_BGSD, is_causal=True,
+                q_BNSD, k_BGSD, v_BGSD, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
                 dropout_p=self.attention_dropout if self.training else 0.0,
                 enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
+
+    def cp_core_attention(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor,
+                          v_BGSD: torch.Tensor,
+                          doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Core attention of this cp rank's queries against the whole sequence."""
+        if self.training and self.attention_dropout > 0:
+            raise ValueError("not supported yet: --attention-dropout with "
+                             "--context-parallel-size > 1")
+        return cp_attention(q_BNSD, k_BGSD, v_BGSD, self.cp_group, self.cp_comm_type,
+                            doc_ids_BS)
 
 
 def split_qkv_weight(w: torch.Tensor, config: ModelConfig

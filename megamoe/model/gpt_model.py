@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
+from megamoe.model.attention import DocumentMask
 from megamoe.model.rope import rotary_cos_sin, rotary_dim
 from megamoe.model.transformer_block import TransformerBlock
 from megamoe.parallel.comm import (
@@ -103,12 +104,20 @@ class GPTModel(nn.Module):
         return layer.weight
 
     def forward(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], or with `labels` [B, S] the per-token
-        cross-entropy [B, S] in fp32 (no reduction: the schedule masks and averages)."""
+        cross-entropy [B, S] in fp32 (no reduction: the schedule masks and averages);
+        `document_ids` [B, S] (--reset-attention-mask) keeps attention inside documents."""
         rotary = rotary_for(self.config, tokens_BS, position_ids)
-        h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary)
+        h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary,
+                             documents_for(document_ids))
         return lm_head(h_SBH, self.output_weight(), labels, self.config, self.tp)
+
+
+def documents_for(document_ids_BS: Optional[torch.Tensor]) -> Optional[DocumentMask]:
+    """The mask attention shares across layers, or None (plain causal attention)."""
+    return None if document_ids_BS is None else DocumentMask(document_ids_BS)
 
 
 def rotary_for(config: ModelConfig, tokens_BS: torch.Tensor,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megamoe.config import ModelConfig
-from megamoe.model.gpt_model import GPTModel, lm_head, rotary_for
+from megamoe.model.gpt_model import GPTModel, documents_for, lm_head, rotary_for
 from megamoe.model.transformer_block import run_layers
 from megamoe.parallel.tensor_parallel import TensorParallel
 
@@ -59,13 +59,15 @@ class GPTStage(nn.Module):
 
     def forward(self, hidden: Optional[torch.Tensor], tokens_BS: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [S(/TP), B, H] from the previous stage (None on the first) -> hidden for
         the next stage, or on the last stage the per-token loss [B, S] (logits without
-        labels)."""
+        labels); `document_ids` as GPTModel.forward."""
         h_SBH = self.embedding(tokens_BS, position_ids) if self.pre_process else hidden
         rotary = rotary_for(self.config, tokens_BS, position_ids)
-        h_SBH = run_layers(self.layers, h_SBH, rotary, self.recompute_groups)
+        h_SBH = run_layers(self.layers, h_SBH, rotary, self.recompute_groups,
+                           documents_for(document_ids))
         if not self.post_process:
             return h_SBH
         return lm_head(self.final_layernorm(h_SBH), self.output_weight(), labels, self.config,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megamoe.config import ModelConfig
-from megamoe.model.attention import SelfAttention
+from megamoe.model.attention import DocumentMask, SelfAttention
 from megamoe.model.mlp import MLP
 from megamoe.model.norms import build_norm
 from megamoe.moe.layer import MoELayer
@@ -62,15 +62,17 @@ class TransformerLayer(nn.Module):
             return self.dropout(x_SBH)
 
     def forward(self, x_SBH: torch.Tensor,
-                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        x_SBH = x_SBH + self._dropout(self._attention(x_SBH, rotary))
+                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                docs: Optional[DocumentMask] = None) -> torch.Tensor:
+        x_SBH = x_SBH + self._dropout(self._attention(x_SBH, rotary, docs))
         return x_SBH + self._dropout(maybe_checkpoint(self.recompute_mlp, self._mlp, x_SBH))
 
     def _attention(self, x_SBH: torch.Tensor,
-                   rotary: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                   rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+                   docs: Optional[DocumentMask] = None) -> torch.Tensor:
         y_SBH = self.input_layernorm(x_SBH)
         with maybe_discard(self.recompute_norms, y_SBH, lambda: self.input_layernorm(x_SBH)):
-            return self.self_attention(y_SBH, rotary)
+            return self.self_attention(y_SBH, rotary, docs)
 
     def _mlp(self, x_SBH: torch.Tensor) -> torch.Tensor:
         y_SBH = self.pre_mlp_layernorm(x_SBH)
@@ -79,15 +81,17 @@ class TransformerLayer(nn.Module):
 
 
 def _run_group(layers: Sequence[TransformerLayer], x_SBH: torch.Tensor,
-               rotary: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+               rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+               docs: Optional[DocumentMask] = None) -> torch.Tensor:
     for layer in layers:
-        x_SBH = layer(x_SBH, rotary)
+        x_SBH = layer(x_SBH, rotary, docs)
     return x_SBH
 
 
 def run_layers(layers: Sequence[TransformerLayer], x_SBH: torch.Tensor,
                rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
-               recompute_groups: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+               recompute_groups: Sequence[Sequence[int]] = (),
+               docs: Optional[DocumentMask] = None) -> torch.Tensor:
     """The layers in order; each group of `recompute_groups` (local indices, consecutive)
     runs as one checkpointed region that keeps only its input."""
     first = {group[0]: group for group in recompute_groups}
@@ -95,11 +99,11 @@ def run_layers(layers: Sequence[TransformerLayer], x_SBH: torch.Tensor,
     while i < len(layers):
         group = first.get(i, ())
         if not group:
-            x_SBH = layers[i](x_SBH, rotary)
+            x_SBH = layers[i](x_SBH, rotary, docs)
             i += 1
             continue
         x_SBH = checkpoint(functools.partial(_run_group, [layers[j] for j in group]),
-                           x_SBH, rotary)
+                           x_SBH, rotary, docs)
         i += len(group)
     return x_SBH
 
@@ -115,6 +119,7 @@ class TransformerBlock(nn.Module):
         self.recompute_groups: list[list[int]] = []  # full recompute (parallelize sets it)
 
     def forward(self, x_SBH: torch.Tensor,
-                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        x_SBH = run_layers(self.layers, x_SBH, rotary, self.recompute_groups)
+                rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                docs: Optional[DocumentMask] = None) -> torch.Tensor:
+        x_SBH = run_layers(self.layers, x_SBH, rotary, self.recompute_groups, docs)
         return self.final_layernorm(x_SBH)

@@ -30,6 +30,7 @@ from megamoe.config import (
 )
 from megamoe.config.unsupported import is_built
 from megamoe.model.flops import flops_per_token, recompute_flops_per_token
+from megamoe.parallel.context_parallel import ring_bytes_per_layer
 from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
@@ -87,9 +88,12 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
         if recompute.granularity == "full" or "moe" in recompute.selected:
             a2a *= 1.5  # the replayed forward runs dispatch and combine again
     cp_comm = 0.0
-    if lay.cp > 1:  # ring attention: K and V pass around the ring, forward and backward
-        kv = 2 * model.num_query_groups * model.kv_channels
-        cp_comm = 3 * local_tokens * kv * 2 * (lay.cp - 1) / lay.cp * layers_local / lay.tp \
+    if lay.cp > 1:  # the p2p ring's real volume (parallel/context_parallel.py), counted
+        # as not overlapped with the attention it runs under (an upper bound)
+        replay = recompute.granularity == "full" or "core_attn" in recompute.selected
+        cp_comm = ring_bytes_per_layer(model.num_query_groups, model.kv_channels,
+                                       local_tokens, lay.cp, lay.tp,
+                                       recompute_forward=replay) * layers_local \
             / bw(lay.tp * lay.cp)
     m = global_batch_size // (lay.micro_batch_size * lay.dp)
     bubble = (lay.pp - 1) / (lay.vpp * m) if lay.pp > 1 else 0.0

@@ -47,12 +47,16 @@ def num_microbatches(run: RunConfig, mesh: Mesh, global_batch_size: Optional[int
 
 
 def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
-    """Average logged scalars over data-parallel ranks (logging only, never gradients)."""
-    if mesh.dp_group is None or not values:
+    """Average logged scalars over data-parallel x context-parallel ranks (logging only,
+    never gradients): the LM loss is already the whole sequence's on every cp rank, the
+    MoE losses are per cp rank's tokens, and their mean over cp is the sequence's."""
+    group = mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
+    size = mesh.dp_size * mesh.cp_size
+    if group is None or not values:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
-    dist.all_reduce(t, group=mesh.dp_group)
-    return (t / mesh.dp_size).tolist()
+    dist.all_reduce(t, group=group)
+    return (t / size).tolist()
 
 
 def _moe_scalars(report: dict[str, torch.Tensor],

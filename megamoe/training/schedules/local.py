@@ -15,6 +15,7 @@ import torch
 
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import set_aux_loss_backward_scale
+from megamoe.training.cp_batch import context_parallel_of, cp_lm_loss, split_batch
 from megamoe.training.loss import masked_lm_loss
 
 Batch = dict[str, torch.Tensor]
@@ -29,8 +30,12 @@ class GradSync(Protocol):
 
 
 def forward_step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    cp = context_parallel_of(model)
+    batch = split_batch(batch, cp)  # this cp rank's chunks (the batch itself without CP)
     loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
-                    labels=batch["labels"])
+                    labels=batch["labels"], document_ids=batch.get("document_ids"))
+    if cp is not None:
+        return cp_lm_loss(loss_BS, batch["loss_mask"], cp)
     return masked_lm_loss(loss_BS, batch["loss_mask"])
 
 

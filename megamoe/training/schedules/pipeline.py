@@ -54,6 +54,7 @@ import torch.distributed as dist
 from megamoe.model.pipeline_stage import PipelineModel
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from megamoe.training.cp_batch import context_parallel_of, cp_lm_loss, split_batch
 from megamoe.training.loss import masked_lm_loss
 from megamoe.training.schedules.local import GradSync
 
@@ -158,6 +159,7 @@ class _Stages:
     def __init__(self, model: PipelineModel, batches: list[Batch], forward_only: bool,
                  grad_sync: Optional[GradSync] = None):
         self.model, self.batches, self.forward_only = model, batches, forward_only
+        self.cp = context_parallel_of(model)
         self.grad_sync = grad_sync
         self.num_virtual = model.pp_size * len(model.chunks)
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
@@ -197,9 +199,11 @@ class _Stages:
             inp.requires_grad_(not self.forward_only)
         with torch.set_grad_enabled(not self.forward_only):
             out = self.model.chunks[c](inp, batch["tokens"], batch.get("position_ids"),
-                                       batch["labels"] if v == last else None)
+                                       batch["labels"] if v == last else None,
+                                       batch.get("document_ids"))
             if v == last:
-                out = masked_lm_loss(out, batch["loss_mask"])
+                out = (masked_lm_loss(out, batch["loss_mask"]) if self.cp is None
+                       else cp_lm_loss(out, batch["loss_mask"], self.cp))
                 self.total += out.detach()
         if not self.forward_only:
             self.saved[(c, mb)] = (inp, out)
@@ -251,7 +255,8 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
     rank of the pipeline group). Gradients accumulate in the chunks' parameters;
     `grad_sync` learns which backward is each chunk's last of the step."""
     m = num_microbatches
-    batches = [next(data_iter) for _ in range(m)]  # every stage reads the same batches
+    cp = context_parallel_of(model)  # this cp rank's chunks of each batch
+    batches = [split_batch(next(data_iter), cp) for _ in range(m)]  # same on every stage
     set_aux_loss_backward_scale(1.0 / m)
     if not forward_only:
         start_global_batch(model)

@@ -1,0 +1,274 @@
+"""Context parallelism: attention over a sequence split across the cp group (Megatron's).
+
+Layout (Megatron's load balancing for causal attention): the sequence is cut into 2 x CP
+chunks of c = S / (2 CP) tokens; cp rank r holds chunks r and 2CP-1-r, in that order, so
+every rank has the same share of the causal work. `split_for_cp` makes that split of any
+[B, S, ...] batch tensor; `cp_positions` gives the full-sequence positions of the local
+tokens (RoPE, masks).
+
+`cp_attention(q, k, v, ...)` is exact attention of the local queries against the keys and
+values of the whole sequence, causal and optionally within documents (per-token document
+ids), without ever holding the whole sequence's K/V at once (p2p) or holding it only for
+the op (allgather):
+- `p2p` (Megatron's default `--cp-comm-type p2p`): K/V go around the cp ring; at each of
+  the CP steps a rank sends the block it holds to rank r+1 and receives the next from
+  rank r-1 in one `batch_isend_irecv` (even ranks send first, odd ranks receive first,
+  so the two sides of each pair post in matching order, as NCCL needs), issued before
+  the block's attention is computed so the transfer overlaps the compute. Blocks merge
+  by their log-sum-exp (online softmax). Backward runs the ring again: the next K/V
+  block is fetched under each block's compute, and each block's dK/dV, accumulated by
+  the ranks it has visited, follows it one step behind (a second batched send/recv per
+  step, same order on every rank), so after CP steps every rank holds its own complete
+  dK/dV (Megatron's / ring-flash-attention's scheme). Only q, k, v, the output and the
+  log-sum-exp are kept for backward: scores are recomputed per block.
+- `allgather`: K/V of the whole sequence are all-gathered for the op (and freed after);
+  backward reduce-scatters dK/dV.
+Per block the scores are formed explicitly in fp32 ([B, heads, 2c, 2c]: per block, never
+per sequence), portable to every device; a fused kernel returning the log-sum-exp could
+replace `_block_forward` / `_block_backward` without touching the ring.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megamoe.parallel.comm import Group, all_gather_no_grad, group_rank, group_size
+
+CP_COMM_TYPES = ("p2p", "allgather")
+NOT_BUILT_COMM_TYPES = ("a2a", "a2a+p2p")
+
+
+def parse_cp_comm_type(values: list[str], num_layers: int) -> list[str]:
+    """`--cp-comm-type` as Megatron parses it: one value for every layer or one per layer."""
+    if len(values) not in (1, num_layers):
+        raise ValueError(f"--cp-comm-type: give one value or one per layer ({num_layers}), "
+                         f"got {len(values)}")
+    for v in values:
+        if v in NOT_BUILT_COMM_TYPES:
+            raise ValueError(f"not supported yet: --cp-comm-type {v}")
+        if v not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type: unknown value {v!r} (p2p, allgather, a2a, "
+                             "a2a+p2p)")
+    return list(values) * num_layers if len(values) == 1 else list(values)
+
+
+def chunk_indices(rank: int, cp: int) -> tuple[int, int]:
+    """The two of the 2 x CP sequence chunks cp rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def split_for_cp(x_BS: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's part of a full-sequence tensor: chunks r and 2CP-1-r along `dim`."""
+    if cp == 1:
+        return x_BS
+    if x_BS.shape[dim] % (2 * cp):
+        raise ValueError(f"sequence length {x_BS.shape[dim]} is not divisible by 2 x "
+                         f"--context-parallel-size ({2 * cp})")
+    chunks = x_BS.chunk(2 * cp, dim=dim)
+    a, b = chunk_indices(rank, cp)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def cp_positions(seq_local: int, rank: int, cp: int, device) -> torch.Tensor:
+    """int64 [seq_local]: full-sequence positions of this rank's tokens."""
+    c = seq_local // 2
+    a, b = chunk_indices(rank, cp)
+    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device),
+                      torch.arange(b * c, (b + 1) * c, device=device)])
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_ids_BS: Optional[torch.Tensor],
+          k_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+    """bool [B|1, 1, Sq, Sk]: causal by full-sequence position, and within one document."""
+    m = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if q_ids_BS is not None:
+        m = m & (q_ids_BS[:, :, None] == k_ids_BS[:, None, :])[:, None]
+    return m
+
+
+def _expand_groups(t_BGSD: torch.Tensor, heads: int) -> torch.Tensor:
+    rep = heads // t_BGSD.shape[1]
+    return t_BGSD if rep == 1 else t_BGSD.repeat_interleave(rep, dim=1)
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32, or the input's when wider (fp64 tests)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _block_forward(q, k, v, mask, scale):
+    """(out [B, N, Sq, D], lse [B, N, Sq]) in `_acc` precision of q against one K/V
+    block; rows with no visible key get out 0 and lse -inf."""
+    acc = _acc(q)
+    k, v = _expand_groups(k, q.shape[1]).to(acc), _expand_groups(v, q.shape[1]).to(acc)
+    s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
+    return torch.matmul(p, v), lse
+
+
+def _merge(out, lse, out_b, lse_b):
+    """Online-softmax merge of two partial results over disjoint key sets."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w, w_b = torch.exp(lse - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
+    return out * w + out_b * w_b, new
+
+
+def _block_backward(q, k, v, lse, dout, delta, mask, scale):
+    """(dq, dk, dv) of one block, from the final lse and delta = rowsum(dout * out)."""
+    heads, groups, acc = q.shape[1], k.shape[1], _acc(q)
+    ke, ve = _expand_groups(k, heads).to(acc), _expand_groups(v, heads).to(acc)
+    s = torch.matmul(q.to(acc), ke.transpose(-1, -2)) * scale
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
+    p = torch.exp(s - safe).masked_fill(~mask, 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+    if heads != groups:  # sum the query heads sharing each kv group
+        b, _, sk, d = dk.shape
+        dk = dk.view(b, groups, heads // groups, sk, d).sum(2)
+        dv = dv.view(b, groups, heads // groups, sk, d).sum(2)
+    return dq, dk, dv
+
+
+class _Ring:
+    """Batched send-to-next / receive-from-previous on the cp ring (one buffer); every
+    rank issues its batches in the same sequence (tests/parallel/test_cp_attention.py
+    checks the order with the pipeline's NCCL order checker)."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.rank, self.size = group_rank(group), group_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, t: torch.Tensor) -> tuple[torch.Tensor, list]:
+        buf = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group),
+               dist.P2POp(dist.irecv, buf, self.prev, self.group)]
+        if self.rank % 2:  # as Transformer Engine's ring: odd ranks receive first, so at
+            ops.reverse()  # CP = 2 (next = prev) each send meets its receive in order
+        return buf, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ids_BS, group, comm_type, scale):
+        ring = _Ring(group)
+        r, cp = ring.rank, ring.size
+        pos = cp_positions(q.shape[2], r, cp, q.device)
+        all_ids = (all_gather_no_grad(ids_BS[None], group) if ids_BS is not None else None)
+        kv = torch.stack([k, v]).contiguous()
+        if comm_type == "allgather":
+            kv_full = all_gather_no_grad(kv[None], group)  # [CP, 2, B, G, Sl, D]
+        out = lse = None
+        for i in range(cp):
+            src = (r - i) % cp
+            works = None
+            if comm_type == "p2p" and i + 1 < cp:
+                nxt, works = ring.start(kv)  # overlaps the block below
+            blk = kv if comm_type == "p2p" else kv_full[src]
+            mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
+                         None if all_ids is None else all_ids[src])
+            o_b, l_b = _block_forward(q, blk[0], blk[1], mask, scale)
+            out, lse = (o_b, l_b) if out is None else _merge(out, lse, o_b, l_b)
+            if works is not None:
+                ring.wait(works)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse, ids_BS, all_ids)
+        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, ids_BS, all_ids = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        r, cp = ring.rank, ring.size
+        pos = cp_positions(q.shape[2], r, cp, q.device)
+        dout = dout.to(out.dtype)
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q, dtype=out.dtype)
+        kv = torch.stack([k, v])  # travels in the model dtype; blocks upcast on arrival
+        if ctx.comm_type == "allgather":
+            kv_all = all_gather_no_grad(kv[None].contiguous(), ctx.group)
+            dkv_all = torch.zeros_like(kv_all)
+        dkv = None  # p2p: the gradient of the block held, accumulated by earlier ranks
+        for i in range(cp):
+            src = (r - i) % cp
+            kv_works = None
+            if ctx.comm_type == "p2p" and i + 1 < cp:
+                kv_next, kv_works = ring.start(kv)  # the next block, under this compute
+            blk = kv if ctx.comm_type == "p2p" else kv_all[src]
+            mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
+                         None if all_ids is None else all_ids[src])
+            dq_b, dk_b, dv_b = _block_backward(q, blk[0], blk[1], lse, dout, delta, mask,
+                                               ctx.scale)
+            dq += dq_b
+            if ctx.comm_type == "allgather":
+                dkv_all[src, 0] += dk_b
+                dkv_all[src, 1] += dv_b
+                continue
+            g = torch.stack([dk_b, dv_b])
+            g = g if dkv is None else g + dkv
+            # on to the rank that holds this block next; after the last step it is home
+            dkv_next, g_works = ring.start(g)
+            if kv_works is not None:
+                ring.wait(kv_works)
+                kv = kv_next
+            ring.wait(g_works)
+            dkv = dkv_next
+        if ctx.comm_type == "allgather":
+            dkv = _reduce_scatter_blocks(dkv_all, ctx.group)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_bytes_per_layer(num_query_groups: int, kv_channels: int, tokens_per_rank: float,
+                         cp: int, tp: int = 1, dtype_bytes: int = 2,
+                         recompute_forward: bool = False) -> float:
+    """Bytes one cp rank sends per layer in `cp_attention`'s p2p ring for its
+    `tokens_per_rank` tokens: the forward passes CP-1 K/V blocks on, the backward CP-1
+    K/V blocks again plus CP dK/dV blocks in fp32 (the last one brings each rank its own);
+    a recomputed forward adds its ring again. The planner's CP cost uses this."""
+    kv = 2 * num_query_groups / tp * kv_channels * tokens_per_rank
+    forward = (cp - 1) * kv * dtype_bytes
+    return forward * (2 if recompute_forward else 1) + forward + cp * kv * 4
+
+
+def _reduce_scatter_blocks(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum over the group of [CP, ...] tensors, rank r keeping index r."""
+    out = torch.empty_like(x[0])
+    dist.reduce_scatter_tensor(out, x.flatten(0, 1).contiguous(), group=group)
+    return out
+
+
+def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
+                 group: Group, comm_type: str = "p2p",
+                 document_ids_BS: Optional[torch.Tensor] = None,
+                 scale: Optional[float] = None) -> torch.Tensor:
+    """Causal (and, with `document_ids_BS`, document-causal) attention of this cp rank's
+    queries [B, N, S/CP, D] against the whole sequence's keys/values, given as this
+    rank's [B, G, S/CP, D] in the `split_for_cp` layout; returns [B, N, S/CP, D]."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"not supported yet: --cp-comm-type {comm_type}")
+    scale = 1.0 / math.sqrt(q_BNSD.shape[-1]) if scale is None else scale
+    if group_size(group) == 1:  # one rank: its one block is the whole sequence
+        mask = _mask(*(torch.arange(q_BNSD.shape[2], device=q_BNSD.device),) * 2,
+                     document_ids_BS, document_ids_BS)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale,
+            enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
+    ids = None if document_ids_BS is None else document_ids_BS.contiguous()
+    return _CPAttention.apply(q_BNSD, k_BGSD.contiguous(), v_BGSD.contiguous(), ids, group,
+                              comm_type, scale)

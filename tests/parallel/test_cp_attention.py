@@ -1,0 +1,144 @@
+"""Context-parallel attention (megamoe/parallel/context_parallel.py) equals full attention,
+forward and backward, on gloo ranks: CP = 2 and 4, p2p ring and allgather, causal and
+document masks, GQA. Each rank gets its load-balanced chunks (r, 2CP-1-r) of the same
+full-sequence q/k/v; its output and its q/k/v gradients must equal those chunks of the
+single-process result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from megamoe.parallel.context_parallel import (
+    cp_attention,
+    parse_cp_comm_type,
+    ring_bytes_per_layer,
+    split_for_cp,
+)
+from tests.distributed import run_distributed
+from tests.training.test_p2p_order import Recorder, assert_mirrored, simulate
+
+B, N, G, S, D = 2, 4, 2, 32, 8
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, N, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, G, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, G, S, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, N, S, D, generator=g, dtype=torch.float64)
+    lengths = [5, 9, 1, 11, 6]  # packed documents (not aligned to chunks)
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    ids = torch.stack([ids, torch.roll(ids, 3).cummax(0).values])  # two different packings
+    return q, k, v, dout, ids
+
+
+def _reference(q, k, v, dout, ids):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    if ids is None:
+        mask = torch.ones(S, S, dtype=torch.bool).tril()
+    else:
+        mask = torch.ones(S, S, dtype=torch.bool).tril() & (ids[:, :, None] == ids[:, None])
+        mask = mask[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _worker(rank, world_size, comm_type, docs):
+    q, k, v, dout, ids = _inputs()
+    ids = ids if docs else None
+    ref = _reference(q, k, v, dout, ids)
+    group = dist.new_group(list(range(world_size)))
+    local = [split_for_cp(t, rank, world_size, dim=2) for t in (q, k, v)]
+    local = [t.clone().requires_grad_() for t in local]
+    ids_local = None if ids is None else split_for_cp(ids, rank, world_size, dim=1)
+    out = cp_attention(*local, group, comm_type, ids_local)
+    out.backward(split_for_cp(dout, rank, world_size, dim=2))
+    got = (out.detach(), *(t.grad for t in local))
+    want = [split_for_cp(t, rank, world_size, dim=2) for t in ref]
+    return [float((a - b).abs().max()) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("cp,comm_type,docs", [
+    (2, "p2p", False), (2, "p2p", True), (4, "p2p", True), (4, "allgather", True),
+    pytest.param(4, "p2p", False, marks=pytest.mark.slow),
+    pytest.param(2, "allgather", False, marks=pytest.mark.slow),
+])
+def test_cp_attention_equals_full_attention(cp, comm_type, docs):
+    for errs in run_distributed(_worker, cp, 120, comm_type, docs):
+        assert max(errs) < 1e-12, errs
+
+
+def test_cp_comm_type_parsing():
+    assert parse_cp_comm_type(["p2p"], 3) == ["p2p"] * 3
+    assert parse_cp_comm_type(["p2p", "allgather"], 2) == ["p2p", "allgather"]
+    with pytest.raises(ValueError, match="not supported yet: --cp-comm-type a2a"):
+        parse_cp_comm_type(["a2a"], 2)
+    with pytest.raises(ValueError, match="not supported yet: --cp-comm-type a2a\\+p2p"):
+        parse_cp_comm_type(["p2p", "a2a+p2p"], 2)
+    with pytest.raises(ValueError, match="one value or one per layer"):
+        parse_cp_comm_type(["p2p", "p2p"], 3)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_p2p_is_ordered_for_nccl(cp):
+    """The ring's posts (forward and backward) checked like the pipeline schedule's
+    (tests/training/test_p2p_order.py): for every rank pair the sends of one are the
+    receives of the other in the same order and shapes, and NCCL's strictest progress
+    (each send waits for its receive) reaches the end on every rank."""
+    rec = Recorder()
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (dist, c10d):
+            for name in ("batch_isend_irecv", "isend", "irecv", "send", "recv"):
+                mp.setattr(module, name, getattr(rec, name))
+        for rank in range(cp):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+            try:
+                rec.rank, rec.param = rank, (torch.float32, torch.device("cpu"))
+                rec.programs[rank] = []
+                q, k, v, dout, ids = _inputs()
+                local = [split_for_cp(t.float(), rank, cp, dim=2).requires_grad_()
+                         for t in (q, k, v)]
+                with torch.device("meta"):  # a buffer allocated without device= lands here
+                    out = cp_attention(*local, dist.group.WORLD, "p2p",
+                                       split_for_cp(ids, rank, cp, dim=1))
+                    out.backward(torch.ones_like(out, device="cpu"))
+            finally:
+                dist.destroy_process_group()
+    assert all(rec.programs.values())
+    assert_mirrored(rec.programs)
+    simulate(rec.programs)
+
+
+def _count_ring_bytes(rank, world_size):
+    """Bytes this rank's ring sends for one forward + backward (fp32 model dtype)."""
+    from megamoe.parallel import context_parallel as cpmod
+
+    sent = []
+    start = cpmod._Ring.start
+
+    def counting(self, t):
+        sent.append(t.numel() * t.element_size())
+        return start(self, t)
+
+    cpmod._Ring.start = counting
+    q, k, v, dout, ids = _inputs()
+    local = [split_for_cp(t.float(), rank, world_size, dim=2).requires_grad_()
+             for t in (q, k, v)]
+    out = cp_attention(*local, dist.new_group(list(range(world_size))), "p2p")
+    out.backward(split_for_cp(dout.float(), rank, world_size, dim=2))
+    return sum(sent)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_planner_ring_volume_is_what_the_ring_sends(cp):
+    """The planner's CP cost (ring_bytes_per_layer) equals the bytes the real ring sends
+    per rank for one layer's forward and backward."""
+    predicted = ring_bytes_per_layer(G, D, B * S / cp, cp, dtype_bytes=4)
+    for sent in run_distributed(_count_ring_bytes, cp, 120):
+        assert sent == predicted, (sent, predicted)
