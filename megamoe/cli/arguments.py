@@ -179,6 +179,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="skip steps with a NaN/Inf loss or gradient instead of stopping")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--compile", action="store_true",
                    help="megamoe extension: torch.compile each transformer layer")
     g.add_argument("--recompute-activations", action="store_true")
