@@ -81,7 +81,8 @@ MODULE_LABELS = (  # innermost wins; order only matters for subclasses
 )
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm",
          "aten::addbmm"}
-SYNCS = {"aten::_local_scalar_dense", "aten::item"}
+SYNCS = {"aten::_local_scalar_dense", "aten::item"}  # their time; the read itself:
+HOST_READ = "aten::_local_scalar_dense"  # (.item() calls it: count it once)
 CATEGORIES = ("attention", "dense_gemm", "expert_gemm", "router", "permute", "norms",
               "elementwise", "embedding", "loss", "optimizer", "communication", "statistics",
               "host_syncs", "other", "python")
@@ -160,7 +161,7 @@ def categorize(events) -> tuple[dict[str, float], dict[str, float], int]:
         cat = _refine(context(e), e.name)
         seconds[cat] += own
         per_op[f"{cat}:{e.name}"] += own
-        syncs += e.name in SYNCS
+        syncs += e.name == HOST_READ
     return dict(seconds), dict(per_op), syncs
 
 

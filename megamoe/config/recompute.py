@@ -25,7 +25,6 @@ from megamoe.config.fields import ConfigError, flag, require
 
 SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                      "shared_experts")
-NORMAL_CHECKPOINT_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
 
 
 @dataclass
@@ -98,11 +97,3 @@ class RecomputeConfig:
             return [list(range(i, min(i + n, num_local_layers)))
                     for i in range(0, num_local_layers, n)]
         return [[i] for i in range(min(n, num_local_layers))]
-
-    def mode_name(self) -> str:
-        """A short name for logs, benchmarks and the memory model."""
-        if self.granularity == "full":
-            return f"full-{self.method}-{self.num_layers}"
-        if self.granularity == "selective":
-            return "selective:" + ",".join(self.selected)
-        return "none"

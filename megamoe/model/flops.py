@@ -107,9 +107,9 @@ def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig) -
         return float(sum(2 * _layer_params(config, i)[2] + core
                          for i in range(config.num_layers)))
     selected, total = recompute.selected, 0.0
+    _, attn_mm = _attention_params(config)
     for i in range(config.num_layers):
         total += core if "core_attn" in selected else 0
-        _, attn_mm = _attention_params(config)
         mlp_mm = _layer_params(config, i)[2] - attn_mm
         if config.is_moe_layer(i):
             if "moe" in selected:

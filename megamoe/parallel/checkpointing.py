@@ -49,10 +49,6 @@ class _Region:
 _ACTIVE: list[_Region] = []  # the region running now (at most one: no nesting)
 
 
-def in_checkpointed_region() -> bool:
-    return bool(_ACTIVE)
-
-
 def is_recomputing() -> bool:
     """True while backward replays a checkpointed forward."""
     return bool(_ACTIVE) and _ACTIVE[0].replaying
@@ -153,5 +149,5 @@ def maybe_discard(enabled: bool, output: torch.Tensor,
     return discard_saved(output, recompute) if enabled else contextlib.nullcontext()
 
 
-__all__ = ["checkpoint", "discard_saved", "in_checkpointed_region", "is_recomputing",
-           "maybe_checkpoint", "maybe_discard", "replay_once"]
+__all__ = ["checkpoint", "discard_saved", "is_recomputing", "maybe_checkpoint",
+           "maybe_discard", "replay_once"]

@@ -58,7 +58,6 @@ class RNGTracker:
                 torch.cuda.set_rng_state(outer_cuda)
 
 
-
 TrackerStates = dict[RNGTracker, tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 

@@ -9,9 +9,9 @@ pipeline p2p.
 Link speeds are GB/s per GPU; a group stays on NVLink when it fits in one node. Only
 layouts `pretrain_gpt.py` accepts are generated: each candidate must pass the run
 config's own rules (RunConfig: divisibility of heads, query groups, hidden sizes, layers,
-experts, world size and global batch, the pipeline's micro-batches, ...) and need no
-feature that is not built yet (config/unsupported.py: no context parallelism, no
-recompute while their flags are refused).
+experts, world size and global batch, the pipeline's micro-batches, the recompute and
+context-parallel rules, ...) and need no feature that is not built yet
+(config/unsupported.py).
 """
 
 from __future__ import annotations

@@ -40,11 +40,11 @@ def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
                                weight_decay=config.weight_decay)
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                   eps=config.adam_eps, weight_decay=config.weight_decay)
-    if _on_gpu(groups) and _ApexFusedAdam is not None:
+    on_gpu = _on_gpu(groups)
+    if on_gpu and _ApexFusedAdam is not None:
         return _ApexFusedAdam(groups, adam_w_mode=True, **kwargs)
     on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, fused=True if _on_gpu(groups) or on_cpu else None,
-                             **kwargs)
+    return torch.optim.AdamW(groups, fused=True if on_gpu or on_cpu else None, **kwargs)
 
 
 def _on_gpu(groups: list[dict]) -> bool:
