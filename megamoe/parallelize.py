@@ -10,8 +10,9 @@ the seed, or on the meta device), then `parallelize` applies, in this order:
      SP, dropout stream);
   2. pipeline parallelism: keep this rank's (virtual) stages of the TP-sharded model;
   2b. context parallelism: every attention gets the cp group and its layer's
-     --cp-comm-type, and the model a `context_parallel` (group, rank, size) that the
-     schedules read to split each batch (training/cp_batch.py);
+     --cp-comm-type, every router the cp group (aux_loss / seq_aux_loss count tokens
+     over the whole sequence), and the model a `context_parallel` (group, rank, size)
+     that the schedules read to split each batch (training/cp_batch.py);
   3. experts (`parallelize_moe`): keep this ep rank's experts, this etp rank's slice of
      their hidden dimension, give every MoE layer the dispatcher of the layout (local,
      alltoall or allgather, inside a tensor-parallel one under TP), mark the expert
@@ -119,6 +120,8 @@ def apply_context_parallel(model: nn.Module, group: Group, comm_types: list[str]
         if isinstance(m, TransformerLayer):
             m.self_attention.cp_group = group
             m.self_attention.cp_comm_type = types[m.layer_index]
+        if isinstance(m, TopKRouter):
+            m.cp_group, m.cp_size = group, group_size(group)
     model.context_parallel = (group, group_rank(group), group_size(group))
     return model
 

@@ -65,11 +65,6 @@ class RunConfig:
                 f"--context-parallel-size{what} ({split})")
         require(m.attention_dropout == 0, "not supported yet: --attention-dropout > 0 with "
                                           "--context-parallel-size > 1")
-        if m.moe is not None:
-            for kind in ("aux_loss", "seq_aux_loss"):
-                require(m.moe.aux_loss_coeff(kind) == 0,
-                        f"not supported yet: --moe-router-load-balancing-type {kind} with "
-                        "--context-parallel-size > 1 (global_aux_loss balances over dp x cp)")
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even; the vocabulary padding must not depend

@@ -8,7 +8,7 @@ loss is scaled exactly like the LM loss and counted once per micro-batch.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -43,27 +43,40 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tenso
 
 
 def switch_load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                               topk: int, coeff: float) -> torch.Tensor:
+                               topk: int, coeff: float, shards: int = 1) -> torch.Tensor:
     """Switch/GShard loss E * coeff / (k * T^2) * sum_e P_e * count_e.
 
     `probs_TE` are the full (all-expert) router probabilities, `tokens_per_expert_E` the
     counts of the routing map actually dispatched. Perfect balance gives exactly coeff.
+
+    `shards` > 1 (context parallelism): the tokens are one of `shards` equal parts of the
+    sequences and `tokens_per_expert_E` the counts summed over all parts (T = shards x the
+    local tokens). This rank's term P_e sums its own tokens only, so the terms of the parts
+    add up to the whole sequences' loss (Megatron's tp_cp reduction); it is returned x
+    `shards`, so the mean over the parts (logging) and the gradient average over dp x cp
+    both give the whole sequences' loss, each token counted once.
     """
     num_tokens, num_experts = probs_TE.shape
+    num_tokens *= shards
     p_E = probs_TE.sum(dim=0)
     counts_E = tokens_per_expert_E.to(p_E.dtype)
-    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
+    scale = shards * num_experts * coeff / (topk * num_tokens * num_tokens)
     return (p_E * counts_E).sum() * scale
 
 
 def sequence_load_balancing_loss(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor,
                                  seq_ids_T: torch.Tensor, num_seqs: int, topk: int,
-                                 coeff: float) -> torch.Tensor:
+                                 coeff: float, shards: int = 1,
+                                 sum_counts: Optional[Callable[[torch.Tensor], torch.Tensor]]
+                                 = None) -> torch.Tensor:
     """Mean over sequences of the Switch loss computed inside each sequence.
 
     `seq_ids_T` maps each token to its sequence, so any [S, B] / [B, S] flattening works.
     Averaging over sequences (not summing over the micro-batch) keeps the gradient
-    independent of the micro-batch size (Megatron #5798).
+    independent of the micro-batch size (Megatron #5798). `shards` / `sum_counts`:
+    each sequence split over `shards` context-parallel ranks, `sum_counts` summing the
+    per-sequence counts over them; as in `switch_load_balancing_loss`, the result is this
+    part's term x `shards`.
     """
     num_tokens, num_experts = probs_TE.shape
     seq_len = num_tokens // num_seqs
@@ -72,7 +85,10 @@ def sequence_load_balancing_loss(probs_TE: torch.Tensor, routing_map_TE: torch.T
     p_BE = probs_TE.new_zeros(num_seqs, num_experts).index_add(0, seq_ids_T, probs_TE)
     counts_BE = probs_TE.new_zeros(num_seqs, num_experts).index_add(
         0, seq_ids_T, routing_map_TE.to(probs_TE.dtype))
-    scale = num_experts * coeff / (topk * seq_len * seq_len)
+    if sum_counts is not None:
+        counts_BE = sum_counts(counts_BE)
+    seq_len *= shards
+    scale = shards * num_experts * coeff / (topk * seq_len * seq_len)
     return (p_BE * counts_BE).sum(dim=-1).mean() * scale
 
 

@@ -171,6 +171,10 @@ class TopKRouter(nn.Module):
         self.num_layers = num_layers
         self.balancing_group = balancing_group
         self.grad_average_size = grad_average_size
+        # Context parallelism (parallelize sets it): aux_loss / seq_aux_loss sum their
+        # token counts over the cp group, so each token counts once in the sequence's loss.
+        self.cp_group: Optional[dist.ProcessGroup] = None
+        self.cp_size = 1
         self.init_stds = {"weight": init_method_std}
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size,
                                                dtype=torch.float32))
@@ -291,6 +295,17 @@ class TopKRouter(nn.Module):
         fraction_E = self.global_tokens_per_expert.double() / self.global_num_tokens.double()
         return fraction_E, stats[-1]
 
+    def _sum_over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+        """Token counts summed over the cp group (a recompute replay reuses the sum)."""
+        if self.cp_group is None:
+            return counts
+
+        def reduce() -> torch.Tensor:
+            total = counts.detach().clone()
+            dist.all_reduce(total, group=self.cp_group)
+            return total
+        return replay_once(reduce)
+
     def _balancing_losses(self, logits_TE: torch.Tensor, routing_map_TE: torch.Tensor,
                           seq_ids_T: Optional[torch.Tensor], num_seqs: int
                           ) -> Optional[torch.Tensor]:
@@ -313,14 +328,16 @@ class TopKRouter(nn.Module):
             if probs_TE is None:
                 probs_TE = scores_for_aux_loss(logits_TE, cfg.score_function)
             if kind == "aux_loss":
-                value = switch_load_balancing_loss(probs_TE, routing_map_TE.sum(dim=0),
-                                                   cfg.topk, 1.0)
+                value = switch_load_balancing_loss(
+                    probs_TE, self._sum_over_cp(routing_map_TE.sum(dim=0)), cfg.topk, 1.0,
+                    self.cp_size)
             elif kind == "seq_aux_loss":
                 if seq_ids_T is None:
                     seq_ids_T = torch.zeros(len(logits_TE), dtype=torch.long,
                                             device=logits_TE.device)
-                value = sequence_load_balancing_loss(probs_TE, routing_map_TE, seq_ids_T,
-                                                     num_seqs, cfg.topk, 1.0)
+                value = sequence_load_balancing_loss(
+                    probs_TE, routing_map_TE, seq_ids_T, num_seqs, cfg.topk, 1.0,
+                    self.cp_size, self._sum_over_cp)
             else:
                 # The running counts advance once per real forward; a replay reuses them.
                 fraction_E, group_tokens = replay_once(

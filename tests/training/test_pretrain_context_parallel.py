@@ -12,12 +12,15 @@ from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
 from tests.training.test_pretrain_expert_parallel import _train
 
-# aux_loss is refused with CP (its token fractions would be per cp rank); global_aux_loss
-# and the z-loss count every token once.
-CP_BASE = ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-2 "
+# Every balancing loss and the z-loss at once: under CP each counts every token of the
+# sequence once (aux_loss / seq_aux_loss sum their counts over cp, global_aux_loss over
+# dp x cp), so values and gradients equal one process's.
+CP_BASE = ("--moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss "
+           "--moe-aux-loss-coeff 1e-2 3e-2 1e-2 --moe-z-loss-coeff 1e-3 "
            "--train-iters 4 --clip-grad 0.05 --eval-interval 4 --eval-iters 1")
 DOCS = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
-KEYS = ("lm loss", "grad norm", "global_load_balancing_loss")
+KEYS = ("lm loss", "grad norm", "load_balancing_loss", "seq_load_balancing_loss",
+        "global_load_balancing_loss", "z_loss")
 
 
 def _worker(rank: int, world_size: int, extra: str):
@@ -85,8 +88,6 @@ def test_cp_layouts_match_single_process(layout, world, single_extra, docs):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ("--context-parallel-size 2 --moe-router-load-balancing-type aux_loss "
-     "--moe-aux-loss-coeff 1e-2", "not supported yet: --moe-router-load-balancing-type"),
     ("--context-parallel-size 2 --cp-comm-type a2a", "not supported yet: --cp-comm-type a2a"),
     ("--context-parallel-size 2 --attention-dropout 0.1", "not supported yet: --attention-drop"),
     ("--context-parallel-size 3", "must be divisible by 2 x --context-parallel-size"),
