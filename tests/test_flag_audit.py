@@ -321,6 +321,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--log-num-zeros-in-grad": ("--log-num-zeros-in-grad", 1, True),
     "--peak-tflops": ("--peak-tflops 123", 1, 123.0),
     "--compile": ("--compile", 1, True),
+    "--calculate-per-token-loss": ("--calculate-per-token-loss", 1, True),
     "--qk-layernorm": ("--qk-layernorm", 1, True),
     "--add-qkv-bias": ("--add-qkv-bias", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),

@@ -37,6 +37,10 @@ class TrainConfig:
     # Megatron's torch.cuda.empty_cache() calls: >= 1 after each forward-backward (training
     # and evaluation), >= 2 also after the optimizer step (training/loop.py).
     empty_unused_memory_level: int = flag("--empty-unused-memory-level", 0)
+    # Megatron's --calculate-per-token-loss: the step's LM loss is the sum over every
+    # unmasked token of the global batch / their number (not the mean of per-micro-batch
+    # means); training/loss.py.
+    calculate_per_token_loss: bool = flag("--calculate-per-token-loss", False)
     # megamoe's extension (not a Megatron flag): torch.compile each transformer layer.
     compile: bool = flag("--compile", False)
 

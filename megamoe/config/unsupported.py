@@ -8,7 +8,6 @@ the command line and the planner then both accept it.
 from __future__ import annotations
 
 NOT_SUPPORTED_YET = (
-    "--calculate-per-token-loss",
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
     "--moe-router-force-load-balancing",

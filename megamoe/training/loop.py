@@ -19,6 +19,7 @@ from megamoe.moe.global_batch import update_expert_biases
 from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
 from megamoe.training.exits import ExitConditions
+from megamoe.training.loss import PerTokenLoss
 from megamoe.training.metrics import (
     MetricsLogger,
     TrainingObserver,
@@ -44,6 +45,15 @@ def num_microbatches(run: RunConfig, mesh: Mesh, global_batch_size: Optional[int
     size after any --rampup-batch-size, which evaluation always uses, as Megatron)."""
     gbs = global_batch_size or run.train.global_batch_size
     return gbs // (run.train.micro_batch_size * mesh.dp_size)
+
+
+def per_token_loss(run: RunConfig, mesh: Mesh) -> Optional[PerTokenLoss]:
+    """--calculate-per-token-loss over the group that averages dense gradients (dp x cp)."""
+    if not run.train.calculate_per_token_loss:
+        return None
+    size = mesh.dp_size * mesh.cp_size
+    group = None if size == 1 else mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
+    return PerTokenLoss(group, size)
 
 
 def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
@@ -93,7 +103,8 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
     lm_loss = forward_backward(model, data_iter, n_micro,
-                               grad_sync=getattr(optimizer, "grad_sync", None))
+                               grad_sync=getattr(optimizer, "grad_sync", None),
+                               per_token=per_token_loss(run, mesh))
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging
@@ -127,17 +138,21 @@ def empty_unused_memory(run: RunConfig, level: int) -> None:
 
 def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
              data_iter: Iterator[Batch]) -> float:
-    """Mean LM loss over --eval-iters global batches (dropout off, no gradients)."""
+    """Mean LM loss over --eval-iters global batches (dropout off, no gradients); with
+    --calculate-per-token-loss the mean over all their unmasked tokens (as Megatron)."""
     model.eval()
     n_micro = num_microbatches(run, mesh)
-    total = 0.0
+    per_token = per_token_loss(run, mesh)
+    total, weight = 0.0, 0.0
     for _ in range(run.train.eval_iters):
-        total += float(forward_backward(model, data_iter, n_micro,
-                                                      forward_only=True))
+        loss = float(forward_backward(model, data_iter, n_micro, forward_only=True,
+                                      per_token=per_token))
+        w = 1.0 if per_token is None else float(per_token.num_tokens)  # same on every rank
+        total, weight = total + loss * w, weight + w
         empty_unused_memory(run, 1)
     MoELossTracker.report(n_micro)  # evaluation does not feed the training statistics
     model.train()
-    return _dp_mean([total / max(run.train.eval_iters, 1)], mesh)[0]
+    return _dp_mean([total / max(weight, 1.0)], mesh)[0]
 
 
 # Per-step metrics that are not losses (shown after the losses in the console line).

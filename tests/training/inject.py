@@ -67,13 +67,13 @@ def _poison(kind: str, step: int, rank: int, setattr_: SetAttr) -> None:
     calls = {"n": 0, "active": False}
     forward_backward, build_model = loop.forward_backward, pretrain.build_model
 
-    def counted(model, data_iter, n, *, forward_only=False, grad_sync=None):
+    def counted(model, data_iter, n, *, forward_only=False, **kwargs):
         if forward_only:
-            return forward_backward(model, data_iter, n, forward_only=True)
+            return forward_backward(model, data_iter, n, forward_only=True, **kwargs)
         calls["n"] += 1
         calls["active"] = calls["n"] == step
         try:
-            return forward_backward(model, data_iter, n, grad_sync=grad_sync)
+            return forward_backward(model, data_iter, n, **kwargs)
         finally:
             calls["active"] = False
 

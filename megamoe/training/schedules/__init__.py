@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 import torch
 
 from megamoe.model.pipeline_stage import PipelineModel
+from megamoe.training.loss import PerTokenLoss
 from megamoe.training.schedules.local import Batch, GradSync, forward_backward_no_pipelining
 from megamoe.training.schedules.lr import LRScheduler
 from megamoe.training.schedules.pipeline import forward_backward_pipelining
@@ -16,14 +17,15 @@ from megamoe.training.schedules.pipeline import forward_backward_pipelining
 
 def forward_backward(model: torch.nn.Module, data_iter: Iterator[Batch],
                      num_microbatches: int, *, forward_only: bool = False,
-                     grad_sync: Optional[GradSync] = None) -> torch.Tensor:
+                     grad_sync: Optional[GradSync] = None,
+                     per_token: Optional[PerTokenLoss] = None) -> torch.Tensor:
     """The schedule for `model`: pipelined (1F1B / interleaved) for a PipelineModel.
-    `grad_sync`: the optimizer's overlapped gradient buckets (--overlap-grad-reduce)."""
-    if isinstance(model, PipelineModel):
-        return forward_backward_pipelining(model, data_iter, num_microbatches,
-                                           forward_only=forward_only, grad_sync=grad_sync)
-    return forward_backward_no_pipelining(model, data_iter, num_microbatches,
-                                          forward_only=forward_only, grad_sync=grad_sync)
+    `grad_sync`: the optimizer's overlapped gradient buckets (--overlap-grad-reduce);
+    `per_token`: --calculate-per-token-loss (training/loss.py)."""
+    run = (forward_backward_pipelining if isinstance(model, PipelineModel)
+           else forward_backward_no_pipelining)
+    return run(model, data_iter, num_microbatches, forward_only=forward_only,
+               grad_sync=grad_sync, per_token=per_token)
 
 
 __all__ = ["Batch", "GradSync", "LRScheduler", "forward_backward", "forward_backward_no_pipelining",

@@ -1,10 +1,11 @@
 """Forward/backward over the micro-batches of one global batch (no pipelining).
 
-Loss normalisation, in one place: each micro-batch's LM loss is the mean over its
-unmasked tokens; the step's loss is the mean over micro-batches. So each backward is
-scaled by 1 / num_microbatches, and the MoE auxiliary losses, which the MoE layers attach
-to the graph, are scaled the same way through `set_aux_loss_backward_scale`. Data-parallel
-averaging of gradients then yields the mean over the global batch in any layout.
+Loss normalisation, in one place (training/loss.py): each micro-batch backpropagates
+its share of the step's loss (by default its mean over unmasked tokens / num_microbatches;
+with --calculate-per-token-loss its sum x dp x cp / the step's token count), and the MoE
+auxiliary losses, which the MoE layers attach to the graph, are scaled by
+1 / num_microbatches through `set_aux_loss_backward_scale`. Data-parallel averaging of
+gradients then yields the global batch's loss gradient in any layout.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import set_aux_loss_backward_scale
-from megamoe.training.cp_batch import context_parallel_of, cp_lm_loss, split_batch
-from megamoe.training.loss import masked_lm_loss
+from megamoe.training.cp_batch import context_parallel_of, split_batch
+from megamoe.training.loss import PerTokenLoss, step_share
 
 Batch = dict[str, torch.Tensor]
 
@@ -29,36 +30,42 @@ class GradSync(Protocol):
     last_microbatch: bool
 
 
-def forward_step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def forward_step(model: torch.nn.Module, batch: Batch, num_microbatches: int = 1,
+                 per_token: Optional[PerTokenLoss] = None) -> torch.Tensor:
+    """The micro-batch's share of the step's LM loss (training/loss.py)."""
     cp = context_parallel_of(model)
     batch = split_batch(batch, cp)  # this cp rank's chunks (the batch itself without CP)
     loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
                     labels=batch["labels"], document_ids=batch.get("document_ids"))
-    if cp is not None:
-        return cp_lm_loss(loss_BS, batch["loss_mask"], cp)
-    return masked_lm_loss(loss_BS, batch["loss_mask"])
+    return step_share(loss_BS, batch["loss_mask"], cp, num_microbatches, per_token)
 
 
 def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[Batch],
                                    num_microbatches: int, *, forward_only: bool = False,
-                                   grad_sync: Optional[GradSync] = None) -> torch.Tensor:
-    """Run `num_microbatches` micro-batches; returns the mean LM loss (detached, fp32).
-    `grad_sync` learns which backward is the step's last (its buckets launch then)."""
+                                   grad_sync: Optional[GradSync] = None,
+                                   per_token: Optional[PerTokenLoss] = None) -> torch.Tensor:
+    """Run `num_microbatches` micro-batches; returns this rank's part of the step's LM
+    loss (detached, fp32). `grad_sync` learns which backward is the step's last (its
+    buckets launch then); `per_token`: --calculate-per-token-loss (the step's micro-batches
+    are read before the first forward, to count their tokens)."""
     total = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     set_aux_loss_backward_scale(1.0 / num_microbatches)
     if not forward_only:
         start_global_batch(model)  # global_aux_loss counts restart with each global batch
+    batches: Iterator[Batch] = data_iter
+    if per_token is not None:
+        read = [next(data_iter) for _ in range(num_microbatches)]
+        per_token.start_step(read, context_parallel_of(model))
+        batches = iter(read)
     for i in range(num_microbatches):
-        batch = next(data_iter)
-        if forward_only:
-            with torch.no_grad():
-                loss = forward_step(model, batch)
-        else:
-            loss = forward_step(model, batch)
+        batch = next(batches)
+        with torch.set_grad_enabled(not forward_only):
+            loss = forward_step(model, batch, num_microbatches, per_token)
+        if not forward_only:
             if grad_sync is not None:
                 grad_sync.last_microbatch = i == num_microbatches - 1
-            (loss / num_microbatches).backward()
+            loss.backward()
         total += loss.detach()
     if grad_sync is not None:
         grad_sync.last_microbatch = False
-    return total / num_microbatches
+    return total

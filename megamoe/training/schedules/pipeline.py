@@ -38,8 +38,9 @@ position are the same. Receive buffers are allocated on the parameters' device i
 activation dtype.
 
 Loss normalisation matches the no-pipelining schedule: the last stage backpropagates
-loss / num_microbatches, the MoE aux losses get the same scale, the step's LM loss is
-the mean over micro-batches, broadcast from the last stage to the whole pipeline group.
+each micro-batch's share of the step's loss (training/loss.py), the MoE aux losses are
+scaled by 1 / num_microbatches, the step's LM loss (the sum of the shares) is broadcast
+from the last stage to the whole pipeline group.
 MoE logging values recorded by the layers of each stage are summed over the pipeline
 group so every rank reports every layer.
 """
@@ -54,8 +55,8 @@ import torch.distributed as dist
 from megamoe.model.pipeline_stage import PipelineModel
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
-from megamoe.training.cp_batch import context_parallel_of, cp_lm_loss, split_batch
-from megamoe.training.loss import masked_lm_loss
+from megamoe.training.cp_batch import context_parallel_of, split_batch
+from megamoe.training.loss import PerTokenLoss, step_share
 from megamoe.training.schedules.local import GradSync
 
 Batch = dict[str, torch.Tensor]
@@ -157,14 +158,15 @@ class _Stages:
     """This rank's compute: F runs a chunk on a micro-batch, B backpropagates it."""
 
     def __init__(self, model: PipelineModel, batches: list[Batch], forward_only: bool,
-                 grad_sync: Optional[GradSync] = None):
+                 grad_sync: Optional[GradSync] = None,
+                 per_token: Optional[PerTokenLoss] = None):
         self.model, self.batches, self.forward_only = model, batches, forward_only
         self.cp = context_parallel_of(model)
-        self.grad_sync = grad_sync
+        self.grad_sync, self.per_token = grad_sync, per_token
         self.num_virtual = model.pp_size * len(model.chunks)
         self.saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         device = next(model.parameters()).device
-        self.total = torch.zeros((), dtype=torch.float32, device=device)  # sum of LM losses
+        self.total = torch.zeros((), dtype=torch.float32, device=device)  # sum of loss shares
 
     def _virtual(self, chunk: int) -> int:
         return chunk * self.model.pp_size + self.model.pp_rank
@@ -202,8 +204,8 @@ class _Stages:
                                        batch["labels"] if v == last else None,
                                        batch.get("document_ids"))
             if v == last:
-                out = (masked_lm_loss(out, batch["loss_mask"]) if self.cp is None
-                       else cp_lm_loss(out, batch["loss_mask"], self.cp))
+                out = step_share(out, batch["loss_mask"], self.cp, len(self.batches),
+                                 self.per_token)
                 self.total += out.detach()
         if not self.forward_only:
             self.saved[(c, mb)] = (inp, out)
@@ -214,8 +216,8 @@ class _Stages:
         v = self._virtual(c)
         if self.grad_sync is not None:  # a chunk's backwards run in micro-batch order
             self.grad_sync.last_microbatch = mb == len(self.batches) - 1
-        if v == self.num_virtual - 1:  # out is the loss
-            (out / len(self.batches)).backward()
+        if v == self.num_virtual - 1:  # out is the loss share
+            out.backward()
         else:
             torch.autograd.backward(out, grad)
         return {"prev": (inp.grad, self._tag(v, mb, grad=True))} if v > 0 else {}
@@ -250,17 +252,22 @@ def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
 
 def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch],
                                 num_microbatches: int, *, forward_only: bool = False,
-                                grad_sync: Optional[GradSync] = None) -> torch.Tensor:
-    """Run one global batch through the pipeline; returns the mean LM loss (fp32, on every
-    rank of the pipeline group). Gradients accumulate in the chunks' parameters;
-    `grad_sync` learns which backward is each chunk's last of the step."""
+                                grad_sync: Optional[GradSync] = None,
+                                per_token: Optional[PerTokenLoss] = None) -> torch.Tensor:
+    """Run one global batch through the pipeline; returns this rank's part of the step's
+    LM loss (fp32, on every rank of the pipeline group). Gradients accumulate in the
+    chunks' parameters; `grad_sync` learns which backward is each chunk's last of the
+    step; `per_token`: --calculate-per-token-loss."""
     m = num_microbatches
     cp = context_parallel_of(model)  # this cp rank's chunks of each batch
-    batches = [split_batch(next(data_iter), cp) for _ in range(m)]  # same on every stage
+    read = [next(data_iter) for _ in range(m)]  # the same on every stage
+    if per_token is not None:  # every stage counts (evaluation reads the count)
+        per_token.start_step(read, cp)
+    batches = [split_batch(b, cp) for b in read]
     set_aux_loss_backward_scale(1.0 / m)
     if not forward_only:
         start_global_batch(model)
-    stages = _Stages(model, batches, forward_only, grad_sync)
+    stages = _Stages(model, batches, forward_only, grad_sync, per_token)
     p2p = _P2P(model, _activation_template(model, batches[0]))
     steps = pipeline_steps(m, model.pp_size, model.pp_rank, len(model.chunks), forward_only)
     received = p2p.exchange({}, stages.inbound(steps[0]))
@@ -274,4 +281,4 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
         grad_sync.last_microbatch = False
     dist.all_reduce(stages.total, group=model.pp_group)  # only the last stage holds the loss
     _sync_moe_logging(model, model.config.num_layers)
-    return stages.total / m
+    return stages.total

@@ -1,0 +1,77 @@
+"""--calculate-per-token-loss with Megatron's meaning: the step's LM loss is the sum of the
+per-token losses over every unmasked token of the global batch divided by their number,
+whatever the micro-batches, data-parallel and context-parallel ranks it is cut into
+(training/loss.py). With --eod-mask-loss the token counts differ between micro-batches,
+which is where it differs from the default mean of per-micro-batch means."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.training.test_pretrain_expert_parallel import _train
+
+DOCS = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
+PER_TOKEN = f"--calculate-per-token-loss {DOCS}"
+NO_MOE_LOSSES = "--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0"  # those are per micro-batch
+
+
+def _losses(extra: str) -> list[tuple[float, float]]:
+    return [(h["lm loss"], h["grad norm"]) for h in _train(extra, 1)[0]]
+
+
+def _close(a, b, rel=1e-5) -> bool:
+    return all(abs(x - y) <= rel * abs(y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def test_per_token_loss_does_not_depend_on_the_micro_batch_cut():
+    """Per-token: 4 micro-batches of 2 = 1 micro-batch of 8 (= the default's loss on one
+    micro-batch, where the two meanings coincide); the default's mean of means over 4
+    micro-batches differs once --eod-mask-loss makes their token counts uneven."""
+    one = "--micro-batch-size 8"
+    per_token_4 = _losses(f"{PER_TOKEN} {NO_MOE_LOSSES}")
+    per_token_1 = _losses(f"{PER_TOKEN} {NO_MOE_LOSSES} {one}")
+    mean_1 = _losses(f"{DOCS} {NO_MOE_LOSSES} {one}")
+    mean_4 = _losses(f"{DOCS} {NO_MOE_LOSSES}")
+    assert _close(per_token_4, per_token_1), (per_token_4, per_token_1)
+    assert _close(mean_1, per_token_1), (mean_1, per_token_1)
+    # (short mock documents: the counts differ by a few tokens, the losses by ~6e-5)
+    assert max(abs(m[0] - p[0]) / p[0] for m, p in zip(mean_4, per_token_4)) > 2e-5, (
+        mean_4, per_token_4)
+
+
+KEYS = ("lm loss", "grad norm", "load_balancing_loss", "z_loss")
+
+
+def _worker(rank: int, world_size: int, extra: str):
+    history, _ = _train(extra, world_size)
+    return history
+
+
+def _parity(layout: str, world: int) -> None:
+    single = _train(PER_TOKEN, 1)[0]
+    for rank, hist in enumerate(run_distributed(_worker, world, 600, f"{PER_TOKEN} {layout}")):
+        assert len(hist) == len(single)
+        for a, b in zip(single, hist):
+            for k in KEYS:
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (rank, k, single, hist)
+        # evaluation: the mean over all unmasked tokens of the eval batches, as one process
+        assert abs(single[-1]["valid lm loss"] - hist[-1]["valid lm loss"]) <= 1e-5 * abs(
+            single[-1]["valid lm loss"]), (rank, single[-1], hist[-1])
+
+
+def test_per_token_loss_cp2_matches_single_process():
+    _parity("--context-parallel-size 2", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,world", [
+    ("", 2),  # dp 2
+    ("--context-parallel-size 2 --use-distributed-optimizer", 4),  # dp 2 x cp 2
+    ("--context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce", 4),
+    ("--context-parallel-size 2 --pipeline-model-parallel-size 2", 4),
+    ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", 4),
+    ("--expert-model-parallel-size 2 --context-parallel-size 2", 4),
+])
+def test_per_token_loss_layouts_match_single_process(layout, world):
+    _parity(layout, world)
