@@ -74,6 +74,12 @@ ONE_MB = ("--global-batch-size 4", "--micro-batch-size 4 --global-batch-size 4")
     ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", 4, ""),
     ("--context-parallel-size 2 --pipeline-model-parallel-size 2", 4, ""),
     ("--context-parallel-size 4 --use-distributed-optimizer", 4, ""),
+    # recompute replays the ring (full: the whole layer; selective: its modules), and the
+    # routers' cp count sums are replayed, not re-reduced
+    ("--context-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 1", 2, ""),
+    ("--context-parallel-size 2 --recompute-granularity selective "
+     "--recompute-modules core_attn moe layernorm", 2, ""),
     ("--context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce "
      f"{ONE_MB[0]}", 4, ONE_MB[1]),
 ])
