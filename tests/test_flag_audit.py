@@ -322,6 +322,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--peak-tflops": ("--peak-tflops 123", 1, 123.0),
     "--compile": ("--compile", 1, True),
     "--qk-layernorm": ("--qk-layernorm", 1, True),
+    "--qk-layernorm-scope": ("--qk-layernorm --qk-layernorm-scope projection", 1, "projection"),
     "--add-qkv-bias": ("--add-qkv-bias", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "

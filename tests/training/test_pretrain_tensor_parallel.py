@@ -55,10 +55,15 @@ def test_tensor_parallel_training_matches_single_process(world_size, etp):
         _assert_same(single, hist, keys)
 
 
-def test_qk_layernorm_under_tensor_parallelism_matches_single_process():
+@pytest.mark.parametrize("extra", [
+    "--qk-layernorm",
+    pytest.param("--qk-layernorm --qk-layernorm-scope projection", marks=pytest.mark.slow)],
+    ids=["per_head", "projection"])
+def test_qk_layernorm_under_tensor_parallelism_matches_single_process(extra):
     """--qk-layernorm under TP=2+SP: each rank normalises its own heads with the shared
-    weights, whose gradients are summed over TP (Megatron's finalize_model_grads)."""
-    extra = "--qk-layernorm"
+    weights, whose gradients are summed over TP (Megatron's finalize_model_grads); with
+    --qk-layernorm-scope projection the norm weights are sharded like the q/k rows and the
+    sum of squares is all-reduced over TP."""
     single = _history(extra, 1)
     per_rank = run_distributed(_worker, 2, 240, f"{extra} --tensor-model-parallel-size 2 "
                                                 "--sequence-parallel")
