@@ -64,8 +64,8 @@ class HFFamily:
              f"hidden_act {cfg.get('hidden_act')!r} (megamoe has silu)"),
             (cfg.get("sliding_window") not in (None, 0) or cfg.get("use_sliding_window"),
              "sliding_window attention is not supported by megamoe"),
-            (rope.get("rope_type", "default") != "default",
-             f"rope_type {rope.get('rope_type')!r} is not supported"),
+            (rope.get("rope_type", rope.get("type", "default")) != "default",
+             f"rope_type {rope.get('rope_type', rope.get('type'))!r} is not supported"),
             (cfg.get("attention_bias", False),
              "attention_bias (q/k/v and output biases; megamoe has --add-qkv-bias only)"),
         ]
