@@ -26,7 +26,8 @@ PUBLISHED = {
 def test_all_presets_present():
     names = {os.path.basename(p) for p in PRESETS}
     assert {"mixtral-8x7b.yaml", "mixtral-8x22b.yaml", "deepseek-moe-16b.yaml", "tiny.yaml",
-            "tiny-mixtral-cpu.yaml"} <= names
+            "tiny-mixtral-cpu.yaml", "qwen3-30b-a3b.yaml", "qwen3-235b-a22b.yaml",
+            "olmoe-1b-7b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
