@@ -44,6 +44,7 @@ from torch import nn
 from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
+from megamoe.model.norms import ProjectionRMSNorm
 from megamoe.model.pipeline_stage import GPTStage, split_pipeline
 from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
 from megamoe.moe.cost_model import CollectiveCosts
@@ -173,7 +174,10 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
             m.shard(tp)
         elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention)):
             m.tp = tp
-        if isinstance(m, SelfAttention) and m.q_layernorm is not None:
+        if isinstance(m, ProjectionRMSNorm):  # whole-projection q/k norm: TP-sharded
+            m.shard(tp)
+        elif isinstance(m, SelfAttention) and m.q_layernorm is not None \
+                and not m.qk_norm_whole:
             mark_tp_partial(m.q_layernorm, tp)
             mark_tp_partial(m.k_layernorm, tp)
         if isinstance(m, SharedExpertMLP) and m.gate_weight is not None and tp.sp:

@@ -26,7 +26,8 @@ PUBLISHED = {
 def test_all_presets_present():
     names = {os.path.basename(p) for p in PRESETS}
     assert {"mixtral-8x7b.yaml", "mixtral-8x22b.yaml", "deepseek-moe-16b.yaml", "tiny.yaml",
-            "tiny-mixtral-cpu.yaml"} <= names
+            "tiny-mixtral-cpu.yaml", "qwen3-30b-a3b.yaml", "qwen3-235b-a22b.yaml",
+            "olmoe-1b-7b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
@@ -87,3 +88,79 @@ def test_tiny_preset_trains_and_flags_override():
     assert args.num_layers == 1  # the command line overrides the preset
     hist = pretrain(args, print_fn=lambda _m: None).history
     assert len(hist) == 2 and all(h["lm loss"] == h["lm loss"] for h in hist)
+
+
+# Presets of published Hugging Face models: preset -> that model's config.json (as
+# published on the Hub; tests/fixtures/hf_configs/).
+HF_PRESETS = {"qwen3-30b-a3b.yaml": "qwen3-30b-a3b.json",
+              "qwen3-235b-a22b.yaml": "qwen3-235b-a22b.json",
+              "olmoe-1b-7b.yaml": "olmoe-1b-7b.json"}
+HF_CONFIGS = os.path.join(ROOT, "tests", "fixtures", "hf_configs")
+
+
+def _hf_config(name: str) -> dict:
+    return json.load(open(os.path.join(HF_CONFIGS, HF_PRESETS[name])))
+
+
+def _model_config(argv: list[str], vocab: int):
+    from megamoe.cli.mapping import run_config_from_args
+
+    args = parse_args([*argv, "--dry-run", "--tokenizer-type", "NullTokenizer",
+                       "--vocab-size", str(vocab - 1)], world_size=1)
+    return args, run_config_from_args(args, vocab).model
+
+
+@pytest.mark.parametrize("name", sorted(HF_PRESETS))
+def test_hf_preset_has_the_published_models_parameter_count(name, capsys):
+    """total and active parameters equal those computed from the published config.json,
+    and the converter's flags for that config.json build the same network."""
+    from megamoe.config import to_dict
+    from megamoe.model import num_parameters
+    from megamoe.model.hf_counts import hf_num_parameters
+    from megamoe.model.hf_families import family_of_config
+
+    cfg = _hf_config(name)
+    args, model = _model_config(["--config", os.path.join(ROOT, "configs", name)],
+                                cfg["vocab_size"])
+    assert model.padded_vocab_size == cfg["vocab_size"]  # no padding rows to count
+    assert num_parameters(model) == hf_num_parameters(cfg)
+    _, converted = _model_config(family_of_config(cfg).flags(cfg), cfg["vocab_size"])
+    mine, theirs = to_dict(model), to_dict(converted)
+    mine["moe"].pop("z_loss_coeff"), theirs["moe"].pop("z_loss_coeff")  # a training choice
+    assert mine == theirs
+    pretrain(args, print_fn=print)  # --dry-run: the memory/size report
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["parameters"] == hf_num_parameters(cfg)[0], out
+
+
+TINY_HF = {  # small configs of each family with every option the count depends on
+    "Qwen3MoeForCausalLM": dict(head_dim=12, mlp_only_layers=[1], intermediate_size=40,
+                                moe_intermediate_size=24, num_experts=6),
+    "Qwen2MoeForCausalLM": dict(shared_expert_intermediate_size=36, decoder_sparse_step=2,
+                                intermediate_size=40, moe_intermediate_size=24,
+                                num_experts=6, tie_word_embeddings=True),
+    "OlmoeForCausalLM": dict(intermediate_size=24, num_experts=6, rms_norm_eps=1e-6),
+    "MixtralForCausalLM": dict(intermediate_size=24, num_local_experts=6),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_HF))
+def test_hf_count_equals_transformers(arch):
+    import torch
+    import transformers
+
+    from megamoe.model.hf_counts import hf_num_parameters
+
+    cfg = dict(vocab_size=98, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=3, num_experts_per_tok=2, max_position_embeddings=64,
+               **TINY_HF[arch])
+    cls = getattr(transformers, arch)
+    model = cls(cls.config_class(**cfg))
+    cfg["architectures"] = [arch]
+    assert hf_num_parameters(cfg)[0] == sum(p.numel() for p in model.parameters())
+    for name in sorted(HF_PRESETS):  # and for the published configs (built on meta)
+        published = _hf_config(name)
+        if published["architectures"] == [arch]:
+            with torch.device("meta"):
+                big = cls(cls.config_class.from_dict(published))
+            assert hf_num_parameters(published)[0] == sum(p.numel() for p in big.parameters())

@@ -323,6 +323,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--compile": ("--compile", 1, True),
     "--calculate-per-token-loss": ("--calculate-per-token-loss", 1, True),
     "--qk-layernorm": ("--qk-layernorm", 1, True),
+    "--qk-layernorm-scope": ("--qk-layernorm --qk-layernorm-scope projection", 1, "projection"),
     "--add-qkv-bias": ("--add-qkv-bias", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "

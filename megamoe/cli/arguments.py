@@ -50,6 +50,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--apply-layernorm-1p", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--qk-layernorm-scope", default="head", choices=["head", "projection"],
+                   help="megamoe extension: head (Megatron's --qk-layernorm, Qwen3) or "
+                        "projection (one norm over the whole q and k projections, OLMoE)")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias in the QKV projection only (Qwen2)")
     g.add_argument("--swiglu", action="store_true")

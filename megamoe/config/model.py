@@ -16,6 +16,7 @@ from megamoe.config.fields import (
 from megamoe.config.moe import MoEConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+QK_LAYERNORM_SCOPES = ("head", "projection")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
@@ -51,6 +52,10 @@ class ModelConfig:
     # Megatron's --qk-layernorm: one norm (--normalization) over each query and key head's
     # channels, weights shared by the heads, before RoPE (Qwen3-MoE, OLMo-2 style).
     qk_layernorm: bool = flag("--qk-layernorm", False)
+    # megamoe's extension (not a Megatron flag): "projection" normalises the whole q and k
+    # projections (Nq*D and Nkv*D channels, one weight per channel) instead of each head,
+    # as OLMoE does; under TP the statistic is summed over the ranks' heads.
+    qk_layernorm_scope: str = flag("--qk-layernorm-scope", "head")
     # Megatron's --add-qkv-bias: a bias in the QKV projection even without linear biases.
     add_qkv_bias: bool = flag("--add-qkv-bias", False)
     # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
@@ -92,6 +97,7 @@ class ModelConfig:
                 or self.seq_length <= self.max_position_embeddings,
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})")
+        self._validate_qk_layernorm()
         if self.position_embedding_type == "rope":
             dim = int(self.kv_channels * self.rotary_percent)
             require(dim > 0 and dim % 2 == 0,
@@ -101,6 +107,17 @@ class ModelConfig:
             require(len(self.moe_layer_pattern) == self.num_layers,
                     f"--moe-layer-freq pattern has {len(self.moe_layer_pattern)} entries "
                     f"but --num-layers is {self.num_layers}")
+
+    def _validate_qk_layernorm(self) -> None:
+        require(self.qk_layernorm_scope in QK_LAYERNORM_SCOPES,
+                f"--qk-layernorm-scope must be one of {', '.join(QK_LAYERNORM_SCOPES)}, "
+                f"got {self.qk_layernorm_scope!r}")
+        if self.qk_layernorm_scope == "projection":
+            require(self.qk_layernorm,
+                    "--qk-layernorm-scope projection needs --qk-layernorm")
+            require(self.normalization == "RMSNorm",
+                    "not supported yet: --qk-layernorm-scope projection with "
+                    "--normalization LayerNorm (OLMoE's whole-projection norm is an RMSNorm)")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamoe.config import ModelConfig
-from megamoe.model.norms import build_norm
+from megamoe.model.norms import ProjectionRMSNorm, build_norm
 from megamoe.model.rope import apply_rotary
 from megamoe.parallel.checkpointing import maybe_checkpoint
 from megamoe.parallel.context_parallel import cp_attention
@@ -97,9 +97,16 @@ class SelfAttention(nn.Module):
             q_size, config.hidden_size, bias=config.add_bias_linear,
             init_std=std / math.sqrt(2.0 * config.num_layers))
         # --qk-layernorm: per head, weights shared by the heads (and by the TP ranks, whose
-        # gradients each see their own heads: the parallelize step marks them for a sum).
-        self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
-        self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        # gradients each see their own heads: the parallelize step marks them for a sum);
+        # with --qk-layernorm-scope projection one norm over all of q (k), sharded over TP.
+        self.q_layernorm = self.k_layernorm = None
+        self.qk_norm_whole = config.qk_layernorm_scope == "projection"
+        if config.qk_layernorm and self.qk_norm_whole:
+            self.q_layernorm = ProjectionRMSNorm(q_size, eps=config.norm_epsilon)
+            self.k_layernorm = ProjectionRMSNorm(kv_size, eps=config.norm_epsilon)
+        elif config.qk_layernorm:
+            self.q_layernorm = build_norm(config, self.head_dim)
+            self.k_layernorm = build_norm(config, self.head_dim)
 
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -110,11 +117,13 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x_SBH)  # [S, B, local q + 2 kv]: the full sequence
         s, b, _ = qkv.shape
         q, k, v = qkv.split(self.linear_qkv.local_blocks, dim=-1)
+        if self.q_layernorm is not None and self.qk_norm_whole:  # before the head split
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q_SBND = q.view(s, b, -1, self.head_dim)
         k_SBGD = k.view(s, b, -1, self.head_dim)
         v_SBGD = v.view(s, b, -1, self.head_dim)
         num_heads = q_SBND.shape[2]
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and not self.qk_norm_whole:
             q_SBND, k_SBGD = self.q_layernorm(q_SBND), self.k_layernorm(k_SBGD)
         if rotary is not None:
             q_SBND = apply_rotary(q_SBND, *rotary)

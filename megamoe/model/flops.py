@@ -36,6 +36,8 @@ def _attention_params(config: ModelConfig) -> tuple[int, int]:
     weights = h * qkv_out + q_size * h
     bias = (qkv_out + h) if config.add_bias_linear else (qkv_out if config.add_qkv_bias else 0)
     qk_norms = 2 * _norm_params(config) // h * d if config.qk_layernorm else 0
+    if config.qk_layernorm and config.qk_layernorm_scope == "projection":
+        qk_norms = (config.num_attention_heads + config.num_query_groups) * d  # RMSNorm
     return weights + bias + qk_norms, weights
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
+from megamoe.parallel.comm import all_reduce_sum
 
 try:  # NVIDIA apex (built from NVIDIA's repository; PyPI's "apex" is another package)
     from apex.normalization.fused_layer_norm import (
@@ -42,6 +43,46 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over a whole q or k projection (all heads' channels, one weight per
+    channel): OLMoE's q/k norm, `--qk-layernorm-scope projection`.
+
+    Under tensor parallelism a rank holds a contiguous slice of the heads (the q or k block
+    of linear_qkv split over TP), so `shard(tp)` keeps the same slice of the weight and the
+    forward sums the squares over the TP group (differentiably: `all_reduce_sum`) before
+    dividing by the full width: the statistic of the single-process norm. Statistics in
+    fp32; the normalised input is rounded to its dtype before the weight, as OLMoE's norm.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__(size, eps)
+        self.full_size = size
+        self.group = None  # TP group (parallelize's shard sets it)
+
+    @torch.no_grad()
+    def shard(self, tp) -> None:
+        """Keep TP rank `tp.rank`'s chunk of the channels (its heads'); `tp`: a
+        parallel.tensor_parallel.TensorParallel."""
+        if self.weight.shape[0] != self.full_size:
+            raise ValueError("ProjectionRMSNorm is already sharded")
+        if tp.size > 1:
+            if self.full_size % tp.size:
+                raise ValueError(f"q/k norm width {self.full_size} is not divisible by the "
+                                 f"tensor-parallel size {tp.size}")
+            self.weight = nn.Parameter(self.weight.chunk(tp.size)[tp.rank].clone())
+            self.group = tp.group
+        self.weight.tensor_model_parallel = tp.size > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 or wider
+        sumsq = all_reduce_sum(x32.pow(2).sum(-1, keepdim=True), self.group)
+        normed = x32 * torch.rsqrt(sumsq / self.full_size + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]} of {self.full_size}, eps={self.eps}"
 
 
 class LayerNorm(nn.LayerNorm):

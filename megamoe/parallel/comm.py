@@ -8,6 +8,7 @@ tensor-parallel region are exact:
     scatter_to_sequence      split dim 0   / all-gather dim 0
     gather_from_sequence     all-gather 0  / reduce-scatter 0 (or split, see below)
     reduce_scatter_to_sequence  reduce-scatter 0 / all-gather 0
+    all_reduce_sum           all-reduce    / all-reduce (a statistic every rank uses)
     all_to_all_uneven        all-to-all    / all-to-all with the splits swapped
     all_to_all_start/_wait   the same, asynchronous in both directions (overlap)
 
@@ -150,6 +151,25 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _all_gather(g, ctx.group), None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce_copy(g, ctx.group), None
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Differentiable sum over `group` of per-rank partial statistics that every rank then
+    uses on its own shard (the whole-projection q/k norm's sum of squares over heads split
+    by TP): each rank's partial feeds every rank's consumer, so its gradient is the sum of
+    all the consumers' gradients, an all-reduce in backward too."""
+    return x if group is None else _AllReduceSum.apply(x, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:

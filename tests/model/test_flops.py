@@ -16,6 +16,8 @@ DENSE = [
     dict(position_embedding_type="none", vocab_size=1000, make_vocab_size_divisible_by=64),
     dict(qk_layernorm=True, kv_channels=20),  # LayerNorm: weight and bias per head dim
     dict(qk_layernorm=True, normalization="RMSNorm", num_query_groups=2),
+    dict(qk_layernorm=True, qk_layernorm_scope="projection", normalization="RMSNorm",
+         num_query_groups=2, kv_channels=20),  # whole q and k projections
     dict(add_qkv_bias=True, add_bias_linear=False, num_query_groups=2),
 ]
 MOE = [

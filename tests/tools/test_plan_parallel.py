@@ -219,7 +219,10 @@ def _rules_accept(model_flags: str, model, lay: pl.Layout, gpus: int, gbs: int) 
         raise AssertionError(f"{lay}: {e}") from None
 
 
-@pytest.mark.parametrize("preset,gpus", [("mixtral-8x7b.yaml", 64), ("tiny.yaml", 8)])
+@pytest.mark.parametrize("preset,gpus", [
+    ("mixtral-8x7b.yaml", 64), ("tiny.yaml", 8), ("olmoe-1b-7b.yaml", 16),
+    pytest.param("qwen3-30b-a3b.yaml", 32, marks=pytest.mark.slow),
+    pytest.param("qwen3-235b-a22b.yaml", 256, marks=pytest.mark.slow)])
 def test_never_proposes_illegal_layouts(preset, gpus):
     path = os.path.join(ROOT, "configs", preset)
     model = pl.load_model(path, 32000, None)

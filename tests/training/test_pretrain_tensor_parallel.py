@@ -55,15 +55,27 @@ def test_tensor_parallel_training_matches_single_process(world_size, etp):
         _assert_same(single, hist, keys)
 
 
-def test_qk_layernorm_under_tensor_parallelism_matches_single_process():
+@pytest.mark.parametrize("extra", [
+    "--qk-layernorm",
+    pytest.param("--qk-layernorm --qk-layernorm-scope projection", marks=pytest.mark.slow)],
+    ids=["per_head", "projection"])
+def test_qk_layernorm_under_tensor_parallelism_matches_single_process(tmp_path, extra):
     """--qk-layernorm under TP=2+SP: each rank normalises its own heads with the shared
-    weights, whose gradients are summed over TP (Megatron's finalize_model_grads)."""
-    extra = "--qk-layernorm"
-    single = _history(extra, 1)
+    weights, whose gradients are summed over TP (Megatron's finalize_model_grads); with
+    --qk-layernorm-scope projection the norm weights are sharded like the q/k rows and the
+    sum of squares is all-reduced over TP. The torch_dist checkpoints of both layouts hold
+    the same (whole, single-process-named) weights."""
+    save = "--save-interval 5 --ckpt-format torch_dist --save"
+    single = _history(f"{extra} {save} {tmp_path / 'single'}", 1)
     per_rank = run_distributed(_worker, 2, 240, f"{extra} --tensor-model-parallel-size 2 "
-                                                "--sequence-parallel")
+                                                f"--sequence-parallel {save} {tmp_path / 'tp'}")
     for hist in per_rank:
         _assert_same(single, hist, ("lm loss", "load_balancing_loss", "z_loss", "grad norm"))
+    want, got = (read_dist_tensors(checkpoint_file(str(tmp_path / d)), "model.")
+                 for d in ("single", "tp"))
+    assert want.keys() == got.keys() and any("q_layernorm" in k for k in want)
+    for key, t in want.items():
+        torch.testing.assert_close(got[key], t, rtol=1e-5, atol=1e-6, msg=key)
 
 
 SHARED = "--moe-shared-expert-intermediate-size 32"

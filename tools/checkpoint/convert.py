@@ -1,16 +1,21 @@
-"""Convert between Hugging Face Mixtral and megamoe checkpoints.
+"""Convert between Hugging Face MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and
+megamoe checkpoints.
 
     python tools/checkpoint/convert.py hf-to-megamoe --input HF_DIR --output CKPT_DIR
     python tools/checkpoint/convert.py megamoe-to-hf --input CKPT_DIR --output HF_DIR
 
-HF side: MixtralForCausalLM, config.json + safetensors (one file or sharded with
-model.safetensors.index.json), experts per expert as transformers writes them to disk
-(`block_sparse_moe.experts.{e}.w1/w2/w3`); the fused `mlp.experts.gate_up_proj/down_proj`
-layout is read too. megamoe side: a --save style directory (`iter_0000000/`, pointer file)
-whose arguments and model config rebuild the model, so it feeds `pretrain_gpt.py --load`
-(training resumes from iteration 0 with fresh optimizer state), `--finetune`, and
-`megamoe.from_checkpoint`. Bad input prints one line naming the file or flag and exits 1;
-nothing is written until every weight is read, mapped and shape-checked.
+HF side: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM
+(the family is read from config.json's `architectures`, else `model_type`; exporting
+picks the one family the megamoe model fits: megamoe/model/hf_families.py), config.json +
+safetensors (one file or sharded with model.safetensors.index.json), experts per expert
+as transformers writes them to disk (Mixtral: `block_sparse_moe.experts.{e}.w1/w2/w3`, the
+others: `mlp.experts.{e}.gate_proj/up_proj/down_proj`); the fused
+`mlp.experts.gate_up_proj/down_proj` layout is read too. megamoe side: a --save style
+directory (`iter_0000000/`, pointer file) whose arguments and model config rebuild the
+model, so it feeds `pretrain_gpt.py --load` (training resumes from iteration 0 with fresh
+optimizer state), `--finetune`, and `megamoe.from_checkpoint`. Bad input prints one line
+naming the file or flag and exits 1; nothing is written until every weight is read,
+mapped and shape-checked.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ from megamoe.cli.mapping import run_config_from_args  # noqa: E402
 from megamoe.cli.rules import ArgumentError, finalize_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
-from megamoe.model.hf_mapping import hf_to_megamoe, megamoe_to_hf  # noqa: E402
+from megamoe.model.hf_families import (  # noqa: E402
+    HFFamily,
+    family_of_config,
+    family_of_model,
+)
 from megamoe.training.checkpoint import (  # noqa: E402
     TRACKER,
     CheckpointError,
@@ -51,7 +60,8 @@ class ConvertError(Exception):
 
 # ---------------------------------------------------------------- Hugging Face -> megamoe
 
-def _read_hf_config(hf_dir: str) -> dict:
+def _read_hf_config(hf_dir: str) -> tuple[dict, HFFamily]:
+    """config.json and its family (from `architectures`, else `model_type`)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise ConvertError(f"{path}: not found (--input must be a Hugging Face model folder)")
@@ -59,43 +69,19 @@ def _read_hf_config(hf_dir: str) -> dict:
         cfg = json.load(open(path, encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: not valid JSON ({e.__class__.__name__})") from None
-    if cfg.get("model_type") != "mixtral":
-        raise ConvertError(f"{path}: model_type {cfg.get('model_type')!r} is not 'mixtral'")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConvertError(f"{path}: hidden_act {cfg['hidden_act']!r} (megamoe has silu)")
-    if cfg.get("sliding_window") is not None:
-        raise ConvertError(f"{path}: sliding_window attention is not supported by megamoe")
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConvertError(f"{path}: rope_type {rope['rope_type']!r} is not supported")
-    return cfg
+    try:
+        family = family_of_config(cfg)
+        why = family.config_error(cfg)
+    except KeyError as e:
+        raise ConvertError(f"{path}: {e.args[0]}") from None
+    if why is not None:
+        raise ConvertError(f"{path}: {why}")
+    return cfg, family
 
 
 def hf_model_flags(cfg: dict) -> list[str]:
-    """pretrain_gpt.py model flags that build the same network as a Mixtral config.json."""
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    rope = cfg.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 1e6))
-    ffn = cfg["intermediate_size"]
-    seq = min(cfg.get("max_position_embeddings", 4096), 4096)
-    flags = [
-        "--num-layers", cfg["num_hidden_layers"], "--hidden-size", hidden,
-        "--ffn-hidden-size", ffn, "--num-attention-heads", heads,
-        "--group-query-attention", "--num-query-groups", cfg.get("num_key_value_heads", heads),
-        "--kv-channels", cfg.get("head_dim") or hidden // heads,
-        "--seq-length", seq, "--max-position-embeddings", cfg.get("max_position_embeddings", seq),
-        "--position-embedding-type", "rope", "--rotary-base", theta,
-        "--normalization", "RMSNorm", "--norm-epsilon", cfg.get("rms_norm_eps", 1e-5),
-        "--swiglu", "--disable-bias-linear", "--hidden-dropout", 0.0,
-        "--attention-dropout", cfg.get("attention_dropout", 0.0),
-        "--init-method-std", cfg.get("initializer_range", 0.02),
-        "--num-experts", cfg["num_local_experts"], "--moe-router-topk",
-        cfg["num_experts_per_tok"], "--moe-ffn-hidden-size", ffn, "--moe-grouped-gemm",
-        "--moe-aux-loss-coeff", cfg.get("router_aux_loss_coef", 0.0),
-    ]
-    if not cfg.get("tie_word_embeddings", False):
-        flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags]
+    """pretrain_gpt.py model flags that build the same network as a config.json."""
+    return family_of_config(cfg).flags(cfg)
 
 
 def _build_args(flags: list[str], where: str) -> argparse.Namespace:
@@ -160,16 +146,16 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
     """Convert; returns the published iteration directory. `target` ({"tensor": N, ...}):
     the layout the user means to train with, recorded in the saved arguments (a torch_dist
     checkpoint loads under any layout)."""
-    cfg = _read_hf_config(hf_dir)
+    cfg, family = _read_hf_config(hf_dir)
     config_path = os.path.join(hf_dir, "config.json")
     try:
-        args = _build_args(hf_model_flags(cfg), config_path)
+        args = _build_args(family.flags(cfg), config_path)
     except KeyError as e:
         raise ConvertError(f"{config_path}: missing field {e}") from None
     config = run_config_from_args(args, cfg["vocab_size"]).model
     hf_sd = read_safetensors(hf_dir)
     try:
-        sd = hf_to_megamoe(hf_sd, config)
+        sd = family.weights.to_megamoe(hf_sd, config)
     except (KeyError, ValueError, RuntimeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ConvertError(f"{hf_dir}: weights do not fit config.json ({msg})") from None
@@ -199,52 +185,13 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
 
 # ---------------------------------------------------------------- megamoe -> Hugging Face
 
-def _exportable(config: ModelConfig) -> Optional[str]:
-    """Why this model cannot be a MixtralForCausalLM (None when it can)."""
-    moe = config.moe
-    checks = [
-        (moe is None, "a dense model (no --num-experts)"),
-        (moe is not None and not all(config.moe_layer_pattern),
-         "dense layers between MoE layers (--moe-layer-freq)"),
-        (config.normalization != "RMSNorm", "--normalization LayerNorm"),
-        (config.position_embedding_type != "rope", "no rotary embedding "
-         "(--position-embedding-type)"),
-        (config.rotary_percent != 1.0, "--rotary-percent < 1"),
-        (not config.swiglu, "no --swiglu"),
-        (config.add_bias_linear, "linear biases (no --disable-bias-linear)"),
-        (config.qk_layernorm, "--qk-layernorm (Mixtral has no q/k norms)"),
-        (config.add_qkv_bias, "--add-qkv-bias (Mixtral has no QKV bias)"),
-    ]
-    if moe is not None:
-        checks += [
-            (moe.score_function != "softmax", "--moe-router-score-function sigmoid"),
-            (moe.pre_softmax, "--moe-router-pre-softmax"),
-            (moe.topk_scaling_factor not in (None, 1.0), "--moe-router-topk-scaling-factor"),
-            (moe.num_groups is not None, "--moe-router-num-groups"),
-            (moe.enable_expert_bias, "--moe-router-enable-expert-bias"),
-            (moe.shared_expert_intermediate_size is not None,
-             "--moe-shared-expert-intermediate-size"),
-        ]
-    return next((why for bad, why in checks if bad), None)
-
-
-def hf_config(config: ModelConfig, dtype: torch.dtype):
+def hf_config(config: ModelConfig, dtype: torch.dtype, family: HFFamily):
+    """The transformers config object of `family`'s model of `config`."""
     import transformers
 
-    moe = config.moe
-    return transformers.MixtralConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=moe.ffn_hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rotary_base},
-        num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
-        router_aux_loss_coef=moe.aux_loss_coeff("aux_loss"),
-        attention_dropout=config.attention_dropout, sliding_window=None,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        initializer_range=config.init_method_std, architectures=["MixtralForCausalLM"],
+    fields = family.config_fields(config)
+    return transformers.AutoConfig.for_model(
+        family.model_type, **fields, architectures=[family.architecture],
         dtype=str(dtype).replace("torch.", ""))
 
 
@@ -288,11 +235,12 @@ def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_B
         raise ConvertError(f"{file}: holds no model config (saved by an older megamoe); "
                            f"load it with pretrain_gpt.py and save it again")
     config = ModelConfig.from_dict(state["model_config"])
-    why = _exportable(config)
-    if why is not None:
-        raise ConvertError(f"{file}: cannot export to MixtralForCausalLM: {why}")
     try:
-        hf_sd = megamoe_to_hf(state["model"], config)
+        family = family_of_model(config)
+    except ValueError as e:
+        raise ConvertError(f"{file}: fits no Hugging Face family ({e})") from None
+    try:
+        hf_sd = family.weights.to_hf(state["model"], config)
     except (KeyError, RuntimeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ConvertError(f"{file}: weights do not fit the saved model config ({msg})") from None
@@ -301,7 +249,7 @@ def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_B
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        hf_config(config, dtype).save_pretrained(tmp)
+        hf_config(config, dtype, family).save_pretrained(tmp)
         write_safetensors(hf_sd, tmp, shard_bytes)
         os.makedirs(out_dir, exist_ok=True)
         for name in os.listdir(tmp):  # publish file by file; config.json last
@@ -317,8 +265,8 @@ def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_B
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True)
-    to_mm = sub.add_parser("hf-to-megamoe", help="Hugging Face Mixtral -> megamoe checkpoint")
-    to_hf = sub.add_parser("megamoe-to-hf", help="megamoe checkpoint -> Hugging Face Mixtral")
+    to_mm = sub.add_parser("hf-to-megamoe", help="Hugging Face MoE model -> megamoe checkpoint")
+    to_hf = sub.add_parser("megamoe-to-hf", help="megamoe checkpoint -> Hugging Face MoE model")
     for s in (to_mm, to_hf):
         s.add_argument("--input", required=True)
         s.add_argument("--output", required=True)

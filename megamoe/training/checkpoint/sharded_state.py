@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from megamoe.model.norms import ProjectionRMSNorm
 from megamoe.model.pipeline_stage import GPTStage, PipelineModel
 from megamoe.moe.experts import GroupedExperts, SequentialExperts
 from megamoe.parallel.tensor_parallel import (
@@ -183,7 +184,7 @@ def _layout_parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
         return parts
     if isinstance(module, RowParallelLinear) and pname == "weight":
         return _split(key, shape, 1, [None], [("tp", 1)], meshes)
-    if isinstance(module, VocabParallelEmbedding):
+    if isinstance(module, (VocabParallelEmbedding, ProjectionRMSNorm)):
         return _split(key, shape, 0, [None], [("tp", 0)], meshes)
     if isinstance(module, GroupedExperts):
         def over(dim: int) -> list[tuple[str, int]]:  # etp counts only when it is > 1
