@@ -154,3 +154,26 @@ def _mla_up_proj_weights(config: ModelConfig) -> int:
     q_in = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
     return (q_in * n * (config.qk_head_dim + config.qk_pos_emb_head_dim)
             + config.kv_lora_rank * n * (config.qk_head_dim + config.v_head_dim))
+
+
+def attention_tp_replicated(config: ModelConfig) -> int:
+    """Attention parameters every TP rank holds whole besides linear_proj's bias: MLA's
+    down projections and latent norms (model/mla.py); none for SelfAttention."""
+    if not config.multi_latent_attention:
+        return 0
+    h, r, kv_r = config.hidden_size, config.q_lora_rank, config.kv_lora_rank
+    n = h * (r or 0) + h * (kv_r + config.qk_pos_emb_head_dim)
+    per_channel = 2 if config.normalization == "LayerNorm" else 1
+    return n + (per_channel * (kv_r + (r or 0)) if config.qk_layernorm else 0)
+
+
+def largest_attention_weight(config: ModelConfig, tp: int) -> int:
+    """Elements of the largest attention weight one TP rank holds."""
+    h, n = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        return (n + 2 * config.num_query_groups) * config.kv_channels * h // tp
+    q_in = h if config.q_lora_rank is None else config.q_lora_rank
+    q_head = config.qk_head_dim + config.qk_pos_emb_head_dim
+    return max(q_in * n * q_head // tp, h * (config.kv_lora_rank + config.qk_pos_emb_head_dim),
+               config.kv_lora_rank * n * (config.qk_head_dim + config.v_head_dim) // tp,
+               n * config.v_head_dim * h // tp, h * (config.q_lora_rank or 0))

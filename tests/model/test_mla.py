@@ -195,3 +195,30 @@ def test_mla_gpt_tp2_with_and_without_sequence_parallel():
     no_q = dict(MLA_TINY, q_lora_rank=None, add_bias_linear=True, swiglu=False, moe=None,
                 moe_layer_pattern=None)
     run_distributed(_cases_worker, 2, 180, [(MLA_TINY, True), (no_q, False)])
+
+
+def test_planner_counts_mla_parameters_per_tp_rank():
+    """The memory model's per-rank parameters under TP=2: MLA's up projections and
+    linear_proj split, its down projections and latent norms whole (as parallelize does)."""
+    from megamoe.parallel.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from megamoe.planning.memory import Layout, stage_parameters
+
+    for kw in (dict(), dict(q_lora_rank=None, add_bias_linear=True)):
+        config = ModelConfig(**dict(MLA_TINY, **kw))
+        model = GPTModel(config)
+        split = whole = 0
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                continue
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            sharded = isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
+                isinstance(module, RowParallelLinear) and name.endswith("weight"))
+            split, whole = split + sharded * p.numel(), whole + (not sharded) * p.numel()
+        lay = Layout(tp=2, pp=1, vpp=1, ep=1, etp=1, dp=1, cp=1, distributed_optimizer=False,
+                     recompute="none", micro_batch_size=1)
+        dense, _ = stage_parameters(config, lay, 0)
+        assert dense == split / 2 + whole
