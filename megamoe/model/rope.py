@@ -3,6 +3,9 @@
 The first `rot_dim = kv_channels * rotary_percent` channels of every head are rotated in two
 halves [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest pass through unchanged.
 Frequencies are computed in fp32 on the fly (cheap, and never cast to bf16 with the model).
+
+Multi-latent attention (model/mla.py) uses YaRN frequencies and its concentration factor
+(`yarn_cos_sin`) and DeepSeek's interleaved pair order (`apply_rotary_interleaved`).
 """
 
 from __future__ import annotations

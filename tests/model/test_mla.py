@@ -222,3 +222,15 @@ def test_planner_counts_mla_parameters_per_tp_rank():
                      recompute="none", micro_batch_size=1)
         dense, _ = stage_parameters(config, lay, 0)
         assert dense == split / 2 + whole
+
+
+def test_mla_with_flash_attention_pads_v_and_equals_the_default_kernel():
+    """--use-flash-attn: SDPA's flash kernel needs v as wide as q and k; MLA pads v with
+    zeros and trims the output, so the result equals the default kernel's."""
+    config = _config(20)
+    torch.manual_seed(0)
+    plain = MLASelfAttention(config)
+    flash = MLASelfAttention(_config(20, use_flash_attn=True))
+    flash.load_state_dict(plain.state_dict())
+    x = torch.randn(S, B, H)
+    torch.testing.assert_close(flash(x), plain(x), rtol=1e-5, atol=1e-6)
