@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import megamoe.model.gpt_model as gpt_model  # noqa: E402
 import megamoe.training.loop as loop  # noqa: E402
 from megamoe.model.attention import SelfAttention  # noqa: E402
-from megamoe.model.mla import MLASelfAttention  # noqa: E402
 from megamoe.model.gpt_model import GPTEmbedding  # noqa: E402
+from megamoe.model.mla import MLASelfAttention  # noqa: E402
 from megamoe.model.mlp import MLP  # noqa: E402
 from megamoe.model.norms import LayerNorm, RMSNorm  # noqa: E402
 from megamoe.model.transformer_block import TransformerLayer  # noqa: E402
