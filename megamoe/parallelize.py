@@ -44,6 +44,7 @@ from torch import nn
 from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
+from megamoe.model.mla import MLASelfAttention
 from megamoe.model.norms import ProjectionRMSNorm
 from megamoe.model.pipeline_stage import GPTStage, split_pipeline
 from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
@@ -157,6 +158,9 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
             m.recompute_mlp = ("moe" if m.is_moe else "mlp") in selected
         elif isinstance(m, SelfAttention):
             m.recompute_core_attn = "core_attn" in selected
+        elif isinstance(m, MLASelfAttention):
+            m.recompute_core_attn = "core_attn" in selected
+            m.recompute_up_proj = "mla_up_proj" in selected
         elif isinstance(m, MoELayer):
             m.recompute_shared = "shared_experts" in selected
         elif isinstance(m, GroupedExperts):
@@ -172,10 +176,14 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
     for m in list(model.modules()):
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             m.shard(tp)
-        elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention)):
+        elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention,
+                            MLASelfAttention)):
             m.tp = tp
         if isinstance(m, ProjectionRMSNorm):  # whole-projection q/k norm: TP-sharded
             m.shard(tp)
+        elif isinstance(m, MLASelfAttention):  # replicated, run on sequence shards under SP
+            for replicated in m.replicated_modules():
+                mark_sequence_parallel(replicated, tp)
         elif isinstance(m, SelfAttention) and m.q_layernorm is not None \
                 and not m.qk_norm_whole:
             mark_tp_partial(m.q_layernorm, tp)

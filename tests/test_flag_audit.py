@@ -38,6 +38,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
            C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training",
            C.RecomputeConfig: "recompute"}
 
+MLA = "--multi-latent-attention"  # (TINY_MOE's --group-query-attention is dropped with it)
 CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
@@ -325,6 +326,16 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--qk-layernorm": ("--qk-layernorm", 1, True),
     "--qk-layernorm-scope": ("--qk-layernorm --qk-layernorm-scope projection", 1, "projection"),
     "--add-qkv-bias": ("--add-qkv-bias", 1, True),
+    "--multi-latent-attention": (MLA, 1, True),
+    "--q-lora-rank": (f"{MLA} --q-lora-rank 16", 1, 16),
+    "--kv-lora-rank": (f"{MLA} --kv-lora-rank 12", 1, 12),
+    "--qk-head-dim": (f"{MLA} --qk-head-dim 10", 1, 10),
+    "--qk-pos-emb-head-dim": (f"{MLA} --qk-pos-emb-head-dim 6", 1, 6),
+    "--v-head-dim": (f"{MLA} --v-head-dim 7", 1, 7),
+    "--rope-type": (f"{MLA} --rope-type rope", 1, "rope"),
+    "--rotary-scaling-factor": (f"{MLA} --rotary-scaling-factor 40", 1, 40.0),
+    "--mscale": (f"{MLA} --mscale 0.5", 1, 0.5),
+    "--mscale-all-dim": (f"{MLA} --mscale-all-dim 1", 1, 1.0),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "
                            "--recompute-num-layers 1", 1, "block"),
@@ -372,6 +383,8 @@ def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
         base = base.replace("--mock-data ", "").replace("--tokenizer-type NullTokenizer ", "")
         base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
         base += "" if "data-path" in extra else " --mock-data"
+    if MLA in extra:  # MLA has no query groups (as Megatron)
+        base = base.replace("--group-query-attention ", "")
     monkeypatch.setenv("WORLD_SIZE", str(world))
     length = "--train-iters 10"
     if "--train-samples" in extra:  # training by samples: no iteration-based lengths

@@ -48,6 +48,7 @@ import megamoe.model.gpt_model as gpt_model  # noqa: E402
 import megamoe.training.loop as loop  # noqa: E402
 from megamoe.model.attention import SelfAttention  # noqa: E402
 from megamoe.model.gpt_model import GPTEmbedding  # noqa: E402
+from megamoe.model.mla import MLASelfAttention  # noqa: E402
 from megamoe.model.mlp import MLP  # noqa: E402
 from megamoe.model.norms import LayerNorm, RMSNorm  # noqa: E402
 from megamoe.model.transformer_block import TransformerLayer  # noqa: E402
@@ -76,7 +77,7 @@ MODULE_LABELS = (  # innermost wins; order only matters for subclasses
     ((GroupedExperts, SequentialExperts), "expert_gemm"),
     ((SharedExpertMLP, MLP, TransformerLayer), "elementwise"),
     ((MoELayer,), "permute"),
-    ((SelfAttention,), "elementwise"),
+    ((SelfAttention, MLASelfAttention), "elementwise"),
     ((GPTEmbedding,), "embedding"),
 )
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm",

@@ -56,6 +56,19 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias in the QKV projection only (Qwen2)")
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek-V2/V3 multi-latent attention")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA query latent rank (default: no query compression)")
+    g.add_argument("--kv-lora-rank", type=int, default=32)
+    g.add_argument("--qk-head-dim", type=int, default=128)
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    g.add_argument("--v-head-dim", type=int, default=128)
+    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
+                   help="MLA's rotary embedding (default yarn)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN factor")
+    g.add_argument("--mscale", type=float, default=1.0)
+    g.add_argument("--mscale-all-dim", type=float, default=0.0)
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)

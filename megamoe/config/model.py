@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +18,11 @@ from megamoe.config.moe import MoEConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 QK_LAYERNORM_SCOPES = ("head", "projection")
+# MLA's fields and flags: given without --multi-latent-attention, they are an error.
+MLA_FLAGS = (("q_lora_rank", "--q-lora-rank"), ("kv_lora_rank", "--kv-lora-rank"),
+             ("qk_head_dim", "--qk-head-dim"), ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"),
+             ("v_head_dim", "--v-head-dim"), ("rotary_scaling_factor", "--rotary-scaling-factor"),
+             ("mscale", "--mscale"), ("mscale_all_dim", "--mscale-all-dim"))
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
@@ -58,6 +64,27 @@ class ModelConfig:
     qk_layernorm_scope: str = flag("--qk-layernorm-scope", "head")
     # Megatron's --add-qkv-bias: a bias in the QKV projection even without linear biases.
     add_qkv_bias: bool = flag("--add-qkv-bias", False)
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron's MLATransformerConfig, model/mla.py):
+    # q (optionally through a --q-lora-rank latent) and k/v through a --kv-lora-rank latent;
+    # heads have --qk-head-dim channels without position plus --qk-pos-emb-head-dim rotary
+    # ones (a key part shared by the heads), values --v-head-dim. --qk-layernorm adds the
+    # latent norms (Megatron's q_layernorm / kv_layernorm).
+    multi_latent_attention: bool = flag("--multi-latent-attention", False)
+    q_lora_rank: Optional[int] = flag("--q-lora-rank", None)  # None: no query compression
+    kv_lora_rank: int = flag("--kv-lora-rank", 32)
+    qk_head_dim: int = flag("--qk-head-dim", 128)
+    qk_pos_emb_head_dim: int = flag("--qk-pos-emb-head-dim", 64)
+    v_head_dim: int = flag("--v-head-dim", 128)
+    # MLA's rotary embedding: None = "yarn" (Megatron's MLA default); "rope" = plain RoPE.
+    rope_type: Optional[str] = flag("--rope-type", None)
+    rotary_scaling_factor: float = flag("--rotary-scaling-factor", 1.0)  # YaRN factor
+    mscale: float = flag("--mscale", 1.0)
+    mscale_all_dim: float = flag("--mscale-all-dim", 0.0)
+    # YaRN's other constants: Megatron's command line does not set them for MLA either.
+    original_max_position_embeddings: int = derived(
+        "Megatron's MLA default (no flag; a converted model may set it)", 4096)
+    beta_fast: float = derived("Megatron's MLA default (no flag)", 32.0)
+    beta_slow: float = derived("Megatron's MLA default (no flag)", 1.0)
     # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
     moe: Optional[MoEConfig] = derived("--num-experts and the other --moe-* flags", None)
     moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)
@@ -103,6 +130,7 @@ class ModelConfig:
             require(dim > 0 and dim % 2 == 0,
                     f"rotary dim {dim} (--kv-channels {self.kv_channels} x --rotary-percent "
                     f"{self.rotary_percent}) must be positive and even")
+        self._validate_mla()
         if self.moe_layer_pattern is not None:
             require(len(self.moe_layer_pattern) == self.num_layers,
                     f"--moe-layer-freq pattern has {len(self.moe_layer_pattern)} entries "
@@ -118,6 +146,46 @@ class ModelConfig:
             require(self.normalization == "RMSNorm",
                     "not supported yet: --qk-layernorm-scope projection with "
                     "--normalization LayerNorm (OLMoE's whole-projection norm is an RMSNorm)")
+            require(not self.multi_latent_attention,
+                    "--qk-layernorm-scope projection cannot be combined with "
+                    "--multi-latent-attention (its --qk-layernorm norms the latents)")
+
+    def _validate_mla(self) -> None:
+        """MLA's own flags need --multi-latent-attention (Megatron ignores them silently);
+        with it, its dimensions must be positive and GQA / --add-qkv-bias are refused (MLA
+        has one latent shared by all heads and no QKV bias, as Megatron)."""
+        require(self.rope_type in (None, "rope", "yarn"),
+                f"--rope-type must be rope or yarn, got {self.rope_type!r}")
+        if not self.multi_latent_attention:
+            for name, flag_name in MLA_FLAGS:
+                require(getattr(self, name) == _DEFAULTS[name],
+                        f"{flag_name} needs --multi-latent-attention")
+            require(self.rope_type != "yarn", "--rope-type yarn needs "
+                    "--multi-latent-attention (common attention takes rope only, as Megatron)")
+            return
+        check_positive(self, "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                       "qk_pos_emb_head_dim", "v_head_dim", "original_max_position_embeddings")
+        check_range(self, "rotary_scaling_factor", 0, low_open=True)
+        require(self.num_query_groups == self.num_attention_heads,
+                "--multi-latent-attention cannot be combined with --group-query-attention")
+        require(not self.add_qkv_bias,
+                "--add-qkv-bias cannot be combined with --multi-latent-attention")
+        dim = self.mla_rotary_dim
+        require(dim > 0 and dim % 2 == 0,
+                f"MLA rotary dim {dim} (--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim}) "
+                "must be positive and even")
+
+    @property
+    def mla_rope_type(self) -> str:
+        """The rotary embedding MLA applies (yarn unless --rope-type rope)."""
+        return self.rope_type or "yarn"
+
+    @property
+    def mla_rotary_dim(self) -> int:
+        """Rotated channels of MLA's position part (rope: x --rotary-percent, as Megatron)."""
+        if self.mla_rope_type == "rope":
+            return int(self.qk_pos_emb_head_dim * self.rotary_percent)
+        return self.qk_pos_emb_head_dim
 
     @property
     def padded_vocab_size(self) -> int:
@@ -139,3 +207,6 @@ class ModelConfig:
         fields = known_fields(cls, d)
         moe = fields.pop("moe", None)
         return cls(**fields, moe=MoEConfig(**known_fields(MoEConfig, moe)) if moe else None)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

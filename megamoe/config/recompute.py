@@ -13,7 +13,9 @@ What each selective module means here (megamoe/parallel/checkpointing.py does th
   moe_act (needs --moe-grouped-gemm, as Megatron), layernorm: output-discarding (the
   activation's or norm's output is not kept by its consumer and is recomputed from the
   input, which is kept anyway), so no GEMM is rerun;
-  mla_up_proj: needs multi-latent attention, which is not built yet.
+  mla_up_proj (multi-latent attention only): output-discarding over MLA's up projections
+  and RoPE: q, k, v are not kept for core attention and are recomputed in backward (the
+  up-projection GEMMs run twice, as Megatron).
 """
 
 from __future__ import annotations
@@ -65,8 +67,6 @@ class RecomputeConfig:
             unknown = sorted(set(self.selected) - set(SELECTIVE_MODULES))
             require(not unknown, f"--recompute-modules: unknown {', '.join(unknown)} (choose "
                     f"from {', '.join(SELECTIVE_MODULES)})")
-            require("mla_up_proj" not in self.selected, "not supported yet: "
-                    "--recompute-modules mla_up_proj (multi-latent attention is not built)")
             return
         for name, value in (("--recompute-method", self.method),
                             ("--recompute-num-layers", self.num_layers),

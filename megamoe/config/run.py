@@ -63,6 +63,8 @@ class RunConfig:
         require(m.seq_length % split == 0,
                 f"--seq-length {m.seq_length} must be divisible by 2 x "
                 f"--context-parallel-size{what} ({split})")
+        require(not m.multi_latent_attention, "not supported yet: --multi-latent-attention "
+                                              "with --context-parallel-size > 1")
         require(m.attention_dropout == 0, "not supported yet: --attention-dropout > 0 with "
                                           "--context-parallel-size > 1")
 
@@ -174,7 +176,9 @@ class RunConfig:
                 ("shared_experts", m.moe is not None
                  and m.moe.shared_expert_intermediate_size is not None,
                  "shared experts (--moe-shared-expert-intermediate-size)"),
-                ("mlp", not all(moe_layers), "dense MLP layers")):
+                ("mlp", not all(moe_layers), "dense MLP layers"),
+                ("mla_up_proj", m.multi_latent_attention,
+                 "multi-latent attention (--multi-latent-attention)")):
             require(name not in selected or present,
                     f"--recompute-modules {name} needs {what}; this model has none")
         require("moe_act" not in selected or self.moe_execution.grouped_gemm,

@@ -14,9 +14,11 @@ FLOPs per token (forward + backward), as in Megatron / PaLM MFU accounting:
   activations and RoPE are not matmuls and are left out. 6 = 2 (multiply-add) x 3 (forward,
   grad wrt input, grad wrt weight).
 - Attention core: QK^T and AV are each 2 * S * Nq * D FLOPs per token forward, x3 for
-  forward + backward = 12 * S * Nq * D per layer. This counts the full S x S score matrix
-  (no causal halving), the convention of Megatron's classic MFU formula and PaLM, so MFU
-  numbers are comparable with theirs. GQA does not reduce it (every query head attends).
+  forward + backward = 12 * S * Nq * D per layer (multi-latent attention: 6 * S * Nq *
+  (qk + pos + v head dims); its matmul weights are the down / up / output projections).
+  This counts the full S x S score matrix (no causal halving), the convention of
+  Megatron's classic MFU formula and PaLM, so MFU numbers are comparable with theirs.
+  GQA does not reduce it (every query head attends).
 """
 
 from __future__ import annotations
@@ -28,8 +30,34 @@ def _norm_params(config: ModelConfig) -> int:
     return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
 
 
+def _mla_params(config: ModelConfig) -> tuple[int, int]:
+    """(all parameters, matmul weights) of one multi-latent attention (model/mla.py): the
+    down and up projections, the latent norms (--qk-layernorm) and the output projection."""
+    h, n, r = config.hidden_size, config.num_attention_heads, config.q_lora_rank
+    q_out = n * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    kv_r = config.kv_lora_rank
+    weights = h * q_out if r is None else h * r + r * q_out
+    weights += h * (kv_r + config.qk_pos_emb_head_dim)
+    weights += kv_r * n * (config.qk_head_dim + config.v_head_dim)
+    weights += n * config.v_head_dim * h
+    per_channel = 2 if config.normalization == "LayerNorm" else 1
+    norms = per_channel * (kv_r + (r or 0)) if config.qk_layernorm else 0
+    return weights + norms + (h if config.add_bias_linear else 0), weights
+
+
+def attention_core_width(config: ModelConfig) -> int:
+    """Channels per token the attention core multiplies, QK^T plus AV, over all heads:
+    2 Nq D, or Nq (qk + pos + v head dims) with multi-latent attention."""
+    if config.multi_latent_attention:
+        return config.num_attention_heads * (config.qk_head_dim + config.qk_pos_emb_head_dim
+                                             + config.v_head_dim)
+    return 2 * config.num_attention_heads * config.kv_channels
+
+
 def _attention_params(config: ModelConfig) -> tuple[int, int]:
     """(all attention parameters, matmul weights) of one layer."""
+    if config.multi_latent_attention:
+        return _mla_params(config)
     h, d = config.hidden_size, config.kv_channels
     qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
     q_size = config.num_attention_heads * d
@@ -94,8 +122,7 @@ def active_matmul_parameters(config: ModelConfig) -> int:
 
 def flops_per_token(config: ModelConfig) -> float:
     """Model FLOPs (forward + backward) per trained token; see the module docstring."""
-    attn_core = 12 * config.num_layers * config.seq_length * (
-        config.num_attention_heads * config.kv_channels)
+    attn_core = 6 * config.num_layers * config.seq_length * attention_core_width(config)
     return float(6 * active_matmul_parameters(config) + attn_core)
 
 
@@ -103,15 +130,15 @@ def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig) -
     """The forward FLOPs per token that activation recompute runs again in backward (not
     model FLOPs: MFU leaves them out, step time pays them). Elementwise replays (moe_act,
     layernorm) cost no GEMM."""
-    s, q = config.seq_length, config.num_attention_heads * config.kv_channels
-    core = 4 * s * q  # QK^T and AV, forward
+    core = 2 * config.seq_length * attention_core_width(config)  # QK^T and AV, forward
     if recompute.granularity == "full":
         return float(sum(2 * _layer_params(config, i)[2] + core
                          for i in range(config.num_layers)))
     selected, total = recompute.selected, 0.0
     _, attn_mm = _attention_params(config)
+    up_proj = 2 * _mla_up_proj_weights(config) if "mla_up_proj" in selected else 0
     for i in range(config.num_layers):
-        total += core if "core_attn" in selected else 0
+        total += (core if "core_attn" in selected else 0) + up_proj
         mlp_mm = _layer_params(config, i)[2] - attn_mm
         if config.is_moe_layer(i):
             if "moe" in selected:
@@ -121,3 +148,34 @@ def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig) -
         elif "mlp" in selected:
             total += 2 * mlp_mm
     return total
+
+
+def _mla_up_proj_weights(config: ModelConfig) -> int:
+    """Weights of MLA's up projections (what --recompute-modules mla_up_proj reruns)."""
+    n = config.num_attention_heads
+    q_in = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
+    return (q_in * n * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+            + config.kv_lora_rank * n * (config.qk_head_dim + config.v_head_dim))
+
+
+def attention_tp_replicated(config: ModelConfig) -> int:
+    """Attention parameters every TP rank holds whole besides linear_proj's bias: MLA's
+    down projections and latent norms (model/mla.py); none for SelfAttention."""
+    if not config.multi_latent_attention:
+        return 0
+    h, r, kv_r = config.hidden_size, config.q_lora_rank, config.kv_lora_rank
+    n = h * (r or 0) + h * (kv_r + config.qk_pos_emb_head_dim)
+    per_channel = 2 if config.normalization == "LayerNorm" else 1
+    return n + (per_channel * (kv_r + (r or 0)) if config.qk_layernorm else 0)
+
+
+def largest_attention_weight(config: ModelConfig, tp: int) -> int:
+    """Elements of the largest attention weight one TP rank holds."""
+    h, n = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        return (n + 2 * config.num_query_groups) * config.kv_channels * h // tp
+    q_in = h if config.q_lora_rank is None else config.q_lora_rank
+    q_head = config.qk_head_dim + config.qk_pos_emb_head_dim
+    return max(q_in * n * q_head // tp, h * (config.kv_lora_rank + config.qk_pos_emb_head_dim),
+               config.kv_lora_rank * n * (config.qk_head_dim + config.v_head_dim) // tp,
+               n * config.v_head_dim * h // tp, h * (config.q_lora_rank or 0))

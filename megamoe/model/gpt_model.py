@@ -22,6 +22,7 @@ from torch import nn
 
 from megamoe.config import ModelConfig
 from megamoe.model.attention import DocumentMask
+from megamoe.model.mla import mla_cos_sin
 from megamoe.model.rope import rotary_cos_sin, rotary_dim
 from megamoe.model.transformer_block import TransformerBlock
 from megamoe.parallel.comm import (
@@ -123,7 +124,12 @@ def documents_for(document_ids_BS: Optional[torch.Tensor]) -> Optional[DocumentM
 def rotary_for(config: ModelConfig, tokens_BS: torch.Tensor,
                position_ids: Optional[torch.Tensor]
                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """RoPE (cos, sin) for the full sequence, or None without rotary embeddings."""
+    """RoPE (cos, sin) for the full sequence, or None without rotary embeddings. With
+    multi-latent attention: MLA's own (YaRN) rotary embedding, whatever
+    --position-embedding-type says (as Megatron, where that flag only decides the learned
+    absolute embedding then)."""
+    if config.multi_latent_attention:
+        return mla_cos_sin(config, tokens_BS.shape[1], position_ids, tokens_BS.device)
     if config.position_embedding_type != "rope":
         return None
     rot_dim = rotary_dim(config.kv_channels, config.rotary_percent)

@@ -27,6 +27,7 @@ from torch import nn
 
 from megamoe.config import ModelConfig
 from megamoe.model.attention import DocumentMask, SelfAttention
+from megamoe.model.mla import MLASelfAttention
 from megamoe.model.mlp import MLP
 from megamoe.model.norms import build_norm
 from megamoe.moe.layer import MoELayer
@@ -49,7 +50,8 @@ class TransformerLayer(nn.Module):
         self.layer_index = layer_index
         self.tp: TensorParallel = SINGLE
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config)
+        self.self_attention = (MLASelfAttention(config) if config.multi_latent_attention
+                               else SelfAttention(config))
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         self.is_moe = config.is_moe_layer(layer_index)
         self.mlp = build_mlp(config, layer_index)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -96,33 +96,38 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
 
 @dataclass(frozen=True)
 class _Discarded:
-    """Where a saved tensor sat inside the discarded output."""
+    """Where a saved tensor sat inside discarded output `index`."""
 
+    index: int
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
 
 
 @contextlib.contextmanager
-def discard_saved(output: torch.Tensor, recompute: Callable[[], torch.Tensor]
-                  ) -> Iterator[None]:
+def discard_saved(output: torch.Tensor | Sequence[torch.Tensor],
+                  recompute: Callable[[], Any]) -> Iterator[None]:
     """Inside: whatever autograd saves that is `output` or a view of it is dropped, and
     backward gets `recompute()` (run once, without gradients) in its place. `output` must
-    be contiguous and `recompute()` must give it bit for bit (a deterministic elementwise
-    op of kept inputs)."""
-    if not _wants_checkpoint() or output.numel() == 0 or not output.is_contiguous():
+    be contiguous and `recompute()` must give it bit for bit (a deterministic op of kept
+    inputs). `output` may be a sequence of tensors (one context: saved-tensor hooks do not
+    nest); `recompute()` then returns them all, in order."""
+    outputs = [output] if isinstance(output, torch.Tensor) else list(output)
+    if not _wants_checkpoint() or any(o.numel() == 0 or not o.is_contiguous()
+                                      for o in outputs):
         yield
         return
-    # The hooks live as long as what they packed: they must not hold `output` itself. The
+    # The hooks live as long as what they packed: they must not hold the outputs. A
     # storage is told by its StorageImpl (shared by every view), not its data pointer
     # (which fake and compiled tensors do not have).
-    ptr, base = output.untyped_storage()._cdata, output.storage_offset()
-    device, dtype = output.device, output.dtype
-    cache: list[torch.Tensor] = []
+    keys = [(o.untyped_storage()._cdata, o.storage_offset(), o.device, o.dtype)
+            for o in outputs]
+    cache: list[tuple[torch.Tensor, ...]] = []
 
     def pack(t: torch.Tensor) -> Any:
-        if t.device == device and t.dtype == dtype and t.untyped_storage()._cdata == ptr:
-            return _Discarded(t.size(), t.stride(), t.storage_offset() - base)
+        for i, (ptr, base, device, dtype) in enumerate(keys):
+            if t.device == device and t.dtype == dtype and t.untyped_storage()._cdata == ptr:
+                return _Discarded(i, t.size(), t.stride(), t.storage_offset() - base)
         return t
 
     def unpack(saved: Any) -> torch.Tensor:
@@ -130,8 +135,9 @@ def discard_saved(output: torch.Tensor, recompute: Callable[[], torch.Tensor]
             return saved
         if not cache:
             with torch.no_grad():
-                cache.append(recompute())
-        again = cache[0]
+                again = recompute()
+            cache.append((again,) if isinstance(again, torch.Tensor) else tuple(again))
+        again = cache[0][saved.index]
         return again.as_strided(saved.size, saved.stride, again.storage_offset() + saved.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -143,8 +149,8 @@ def maybe_checkpoint(enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(fn, *args) if enabled else fn(*args)
 
 
-def maybe_discard(enabled: bool, output: torch.Tensor,
-                  recompute: Callable[[], torch.Tensor]) -> contextlib.AbstractContextManager:
+def maybe_discard(enabled: bool, output: torch.Tensor | Sequence[torch.Tensor],
+                  recompute: Callable[[], Any]) -> contextlib.AbstractContextManager:
     """discard_saved(output, recompute) when `enabled`, else nothing."""
     return discard_saved(output, recompute) if enabled else contextlib.nullcontext()
 

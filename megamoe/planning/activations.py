@@ -24,6 +24,7 @@ Recompute (megamoe/config/recompute.py) removes:
   moe_act         the experts' activation (fc2's input);
   moe / mlp       everything of the MoE / dense MLP and norm2: the region keeps its input;
   shared_experts  the shared experts' tensors;
+  mla_up_proj     multi-latent attention's q k v (recomputed from the latents);
   full            whole layers: a checkpointed group keeps its input only (the replay of one
                   group during backward is the stage's transient, memory.activation_bytes).
 """
@@ -39,8 +40,33 @@ def _norm(model: ModelConfig) -> float:
     return 2.0 if model.normalization == "RMSNorm" else 1.0
 
 
+def mla_attention_values(model: ModelConfig, tp: int, act_bytes: int,
+                         recompute: RecomputeConfig) -> float:
+    """Multi-latent attention (model/mla.py): norm1, the down projections' input (this
+    rank's sequence shard), the latents (the norm inputs on the shard, the up projections'
+    gathered inputs), q k v (dropped by mla_up_proj: recomputed), the attention output
+    and the softmax statistics."""
+    h, n, selected = model.hidden_size, model.num_attention_heads, recompute.selected
+    q_head = model.qk_head_dim + model.qk_pos_emb_head_dim
+    values = _norm(model) * h / tp
+    if not ("layernorm" in selected and tp == 1):
+        values += h / tp
+    norm = 1.0 if model.qk_layernorm else 0.0
+    r = model.q_lora_rank
+    values += h if r is None else r * (1 + norm / tp)  # q's up projection input
+    values += model.kv_lora_rank * (1 + norm / tp) + model.qk_pos_emb_head_dim
+    if "mla_up_proj" not in selected:
+        values += n * (2 * q_head + model.v_head_dim) / tp
+    values += n * model.v_head_dim / tp
+    if "core_attn" not in selected:
+        values += n * FP32 / act_bytes / tp
+    return values
+
+
 def attention_values(model: ModelConfig, tp: int, act_bytes: int,
                      recompute: RecomputeConfig) -> float:
+    if model.multi_latent_attention:
+        return mla_attention_values(model, tp, act_bytes, recompute)
     h, d = model.hidden_size, model.kv_channels
     nq, nkv = model.num_attention_heads, model.num_query_groups
     selected = recompute.selected

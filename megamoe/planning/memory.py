@@ -11,7 +11,12 @@ import math
 from dataclasses import dataclass
 
 from megamoe.config import ModelConfig
-from megamoe.model.flops import _attention_params, _ffn_params, _norm_params
+from megamoe.model.flops import (
+    _attention_params,
+    _ffn_params,
+    _norm_params,
+    attention_tp_replicated,
+)
 from megamoe.planning.activations import layer_values, recompute_config
 
 
@@ -39,17 +44,18 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
     """(dense, routed-expert) parameters one rank of pipeline stage `stage` holds.
 
     megamoe's layout: attention, dense-MLP and shared-expert matrices and the (padded)
-    vocabulary are split over TP; norms, routers, row-parallel biases and the shared-expert
-    gate are replicated over TP; routed experts are split over EP and their hidden
-    dimension over ETP (moe/sharding.py; an fc2 bias stays whole)."""
+    vocabulary are split over TP; norms, routers, row-parallel biases, the shared-expert
+    gate and MLA's down projections and latent norms are replicated over TP; routed
+    experts are split over EP and their hidden dimension over ETP (moe/sharding.py; an fc2
+    bias stays whole)."""
     h, norm = model.hidden_size, _norm_params(model)
     dense = expert = 0.0
     for i in range(model.num_layers):
         if _stage_of_layer(model, lay, i) != stage:
             continue
         attn, _ = _attention_params(model)
-        proj_bias = h if model.add_bias_linear else 0
-        dense += 2 * norm + (attn - proj_bias) / lay.tp + proj_bias
+        whole = (h if model.add_bias_linear else 0) + attention_tp_replicated(model)
+        dense += 2 * norm + (attn - whole) / lay.tp + whole
         if model.is_moe_layer(i):
             m = model.moe
             one_expert, _ = _ffn_params(model, m.ffn_hidden_size)

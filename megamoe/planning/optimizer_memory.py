@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 
 from megamoe.config import ModelConfig
-from megamoe.model.flops import _norm_params
+from megamoe.model.flops import _norm_params, attention_tp_replicated, largest_attention_weight
 from megamoe.planning.memory import Layout, _stage_of_layer, stage_parameters
 
 
@@ -45,7 +45,7 @@ def _largest_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[in
     """(dense, routed-expert) element count of the largest single parameter one rank of
     `stage` holds (layout as in memory.stage_parameters; a layer's local experts are one
     stacked tensor per weight, moe/experts.py GroupedExperts)."""
-    h, d = model.hidden_size, model.kv_channels
+    h = model.hidden_size
     dense = [_norm_params(model)]
     expert = [0]
     if stage == 0 or stage == lay.pp - 1:
@@ -53,8 +53,7 @@ def _largest_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[in
     for i in range(model.num_layers):
         if _stage_of_layer(model, lay, i) != stage:
             continue
-        dense.append((model.num_attention_heads + 2 * model.num_query_groups) * d * h
-                     // lay.tp)
+        dense.append(largest_attention_weight(model, lay.tp))
         if model.is_moe_layer(i):
             m = model.moe
             dense.append(m.num_experts * h)
@@ -70,7 +69,8 @@ def _largest_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[in
 
 def _tp_replicated(model: ModelConfig, lay: Layout, stage: int) -> int:
     """Elements of the stage's TP-replicated dense parameters whose gradients are summed
-    over TP under sequence parallelism (norms, routers, row-parallel biases)."""
+    over TP under sequence parallelism (norms, routers, row-parallel biases, MLA's down
+    projections and latent norms)."""
     if lay.tp == 1:
         return 0
     h, norm = model.hidden_size, _norm_params(model)
@@ -78,6 +78,7 @@ def _tp_replicated(model: ModelConfig, lay: Layout, stage: int) -> int:
     for i in range(model.num_layers):
         if _stage_of_layer(model, lay, i) == stage:
             n += 2 * norm + (2 * h if model.add_bias_linear else 0)
+            n += attention_tp_replicated(model)  # MLA: run on sequence shards
             n += model.moe.num_experts * h if model.is_moe_layer(i) else 0
     return n
 

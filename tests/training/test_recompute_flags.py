@@ -69,7 +69,7 @@ def test_selective_defaults_to_core_attn_and_full_takes_method_and_layers():
     ("--recompute-granularity selective --recompute-modules attn",
      "--recompute-modules: unknown attn"),
     ("--recompute-granularity selective --recompute-modules mla_up_proj",
-     "not supported yet: --recompute-modules mla_up_proj"),
+     "--recompute-modules mla_up_proj needs multi-latent attention"),
     ("--recompute-granularity selective --recompute-modules shared_experts",
      "--recompute-modules shared_experts needs shared experts"),
     ("--recompute-granularity selective --recompute-modules mlp",
@@ -101,5 +101,5 @@ def test_moe_modules_need_moe_layers(capsys):
 def test_library_users_get_the_same_checks():
     with pytest.raises(ConfigError, match="--recompute-granularity must be full or selective"):
         RecomputeConfig(granularity="partial")
-    with pytest.raises(ConfigError, match="not supported yet"):
-        RecomputeConfig(granularity="selective", modules=["mla_up_proj"])
+    with pytest.raises(ConfigError, match="--recompute-modules: unknown attn"):
+        RecomputeConfig(granularity="selective", modules=["attn"])
