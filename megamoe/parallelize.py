@@ -43,6 +43,7 @@ from torch import nn
 from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
+from megamoe.model.mtp import MTPLayer
 from megamoe.model.pipeline_stage import GPTStage, split_pipeline
 from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
 from megamoe.moe.cost_model import CollectiveCosts
@@ -148,6 +149,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
     for m in model.modules():
         if isinstance(m, (TransformerBlock, GPTStage)):
             m.recompute_groups = recompute.full_layers(len(m.layers))
+        elif isinstance(m, MTPLayer):  # Megatron: uniform recomputes each MTP layer whole
+            m.recompute = recompute.granularity == "full" and recompute.method == "uniform"
         elif isinstance(m, TransformerLayer):
             m.recompute_norms = "layernorm" in selected
             m.recompute_mlp = ("moe" if m.is_moe else "mlp") in selected
@@ -168,8 +171,11 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
     for m in list(model.modules()):
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             m.shard(tp)
-        elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention)):
+        elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention, MTPLayer)):
             m.tp = tp
+        if isinstance(m, MTPLayer):
+            for norm in (m.enorm, m.hnorm, m.final_layernorm):
+                mark_sequence_parallel(norm, tp)
         if isinstance(m, SelfAttention) and m.q_layernorm is not None:
             mark_tp_partial(m.q_layernorm, tp)
             mark_tp_partial(m.k_layernorm, tp)

@@ -32,8 +32,11 @@ class GradSync(Protocol):
 def forward_step(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     cp = context_parallel_of(model)
     batch = split_batch(batch, cp)  # this cp rank's chunks (the batch itself without CP)
+    extra = {}
+    if getattr(model, "mtp", None) is not None:  # MTP masks its loss with the batch's mask
+        extra["loss_mask"] = batch["loss_mask"]
     loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
-                    labels=batch["labels"], document_ids=batch.get("document_ids"))
+                    labels=batch["labels"], document_ids=batch.get("document_ids"), **extra)
     if cp is not None:
         return cp_lm_loss(loss_BS, batch["loss_mask"], cp)
     return masked_lm_loss(loss_BS, batch["loss_mask"])
