@@ -50,10 +50,10 @@ class RunConfig:
                     "--expert-model-parallel-size > 1 needs --num-experts")
         self._validate_checkpoint()
         self._validate_recompute()
-        if self.parallel.context_parallel_size > 1:
-            self._validate_context_parallel()
         if self.model.mtp_num_layers:
             self._validate_mtp()
+        if self.parallel.context_parallel_size > 1:
+            self._validate_context_parallel()
 
     def _validate_mtp(self) -> None:
         """What multi-token prediction does not support yet: CP (Megatron rolls tokens

@@ -4,8 +4,9 @@ The reference re-derives DeepSeek-V3's MTP without rolling: depth d (1-based) ru
 first S - d positions (causal attention: the tail the model zero-fills cannot change them),
 looks up tokens[:, d:], predicts labels[:, d:] under loss_mask[:, d:], with RMSNorm,
 concatenation (embedding first), eh_proj, the MTP transformer layer, its final norm and the
-shared output table written out in plain torch (the cross entropy in fp32, as the model's). Forward losses and every parameter's
-gradient (LM loss + factor / D x sum of depth losses) must match the model's."""
+shared output table written out in plain torch (the cross entropy in fp32, as the model's).
+Forward losses and every parameter's gradient (LM loss + factor / D x sum of depth losses)
+must match the model's."""
 
 from __future__ import annotations
 
