@@ -15,6 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.config import ModelConfig, MoEConfig
+from megamoe.model.flops import (
+    _layer_params,
+    active_matmul_parameters,
+    flops_per_token,
+    num_parameters,
+)
 from megamoe.model.gpt_model import GPTModel, rotary_for
 from megamoe.model.mtp import MTPLossTracker
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
@@ -116,3 +122,21 @@ def test_mtp_layer_of_a_moe_decoder_is_moe_and_logged_after_the_decoder():
     layers = [layer.transformer_layer for layer in model.mtp.layers]
     assert [layer.layer_index for layer in layers] == [2, 3] and all(x.is_moe for x in layers)
     assert layers[0].mlp.router.num_layers == 4
+
+
+@pytest.mark.parametrize("tied, moe, depths", [(True, False, 1), (False, True, 2)])
+def test_parameter_and_flop_counts_include_the_mtp_modules(tied, moe, depths):
+    """num_parameters equals the module's count; each depth adds eh_proj (2H x H), one
+    layer's matmuls and attention core, and one more pass through the output layer."""
+    config = _config(tied, moe, depths)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    assert num_parameters(config)[0] == sum(p.numel() for p in model.parameters())
+    plain = _config(tied, moe, None)
+    h = config.hidden_size
+    per_layer = [_layer_params(plain, i)[2] for i in range(plain.num_layers)]
+    assert sum(per_layer) + V * h == active_matmul_parameters(plain)
+    core = 12 * S * config.num_attention_heads * config.kv_channels
+    extra = depths * (6 * (2 * h * h + per_layer[-1] + V * h) + core)
+    assert flops_per_token(config) - flops_per_token(plain) == extra
+

@@ -113,3 +113,22 @@ def test_mtp_layouts_match_single_process(model, layout, world_size):
 ])
 def test_bad_mtp_flags_fail_in_one_line(capsys, extra, world, message):
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    "--mtp-num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel",
+    "--mtp-num-layers 1 --pipeline-model-parallel-size 2",
+], ids=["tp2sp", "pp2"])
+def test_planner_counts_the_mtp_parameters_each_rank_holds(flags):
+    """The memory model's per-stage parameters (MTP on the last stage, with its copy of
+    the word embedding under PP) equal what each rank builds (configs/tiny.yaml)."""
+    from megamoe.planning import memory as pl
+    from tests.tools.test_plan_parallel import _layout, _parameters_worker, _run_config
+
+    args, run = _run_config(flags, 2)
+    measured = run_distributed(_parameters_worker, 2, 120, flags)
+    pp = args.pipeline_model_parallel_size
+    for rank, count in enumerate(measured):
+        stage = rank if pp > 1 else 0
+        assert count == sum(pl.stage_parameters(run.model, _layout(args), stage))
