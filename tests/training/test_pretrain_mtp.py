@@ -132,3 +132,35 @@ def test_planner_counts_the_mtp_parameters_each_rank_holds(flags):
     for rank, count in enumerate(measured):
         stage = rank if pp > 1 else 0
         assert count == sum(pl.stage_parameters(run.model, _layout(args), stage))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_layout, saved_world, loaded_layout, loaded_world", [
+    ("--pipeline-model-parallel-size 2", 2, "", 1),
+    (f"{TP2_SP} {EP2} --use-distributed-optimizer", 4, "--pipeline-model-parallel-size 2", 2),
+], ids=["pp2-to-single", "ep2-tp2sp-distopt-to-pp2"])
+def test_mtp_checkpoint_saved_at_one_layout_resumes_at_another(
+        tmp_path, saved_layout, saved_world, loaded_layout, loaded_world):
+    """torch_dist: the MTP modules are saved under their single-process names (the last
+    stage's copy of the word embedding is not saved: it loads from the embedding); the
+    other layout resumes with the losses of the run that never stopped."""
+    from megamoe.training.checkpoint import checkpoint_file, read_dist_tensors
+
+    reference = _single(MTP2)
+    src = str(tmp_path / "ck")
+    saving = f"{MTP2} --exit-interval 2 --save-interval 2 --save {src} {saved_layout}"
+    for hist in run_distributed(_worker, saved_world, 300, saving):
+        assert len(hist) == 2
+    keys = read_dist_tensors(checkpoint_file(src), "model.").keys()
+    assert "model.mtp.layers.1.eh_proj.weight" in keys
+    assert "model.mtp.layers.0.transformer_layer.mlp.experts.fc1_weight.gate" in keys
+    assert not any("shared_output_weight" in k or "mtp_embedding" in k for k in keys)
+    loading = f"{MTP2} --load {src} {loaded_layout}"
+    resumed = (run_distributed(_worker, loaded_world, 300, loading) if loaded_world > 1
+               else [_history(loading, 1)])
+    keys = MOE_KEYS + ("mtp_1 loss", "mtp_2 loss")
+    for hist in resumed:
+        assert len(hist) == 2
+        for a, b in zip(reference[2:], hist):
+            for k in keys:
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, reference, hist)
