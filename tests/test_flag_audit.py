@@ -323,6 +323,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--compile": ("--compile", 1, True),
     "--qk-layernorm": ("--qk-layernorm", 1, True),
     "--add-qkv-bias": ("--add-qkv-bias", 1, True),
+    "--mtp-num-layers": ("--mtp-num-layers 2", 1, 2),
+    "--mtp-loss-scaling-factor": ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3", 1, 0.3),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "
                            "--recompute-num-layers 1", 1, "block"),
