@@ -45,6 +45,7 @@ from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
 from megamoe.model.mla import MLASelfAttention
+from megamoe.model.mtp import MTPLayer
 from megamoe.model.norms import ProjectionRMSNorm
 from megamoe.model.pipeline_stage import GPTStage, split_pipeline
 from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
@@ -153,6 +154,8 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
     for m in model.modules():
         if isinstance(m, (TransformerBlock, GPTStage)):
             m.recompute_groups = recompute.full_layers(len(m.layers))
+        elif isinstance(m, MTPLayer):  # Megatron: uniform recomputes each MTP layer whole
+            m.recompute = recompute.granularity == "full" and recompute.method == "uniform"
         elif isinstance(m, TransformerLayer):
             m.recompute_norms = "layernorm" in selected
             m.recompute_mlp = ("moe" if m.is_moe else "mlp") in selected
@@ -177,8 +180,11 @@ def apply_tensor_parallel(model: nn.Module, tp: TensorParallel) -> nn.Module:
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             m.shard(tp)
         elif isinstance(m, (GPTModel, GPTEmbedding, TransformerLayer, SelfAttention,
-                            MLASelfAttention)):
+                            MLASelfAttention, MTPLayer)):
             m.tp = tp
+        if isinstance(m, MTPLayer):
+            for norm in (m.enorm, m.hnorm, m.final_layernorm):
+                mark_sequence_parallel(norm, tp)
         if isinstance(m, ProjectionRMSNorm):  # whole-projection q/k norm: TP-sharded
             m.shard(tp)
         elif isinstance(m, MLASelfAttention):  # replicated, run on sequence shards under SP

@@ -336,6 +336,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--rotary-scaling-factor": (f"{MLA} --rotary-scaling-factor 40", 1, 40.0),
     "--mscale": (f"{MLA} --mscale 0.5", 1, 0.5),
     "--mscale-all-dim": (f"{MLA} --mscale-all-dim 1", 1, 1.0),
+    "--mtp-num-layers": ("--mtp-num-layers 2", 1, 2),
+    "--mtp-loss-scaling-factor": ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3", 1, 0.3),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "
                            "--recompute-num-layers 1", 1, "block"),

@@ -31,6 +31,8 @@ BAD = [
     ("--rotary-percent", "0", "--position-embedding-type rope", 1, "must be in (0, 1]"),
     ("--rotary-percent", "1.5", "--position-embedding-type rope", 1, "must be in (0, 1]"),
     ("--norm-epsilon", "-1e-5", "", 1, "must be >= 0"),
+    ("--mtp-num-layers", "0", "", 1, "must be positive"),
+    ("--mtp-loss-scaling-factor", "-0.1", "--mtp-num-layers 1", 1, "must be >= 0"),
     ("--hidden-dropout", "1.0", "", 1, "must be in [0, 1)"),
     ("--hidden-dropout", "-0.1", "", 1, "must be in [0, 1)"),
     ("--attention-dropout", "1.5", "", 1, "must be in [0, 1)"),

@@ -69,6 +69,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN factor")
     g.add_argument("--mscale", type=float, default=1.0)
     g.add_argument("--mscale-all-dim", type=float, default=0.0)
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction depths (DeepSeek-V3 MTP modules)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the MTP loss weight, shared by the depths")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)

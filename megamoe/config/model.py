@@ -85,6 +85,11 @@ class ModelConfig:
         "Megatron's MLA default (no flag; a converted model may set it)", 4096)
     beta_fast: float = derived("Megatron's MLA default (no flag)", 32.0)
     beta_slow: float = derived("Megatron's MLA default (no flag)", 1.0)
+    # Multi-token prediction (DeepSeek-V3, Megatron's flags): D = --mtp-num-layers extra
+    # modules after the decoder, module k predicting token i + 1 + k (model/mtp.py); their
+    # mean loss x --mtp-loss-scaling-factor joins the LM loss in the gradient only.
+    mtp_num_layers: Optional[int] = flag("--mtp-num-layers", None)  # None = no MTP
+    mtp_loss_scaling_factor: float = flag("--mtp-loss-scaling-factor", 0.1)
     # MoE: layer i is an MoE layer when moe is set and moe_layer_pattern[i] == 1.
     moe: Optional[MoEConfig] = derived("--num-experts and the other --moe-* flags", None)
     moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)
@@ -102,6 +107,8 @@ class ModelConfig:
         check_positive(self, "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "seq_length", "num_query_groups", "kv_channels",
                        "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings")
+        check_positive(self, "mtp_num_layers")
+        check_range(self, "mtp_loss_scaling_factor", 0)
         check_range(self, "rotary_base", 0, low_open=True)
         check_range(self, "rotary_percent", 0, 1, low_open=True, high_open=False)
         check_range(self, "norm_epsilon", 0)
@@ -197,7 +204,17 @@ class ModelConfig:
         return ((self.vocab_size + m - 1) // m) * m
 
     def is_moe_layer(self, layer_number: int) -> bool:
+        """Layer `layer_number` (0-based) has an MoE MLP. MTP layers (numbered after the
+        decoder's, num_layers + k) are of the last decoder layer's kind, as Megatron builds
+        them from the decoder's last layer spec."""
+        if layer_number >= self.num_layers:
+            layer_number = self.num_layers - 1
         return self.moe is not None and bool(self.moe_layer_pattern[layer_number])
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """--mtp-num-layers, 0 without MTP."""
+        return self.mtp_num_layers or 0
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:

@@ -107,22 +107,40 @@ def _embedding_params(config: ModelConfig) -> int:
     return n + _norm_params(config)  # + final norm
 
 
+def _all_layer_params(config: ModelConfig) -> list[tuple[int, int, int]]:
+    """_layer_params of the decoder layers, then of each MTP depth (model/mtp.py): its
+    transformer layer (the last decoder layer's kind) plus enorm, hnorm, final norm and
+    eh_proj (2H -> H, no bias); the MTP head's logits are counted in
+    active_matmul_parameters."""
+    out = [_layer_params(config, i) for i in range(config.num_layers)]
+    h = config.hidden_size
+    extra = 3 * _norm_params(config) + 2 * h * h
+    for k in range(config.num_mtp_layers):
+        total, active, mm = _layer_params(config, config.num_layers + k)
+        out.append((total + extra, active + extra, mm + 2 * h * h))
+    return out
+
+
 def num_parameters(config: ModelConfig) -> tuple[int, int]:
-    """(total parameters, parameters active for one token: k of E experts per MoE layer)."""
-    layers = [_layer_params(config, i) for i in range(config.num_layers)]
+    """(total parameters, parameters active for one token: k of E experts per MoE layer);
+    MTP modules included (they share the embedding and output layer)."""
+    layers = _all_layer_params(config)
     rest = _embedding_params(config)
     return rest + sum(t for t, _, _ in layers), rest + sum(a for _, a, _ in layers)
 
 
 def active_matmul_parameters(config: ModelConfig) -> int:
-    """Weights one token is multiplied by (the M of the module docstring)."""
-    output = config.vocab_size * config.hidden_size
-    return output + sum(_layer_params(config, i)[2] for i in range(config.num_layers))
+    """Weights one token is multiplied by (the M of the module docstring): the output
+    layer once per prediction (1 + --mtp-num-layers)."""
+    output = config.vocab_size * config.hidden_size * (1 + config.num_mtp_layers)
+    return output + sum(mm for _, _, mm in _all_layer_params(config))
 
 
 def flops_per_token(config: ModelConfig) -> float:
-    """Model FLOPs (forward + backward) per trained token; see the module docstring."""
-    attn_core = 6 * config.num_layers * config.seq_length * attention_core_width(config)
+    """Model FLOPs (forward + backward) per trained token; see the module docstring (MTP
+    layers count as layers)."""
+    attn_core = 6 * (config.num_layers + config.num_mtp_layers) * config.seq_length * (
+        attention_core_width(config))
     return float(6 * active_matmul_parameters(config) + attn_core)
 
 
@@ -131,15 +149,17 @@ def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig) -
     model FLOPs: MFU leaves them out, step time pays them). Elementwise replays (moe_act,
     layernorm) cost no GEMM."""
     core = 2 * config.seq_length * attention_core_width(config)  # QK^T and AV, forward
-    if recompute.granularity == "full":
-        return float(sum(2 * _layer_params(config, i)[2] + core
-                         for i in range(config.num_layers)))
+    layers = _all_layer_params(config)
+    if recompute.granularity == "full":  # MTP layers: with the uniform method (Megatron)
+        n = config.num_layers + (config.num_mtp_layers if recompute.method == "uniform" else 0)
+        return float(sum(2 * mm + core for _, _, mm in layers[:n]))
     selected, total = recompute.selected, 0.0
     _, attn_mm = _attention_params(config)
     up_proj = 2 * _mla_up_proj_weights(config) if "mla_up_proj" in selected else 0
-    for i in range(config.num_layers):
+    eh_proj = [0] * config.num_layers + [2 * config.hidden_size ** 2] * config.num_mtp_layers
+    for i, (_, _, mm) in enumerate(layers):
         total += (core if "core_attn" in selected else 0) + up_proj
-        mlp_mm = _layer_params(config, i)[2] - attn_mm
+        mlp_mm = mm - attn_mm - eh_proj[i]
         if config.is_moe_layer(i):
             if "moe" in selected:
                 total += 2 * mlp_mm

@@ -14,7 +14,8 @@ logits are never gathered in training. With sequence parallelism the decoder run
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from torch import nn
 from megamoe.config import ModelConfig
 from megamoe.model.attention import DocumentMask
 from megamoe.model.mla import mla_cos_sin
+from megamoe.model.mtp import MultiTokenPrediction, with_mtp_loss
 from megamoe.model.rope import rotary_cos_sin, rotary_dim
 from megamoe.model.transformer_block import TransformerBlock
 from megamoe.parallel.comm import (
@@ -48,6 +50,7 @@ class GPTEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.tp: TensorParallel = SINGLE
+        self.config = config
         std = config.init_method_std
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
                                                       config.hidden_size, init_std=std)
@@ -58,8 +61,11 @@ class GPTEmbedding(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens_BS: torch.Tensor,
-                position_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x_BSH = self.word_embeddings(tokens_BS)
+                position_ids_BS: Optional[torch.Tensor] = None,
+                word_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`word_weight`: look up this table (this rank's rows) instead of the module's
+        own (the last pipeline stage's copy, for MTP: without_table)."""
+        x_BSH = self.word_embeddings(tokens_BS, word_weight)
         if self.tp.size == 1:
             if self.position_embeddings is not None:
                 if position_ids_BS is None:
@@ -81,6 +87,17 @@ class GPTEmbedding(nn.Module):
         with self.tp.dropout_rng(split=self.tp.sp):
             return self.dropout(x_SBH)
 
+    def without_table(self) -> GPTEmbedding:
+        """This embedding's lookup with no word table of its own (its word_embeddings'
+        weight is None: forward takes `word_weight`), for a last pipeline stage that has
+        MTP and only a copy of the table. No position table (refused with PP and MTP)."""
+        with torch.device("meta"):  # (no draws from the real generator, no memory)
+            shell = GPTEmbedding(replace(self.config, position_embedding_type="none"))
+        shell.word_embeddings.shard(self.word_embeddings.tp)
+        shell.word_embeddings.weight = None
+        shell.tp = self.tp
+        return shell
+
 
 class GPTModel(nn.Module):
     """The single-process model; megamoe.parallelize turns it into this rank's part."""
@@ -97,6 +114,8 @@ class GPTModel(nn.Module):
             self.output_layer = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size,
                 init_std=config.init_method_std)
+        # Built last: the other weights draw what they draw without MTP.
+        self.mtp = MultiTokenPrediction(config) if config.mtp_num_layers else None
 
     def output_weight(self) -> torch.Tensor:
         """[padded_vocab (/ TP), H] matrix of the output layer (the word embedding when tied)."""
@@ -106,14 +125,27 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], or with `labels` [B, S] the per-token
         cross-entropy [B, S] in fp32 (no reduction: the schedule masks and averages);
-        `document_ids` [B, S] (--reset-attention-mask) keeps attention inside documents."""
+        `document_ids` [B, S] (--reset-attention-mask) keeps attention inside documents.
+        With MTP, training: the returned loss carries the MTP loss into the gradient
+        (`loss_mask` [B, S] masks it, as the schedule masks the LM loss; model/mtp.py)."""
         rotary = rotary_for(self.config, tokens_BS, position_ids)
-        h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary,
-                             documents_for(document_ids))
-        return lm_head(h_SBH, self.output_weight(), labels, self.config, self.tp)
+        docs = documents_for(document_ids)
+        h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary, docs)
+        w_VH = self.output_weight()
+        loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp)
+        return with_mtp_loss(self.mtp, loss, h_SBH, tokens_BS, position_ids, labels,
+                             loss_mask, self.embedding, loss_head(w_VH, self.config, self.tp),
+                             rotary, docs)
+
+
+def loss_head(w_VH: torch.Tensor, config: ModelConfig, tp: TensorParallel
+              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(h, labels) -> per-token loss through the output layer `w_VH` (the MTP depths')."""
+    return lambda h_SBH, labels: lm_head(h_SBH, w_VH, labels, config, tp)
 
 
 def documents_for(document_ids_BS: Optional[torch.Tensor]) -> Optional[DocumentMask]:

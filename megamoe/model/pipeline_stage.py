@@ -7,6 +7,9 @@ first virtual stage owns the embedding; the last owns the final norm, output lay
 loss. With tied embeddings the last stage keeps a copy of the word embedding; both copies
 are marked `shared_embedding` (their gradients are summed over the embedding group, so
 they stay equal) and the copy is marked `shared_copy` (the grad norm counts it once).
+With MTP (model/mtp.py, on the last stage, as Megatron) the last stage keeps that copy of
+the word embedding even when the output layer is untied: the MTP depths look their tokens
+up in it, and its gradient joins the first stage's the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import torch
 from torch import nn
 
 from megamoe.config import ModelConfig
-from megamoe.model.gpt_model import GPTModel, documents_for, lm_head, rotary_for
+from megamoe.model.gpt_model import (
+    GPTModel,
+    documents_for,
+    lm_head,
+    loss_head,
+    rotary_for,
+)
+from megamoe.model.mtp import with_mtp_loss
 from megamoe.model.transformer_block import run_layers
 from megamoe.parallel.tensor_parallel import TensorParallel
 
@@ -38,8 +48,10 @@ class GPTStage(nn.Module):
         self.output_layer = full.output_layer if post_process else None
         self.shared_output_weight = None
         self.recompute_groups: list[list[int]] = []  # full recompute, per model chunk
+        self.mtp = full.mtp if post_process else None
+        self.mtp_embedding = None  # the MTP lookup of a last stage without the embedding
         tied = full.output_layer is None
-        if tied and tied_across_stages:
+        if (tied or full.mtp is not None) and tied_across_stages:
             word = full.embedding.word_embeddings.weight
             if pre_process:
                 word.shared_embedding = True
@@ -49,8 +61,12 @@ class GPTStage(nn.Module):
                 copy.tensor_model_parallel = getattr(word, "tensor_model_parallel", False)
                 copy.shared_embedding = copy.shared_copy = True
                 self.shared_output_weight = copy
+                if self.mtp is not None:
+                    self.mtp_embedding = full.embedding.without_table()
 
     def output_weight(self) -> torch.Tensor:
+        """The output layer's [padded_vocab (/ TP), H] table (the word embedding when
+        tied: this stage's copy of it on the last of several stages)."""
         if self.output_layer is not None:
             return self.output_layer.weight
         if self.shared_output_weight is not None:
@@ -60,18 +76,32 @@ class GPTStage(nn.Module):
     def forward(self, hidden: Optional[torch.Tensor], tokens_BS: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [S(/TP), B, H] from the previous stage (None on the first) -> hidden for
         the next stage, or on the last stage the per-token loss [B, S] (logits without
-        labels); `document_ids` as GPTModel.forward."""
+        labels); `document_ids` and `loss_mask` (MTP) as GPTModel.forward."""
         h_SBH = self.embedding(tokens_BS, position_ids) if self.pre_process else hidden
         rotary = rotary_for(self.config, tokens_BS, position_ids)
-        h_SBH = run_layers(self.layers, h_SBH, rotary, self.recompute_groups,
-                           documents_for(document_ids))
+        docs = documents_for(document_ids)
+        h_SBH = run_layers(self.layers, h_SBH, rotary, self.recompute_groups, docs)
         if not self.post_process:
             return h_SBH
-        return lm_head(self.final_layernorm(h_SBH), self.output_weight(), labels, self.config,
-                       self.tp)
+        h_SBH = self.final_layernorm(h_SBH)
+        w_VH = self.output_weight()
+        loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp)
+        return with_mtp_loss(self.mtp, loss, h_SBH, tokens_BS, position_ids, labels,
+                             loss_mask, self._mtp_embed(), loss_head(w_VH, self.config, self.tp),
+                             rotary, docs)
+
+    def _mtp_embed(self):
+        """The embedding MTP looks tokens up with: this stage's own, or (last of several
+        stages) the stage's copy of the word table through a table-less lookup."""
+        if self.mtp_embedding is None:
+            return self.embedding
+        copy = self.shared_output_weight
+        return lambda tokens_BS, position_ids: self.mtp_embedding(tokens_BS, position_ids,
+                                                                  word_weight=copy)
 
 
 class PipelineModel(nn.Module):

@@ -36,12 +36,16 @@ from megamoe.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
 def build_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
-    """Dense MLP or MoE layer for layer `layer_index` (0-based, as the MoE loss tracker)."""
+    """Dense MLP or MoE layer for layer `layer_index` (0-based, as the MoE loss tracker;
+    num_layers + k for MTP depth k)."""
     if not config.is_moe_layer(layer_index):
         return MLP(config)
-    return MoELayer(config.moe, config.hidden_size, layer_number=layer_index,
-                    num_layers=config.num_layers, init_method_std=config.init_method_std,
-                    add_bias_linear=config.add_bias_linear, swiglu=config.swiglu)
+    layer = MoELayer(config.moe, config.hidden_size, layer_number=layer_index,
+                     num_layers=config.num_layers, init_method_std=config.init_method_std,
+                     add_bias_linear=config.add_bias_linear, swiglu=config.swiglu)
+    # MTP layers (model/mtp.py) log their MoE losses after the decoder's, as Megatron.
+    layer.router.num_layers = config.num_layers + config.num_mtp_layers
+    return layer
 
 
 class TransformerLayer(nn.Module):

@@ -231,12 +231,15 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = nn.Parameter(self.weight[rows].clone())
         self.weight.tensor_model_parallel = tp.size > 1
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`weight`: a table of this rank's rows to use instead of the module's (the last
+        pipeline stage's copy of the word embedding, for MTP)."""
+        weight = self.weight if weight is None else weight
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), weight)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:

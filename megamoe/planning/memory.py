@@ -40,6 +40,29 @@ def _stage_of_layer(model: ModelConfig, lay: Layout, i: int) -> int:
     return (i // per_chunk) % lay.pp
 
 
+def _layer_parameters(model: ModelConfig, lay: Layout, i: int) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of layer i on one rank (i >= num_layers: an MTP
+    layer, of the last decoder layer's kind)."""
+    h, norm = model.hidden_size, _norm_params(model)
+    attn, _ = _attention_params(model)
+    whole = (h if model.add_bias_linear else 0) + attention_tp_replicated(model)
+    dense, expert = 2 * norm + (attn - whole) / lay.tp + whole, 0.0
+    fc2_bias = h if model.add_bias_linear else 0
+    if model.is_moe_layer(i):
+        m = model.moe
+        one_expert, _ = _ffn_params(model, m.ffn_hidden_size)
+        dense += m.num_experts * h  # router
+        if m.shared_expert_intermediate_size is not None:  # a TP MLP, as Megatron's
+            shared, _ = _ffn_params(model, m.shared_expert_intermediate_size)
+            dense += (shared - fc2_bias) / lay.tp + fc2_bias
+            dense += h if m.shared_expert_gate else 0
+        expert += m.num_experts * ((one_expert - fc2_bias) / lay.etp + fc2_bias) / lay.ep
+    else:
+        mlp, _ = _ffn_params(model, model.ffn_hidden_size)
+        dense += (mlp - fc2_bias) / lay.tp + fc2_bias
+    return dense, expert
+
+
 def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float, float]:
     """(dense, routed-expert) parameters one rank of pipeline stage `stage` holds.
 
@@ -47,29 +70,17 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
     vocabulary are split over TP; norms, routers, row-parallel biases, the shared-expert
     gate and MLA's down projections and latent norms are replicated over TP; routed
     experts are split over EP and their hidden dimension over ETP (moe/sharding.py; an fc2
-    bias stays whole)."""
+    bias stays whole). The MTP modules live on the last stage (eh_proj split over TP,
+    three norms, one layer each)."""
     h, norm = model.hidden_size, _norm_params(model)
     dense = expert = 0.0
-    for i in range(model.num_layers):
-        if _stage_of_layer(model, lay, i) != stage:
-            continue
-        attn, _ = _attention_params(model)
-        whole = (h if model.add_bias_linear else 0) + attention_tp_replicated(model)
-        dense += 2 * norm + (attn - whole) / lay.tp + whole
-        if model.is_moe_layer(i):
-            m = model.moe
-            one_expert, _ = _ffn_params(model, m.ffn_hidden_size)
-            dense += m.num_experts * h  # router
-            fc2_bias = h if model.add_bias_linear else 0
-            if m.shared_expert_intermediate_size is not None:  # a TP MLP, as Megatron's
-                shared, _ = _ffn_params(model, m.shared_expert_intermediate_size)
-                dense += (shared - fc2_bias) / lay.tp + fc2_bias
-                dense += h if m.shared_expert_gate else 0
-            expert += m.num_experts * ((one_expert - fc2_bias) / lay.etp + fc2_bias) / lay.ep
-        else:
-            mlp, _ = _ffn_params(model, model.ffn_hidden_size)
-            fc2_bias = h if model.add_bias_linear else 0
-            dense += (mlp - fc2_bias) / lay.tp + fc2_bias
+    layers = [i for i in range(model.num_layers) if _stage_of_layer(model, lay, i) == stage]
+    if stage == lay.pp - 1:
+        layers += [model.num_layers + k for k in range(model.num_mtp_layers)]
+        dense += model.num_mtp_layers * (3 * norm + 2 * h * h / lay.tp)
+    for i in layers:
+        d, e = _layer_parameters(model, lay, i)
+        dense, expert = dense + d, expert + e
     vocab = math.ceil(model.padded_vocab_size / lay.tp) * h
     if stage == 0:
         dense += vocab
@@ -77,9 +88,11 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
             dense += model.max_position_embeddings * h
     if stage == lay.pp - 1:
         dense += norm  # final norm
-        # The output layer; with tied embeddings the last stage keeps a copy of the word
-        # embedding (only when it is not also the first stage).
-        if model.untie_embeddings_and_output_weights or lay.pp > 1:
+        # The output layer; with tied embeddings (or MTP) the last stage keeps a copy of
+        # the word embedding (only when it is not also the first stage).
+        if model.untie_embeddings_and_output_weights:
+            dense += vocab
+        if lay.pp > 1 and (model.num_mtp_layers or not model.untie_embeddings_and_output_weights):
             dense += vocab
     return dense, expert
 
@@ -124,9 +137,10 @@ def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes
     tokens = seq_length // lay.cp * lay.micro_batch_size
     recompute = recompute_config(lay.recompute)
     kept = recompute if recompute.granularity != "full" else recompute_config("none")
+    mtp = model.num_mtp_layers if lay.pp == 1 else 0  # (on the last of several stages)
     per_layer = [layer_values(model, i, kept, tp=lay.tp, ep=lay.ep, etp=lay.etp,
-                              act_bytes=act_bytes) for i in range(model.num_layers)]
-    layers_per_stage = model.num_layers / lay.pp
+                              act_bytes=act_bytes) for i in range(model.num_layers + mtp)]
+    layers_per_stage = model.num_layers / lay.pp + mtp
     mean_layer = sum(per_layer) / len(per_layer)
     if recompute.granularity == "full":  # each layer's input, plus one layer being replayed
         stage = layers_per_stage * h / lay.tp + max(per_layer)
@@ -135,5 +149,6 @@ def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes
     in_flight = lay.pp if lay.pp > 1 else 1
     if lay.vpp > 1:
         in_flight = lay.pp + (lay.pp - 1) / lay.vpp
-    logits = 2 * 4 * model.vocab_size / lay.tp  # fp32 logits and their gradient (last stage)
+    # fp32 logits and their gradient (last stage), once per prediction (MTP: 1 + D)
+    logits = 2 * 4 * model.vocab_size / lay.tp * (1 + mtp)
     return tokens * act_bytes * (stage * in_flight) + tokens * logits

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import RunConfig
+from megamoe.model.mtp import MTPLossTracker
 from megamoe.moe.global_batch import update_expert_biases
 from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
@@ -116,8 +117,9 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     per_layer = run.model.moe is not None and run.moe_training.per_layer_logging
     moe = _moe_scalars(MoELossTracker.report(n_micro),
                        moe_layer_numbers(model) if per_layer else None)
-    names = ["lm loss", *moe.keys()]
-    values = _dp_mean([float(lm_loss), *moe.values()], mesh)
+    mtp = MTPLossTracker.report(n_micro)  # {"mtp_1 loss": ...}: not part of the lm loss
+    names = ["lm loss", *mtp.keys(), *moe.keys()]
+    values = _dp_mean([float(lm_loss), *mtp.values(), *moe.values()], mesh)
     out = dict(zip(names, values))
     out["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     if num_zeros is not None:  # --log-num-zeros-in-grad
@@ -151,6 +153,7 @@ def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
         total, weight = total + loss * w, weight + w
         empty_unused_memory(run, 1)
     MoELossTracker.report(n_micro)  # evaluation does not feed the training statistics
+    MTPLossTracker.take()
     model.train()
     return _dp_mean([total / max(weight, 1.0)], mesh)[0]
 
@@ -229,6 +232,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     returns the final state. Each step's global batch size follows the samples consumed
     (--rampup-batch-size); as in Megatron, a checkpoint is saved before it changes."""
     MoELossTracker.clear()  # values left by an earlier run in this process are not ours
+    MTPLossTracker.take()
     t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
     exits = exits or ExitConditions(t, mesh, time.time())
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)

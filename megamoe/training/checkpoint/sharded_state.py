@@ -224,14 +224,15 @@ def _walk(module: nn.Module, local: str, key: str, meshes: _Meshes, out: list[En
     if isinstance(module, GPTStage):
         children = [("embedding", "embedding", module.embedding),
                     ("final_layernorm", "decoder.final_layernorm", module.final_layernorm),
-                    ("output_layer", "output_layer", module.output_layer)]
+                    ("output_layer", "output_layer", module.output_layer),
+                    ("mtp", "mtp", module.mtp)]
         children += [(f"layers.{j}", f"decoder.layers.{layer.layer_index}", layer)
                      for j, layer in enumerate(module.layers)]
         for lname, kname, child in children:
             if child is not None:
                 _walk(child, f"{local}{lname}.", f"{key}{kname}.", meshes, out)
         copy = module.shared_output_weight
-        if copy is not None:  # tied embedding's last-stage copy: loads from the embedding
+        if copy is not None:  # the embedding's last-stage copy (tied / MTP): loads from it
             parts = _split(WORD_EMBEDDING, tuple(copy.shape), 0, [None], [("tp", 0)], meshes)
             out.append(Entry(f"{local}shared_output_weight", copy, parts, save=False))
         return

@@ -35,8 +35,11 @@ def forward_step(model: torch.nn.Module, batch: Batch, num_microbatches: int = 1
     """The micro-batch's share of the step's LM loss (training/loss.py)."""
     cp = context_parallel_of(model)
     batch = split_batch(batch, cp)  # this cp rank's chunks (the batch itself without CP)
+    extra = {}
+    if getattr(model, "mtp", None) is not None:  # MTP masks its loss with the batch's mask
+        extra["loss_mask"] = batch["loss_mask"]
     loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
-                    labels=batch["labels"], document_ids=batch.get("document_ids"))
+                    labels=batch["labels"], document_ids=batch.get("document_ids"), **extra)
     return step_share(loss_BS, batch["loss_mask"], cp, num_microbatches, per_token)
 
 

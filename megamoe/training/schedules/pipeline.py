@@ -52,6 +52,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megamoe.model.mtp import MTPLossTracker
 from megamoe.model.pipeline_stage import PipelineModel
 from megamoe.moe.global_batch import start_global_batch
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
@@ -202,7 +203,8 @@ class _Stages:
         with torch.set_grad_enabled(not self.forward_only):
             out = self.model.chunks[c](inp, batch["tokens"], batch.get("position_ids"),
                                        batch["labels"] if v == last else None,
-                                       batch.get("document_ids"))
+                                       batch.get("document_ids"),
+                                       batch["loss_mask"] if v == last else None)
             if v == last:
                 out = step_share(out, batch["loss_mask"], self.cp, len(self.batches),
                                  self.per_token)
@@ -229,6 +231,9 @@ def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
     local = MoELossTracker.report(1)  # {name: values of this stage's MoE layers, by layer}
     moe_layers = sorted(layer.layer_index for chunk in model.chunks for layer in chunk.layers
                         if layer.is_moe)
+    moe_layers += [mtp_layer.transformer_layer.layer_index for chunk in model.chunks
+                   if chunk.mtp is not None for mtp_layer in chunk.mtp.layers
+                   if mtp_layer.transformer_layer.is_moe]  # after the decoder's
     names: list[Optional[list[str]]] = [None] * model.pp_size
     dist.all_gather_object(names, sorted(local), group=model.pp_group)
     all_names = sorted({n for per_rank in names for n in per_rank})
@@ -248,6 +253,16 @@ def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
         for layer in range(num_layers):
             if stacked[1, i, layer] > 0:
                 MoELossTracker.record(name, layer, num_layers, stacked[0, i, layer])
+
+
+def _sync_mtp_logging(model: PipelineModel, device: torch.device) -> None:
+    """The MTP losses live on the last stage: sum them over the pipeline group (zeros
+    elsewhere) so every stage reports them."""
+    values = MTPLossTracker.take()
+    if values is None:
+        values = torch.zeros(model.config.mtp_num_layers, dtype=torch.float32, device=device)
+    dist.all_reduce(values, group=model.pp_group)
+    MTPLossTracker.put(values)
 
 
 def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch],
@@ -280,5 +295,8 @@ def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch]
     if grad_sync is not None:
         grad_sync.last_microbatch = False
     dist.all_reduce(stages.total, group=model.pp_group)  # only the last stage holds the loss
-    _sync_moe_logging(model, model.config.num_layers)
+    config = model.config
+    _sync_moe_logging(model, config.num_layers + config.num_mtp_layers)
+    if config.mtp_num_layers and not forward_only:
+        _sync_mtp_logging(model, stages.total.device)
     return stages.total
