@@ -173,6 +173,8 @@ class ModelConfig:
         check_positive(self, "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                        "qk_pos_emb_head_dim", "v_head_dim", "original_max_position_embeddings")
         check_range(self, "rotary_scaling_factor", 0, low_open=True)
+        check_range(self, "mscale", 0)
+        check_range(self, "mscale_all_dim", 0)
         require(self.num_query_groups == self.num_attention_heads,
                 "--multi-latent-attention cannot be combined with --group-query-attention")
         require(not self.add_qkv_bias,
