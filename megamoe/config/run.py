@@ -83,8 +83,6 @@ class RunConfig:
                 f"--context-parallel-size{what} ({split})")
         require(not m.multi_latent_attention, "not supported yet: --multi-latent-attention "
                                               "with --context-parallel-size > 1")
-        require(m.attention_dropout == 0, "not supported yet: --attention-dropout > 0 with "
-                                          "--context-parallel-size > 1")
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even; the vocabulary padding must not depend

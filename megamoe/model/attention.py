@@ -158,12 +158,12 @@ class SelfAttention(nn.Module):
     def cp_core_attention(self, q_BNSD: torch.Tensor, k_BGSD: torch.Tensor,
                           v_BGSD: torch.Tensor,
                           doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Core attention of this cp rank's queries against the whole sequence."""
-        if self.training and self.attention_dropout > 0:
-            raise ValueError("not supported yet: --attention-dropout with "
-                             "--context-parallel-size > 1")
-        return cp_attention(q_BNSD, k_BGSD, v_BGSD, self.cp_group, self.cp_comm_type,
-                            doc_ids_BS)
+        """Core attention of this cp rank's queries against the whole sequence (dropout
+        from this rank's heads' stream, as `core_attention`)."""
+        with self.tp.dropout_rng(split=True):
+            return cp_attention(q_BNSD, k_BGSD, v_BGSD, self.cp_group, self.cp_comm_type,
+                                doc_ids_BS, dropout_p=self.attention_dropout
+                                if self.training else 0.0)
 
 
 def split_qkv_weight(w: torch.Tensor, config: ModelConfig

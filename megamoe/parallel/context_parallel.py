@@ -26,6 +26,13 @@ the op (allgather):
 Per block the scores are formed explicitly in fp32 ([B, heads, 2c, 2c]: per block, never
 per sequence), portable to every device; a fused kernel returning the log-sum-exp could
 replace `_block_forward` / `_block_backward` without touching the ring.
+
+Attention dropout (`dropout_p`, training): each block's keep-mask is drawn from the
+device generator (the caller's dropout stream) when the block's forward runs, after noting
+the generator's state; the recomputing backward draws it again from that state. Dropout
+applies to the block's probabilities normalised by its own log-sum-exp, so the merge gives
+exactly dropout(softmax(scores)) V over the whole sequence; the backward's delta =
+rowsum(dout * out) is unchanged by dropout (FlashAttention's identity).
 """
 
 from __future__ import annotations
@@ -100,16 +107,58 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _block_forward(q, k, v, mask, scale):
+class _Dropout:
+    """Keep-masks (scaled by 1 / (1 - p)) of one call's blocks, reproducible in backward:
+    `forward_keep` notes the device generator's state and draws; `backward_keep` draws
+    again from that state, leaving the generator as it was."""
+
+    def __init__(self, p: float):
+        self.p, self.states = p, []
+
+    def _draw(self, shape, device, dtype) -> torch.Tensor:
+        return (torch.rand(shape, device=device, dtype=dtype) >= self.p).to(dtype) / (
+            1.0 - self.p)
+
+    def forward_keep(self, shape, device, dtype) -> Optional[torch.Tensor]:
+        if self.p == 0:
+            return None
+        self.states.append(_rng_state(device))
+        return self._draw(shape, device, dtype)
+
+    def backward_keep(self, i: int, shape, device, dtype) -> Optional[torch.Tensor]:
+        if self.p == 0:
+            return None
+        now = _rng_state(device)
+        _set_rng_state(device, self.states[i])
+        try:
+            return self._draw(shape, device, dtype)
+        finally:
+            _set_rng_state(device, now)
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The generator state of `device` (for CUDA a host copy of seed and offset: no sync)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _block_forward(q, k, v, mask, scale, keep=None):
     """(out [B, N, Sq, D], lse [B, N, Sq]) in `_acc` precision of q against one K/V
-    block; rows with no visible key get out 0 and lse -inf."""
+    block; rows with no visible key get out 0 and lse -inf. `keep`: the block's dropout
+    keep-mask (scaled), applied to the probabilities, not to the log-sum-exp."""
     acc = _acc(q)
     k, v = _expand_groups(k, q.shape[1]).to(acc), _expand_groups(v, q.shape[1]).to(acc)
     s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
-    return torch.matmul(p, v), lse
+    return torch.matmul(p if keep is None else p * keep, v), lse
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -120,15 +169,20 @@ def _merge(out, lse, out_b, lse_b):
     return out * w + out_b * w_b, new
 
 
-def _block_backward(q, k, v, lse, dout, delta, mask, scale):
-    """(dq, dk, dv) of one block, from the final lse and delta = rowsum(dout * out)."""
+def _block_backward(q, k, v, lse, dout, delta, mask, scale, keep=None):
+    """(dq, dk, dv) of one block, from the final lse and delta = rowsum(dout * out);
+    `keep`: the block's forward dropout keep-mask."""
     heads, groups, acc = q.shape[1], k.shape[1], _acc(q)
     ke, ve = _expand_groups(k, heads).to(acc), _expand_groups(v, heads).to(acc)
     s = torch.matmul(q.to(acc), ke.transpose(-1, -2)) * scale
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
     p = torch.exp(s - safe).masked_fill(~mask, 0.0)
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dp = torch.matmul(dout, ve.transpose(-1, -2))
+    if keep is not None:
+        dv, dp = torch.matmul((p * keep).transpose(-1, -2), dout), dp * keep
+    else:
+        dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (dp - delta.unsqueeze(-1))
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
     if heads != groups:  # sum the query heads sharing each kv group
@@ -165,7 +219,7 @@ class _Ring:
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ids_BS, group, comm_type, scale):
+    def forward(ctx, q, k, v, ids_BS, group, comm_type, scale, dropout_p):
         ring = _Ring(group)
         r, cp = ring.rank, ring.size
         pos = cp_positions(q.shape[2], r, cp, q.device)
@@ -174,6 +228,7 @@ class _CPAttention(torch.autograd.Function):
         if comm_type == "allgather":
             kv_full = all_gather_no_grad(kv[None], group)  # [CP, 2, B, G, Sl, D]
         out = lse = None
+        drop = _Dropout(dropout_p)
         for i in range(cp):
             src = (r - i) % cp
             works = None
@@ -182,13 +237,14 @@ class _CPAttention(torch.autograd.Function):
             blk = kv if comm_type == "p2p" else kv_full[src]
             mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
                          None if all_ids is None else all_ids[src])
-            o_b, l_b = _block_forward(q, blk[0], blk[1], mask, scale)
+            keep = drop.forward_keep(_scores_shape(q, blk), q.device, _acc(q))
+            o_b, l_b = _block_forward(q, blk[0], blk[1], mask, scale, keep)
             out, lse = (o_b, l_b) if out is None else _merge(out, lse, o_b, l_b)
             if works is not None:
                 ring.wait(works)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, ids_BS, all_ids)
-        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
+        ctx.group, ctx.comm_type, ctx.scale, ctx.drop = group, comm_type, scale, drop
         return out.to(q.dtype)
 
     @staticmethod
@@ -213,8 +269,9 @@ class _CPAttention(torch.autograd.Function):
             blk = kv if ctx.comm_type == "p2p" else kv_all[src]
             mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
                          None if all_ids is None else all_ids[src])
+            keep = ctx.drop.backward_keep(i, _scores_shape(q, blk), q.device, _acc(q))
             dq_b, dk_b, dv_b = _block_backward(q, blk[0], blk[1], lse, dout, delta, mask,
-                                               ctx.scale)
+                                               ctx.scale, keep)
             dq += dq_b
             if ctx.comm_type == "allgather":
                 dkv_all[src, 0] += dk_b
@@ -231,7 +288,13 @@ class _CPAttention(torch.autograd.Function):
             dkv = dkv_next
         if ctx.comm_type == "allgather":
             dkv = _reduce_scatter_blocks(dkv_all, ctx.group)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None, None, None, None, None)
+
+
+def _scores_shape(q: torch.Tensor, blk: torch.Tensor) -> tuple[int, int, int, int]:
+    """[B, N, Sq, Sk] of one block's scores."""
+    return (q.shape[0], q.shape[1], q.shape[2], blk.shape[-2])
 
 
 def ring_bytes_per_layer(num_query_groups: int, kv_channels: int, tokens_per_rank: float,
@@ -256,10 +319,11 @@ def _reduce_scatter_blocks(x: torch.Tensor, group: Group) -> torch.Tensor:
 def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                  group: Group, comm_type: str = "p2p",
                  document_ids_BS: Optional[torch.Tensor] = None,
-                 scale: Optional[float] = None) -> torch.Tensor:
+                 scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal (and, with `document_ids_BS`, document-causal) attention of this cp rank's
     queries [B, N, S/CP, D] against the whole sequence's keys/values, given as this
-    rank's [B, G, S/CP, D] in the `split_for_cp` layout; returns [B, N, S/CP, D]."""
+    rank's [B, G, S/CP, D] in the `split_for_cp` layout; returns [B, N, S/CP, D].
+    `dropout_p`: attention dropout, drawn from the current device generator."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"not supported yet: --cp-comm-type {comm_type}")
     scale = 1.0 / math.sqrt(q_BNSD.shape[-1]) if scale is None else scale
@@ -267,8 +331,8 @@ def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tenso
         mask = _mask(*(torch.arange(q_BNSD.shape[2], device=q_BNSD.device),) * 2,
                      document_ids_BS, document_ids_BS)
         return torch.nn.functional.scaled_dot_product_attention(
-            q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale,
+            q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale, dropout_p=dropout_p,
             enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
     ids = None if document_ids_BS is None else document_ids_BS.contiguous()
     return _CPAttention.apply(q_BNSD, k_BGSD.contiguous(), v_BGSD.contiguous(), ids, group,
-                              comm_type, scale)
+                              comm_type, scale, dropout_p)

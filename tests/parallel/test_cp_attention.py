@@ -142,3 +142,64 @@ def test_planner_ring_volume_is_what_the_ring_sends(cp):
     predicted = ring_bytes_per_layer(G, D, B * S / cp, cp, dtype_bytes=4)
     for sent in run_distributed(_count_ring_bytes, cp, 120):
         assert sent == predicted, (sent, predicted)
+
+
+def _dropout_worker(rank, world_size, comm_type):
+    """CP attention with dropout; returns this rank's output, q/k/v gradients and the keep
+    masks of its blocks (by source rank) as the forward drew them."""
+    import megamoe.parallel.context_parallel as cp_module
+
+    q, k, v, dout, ids = _inputs()
+    group = dist.new_group(list(range(world_size)))
+    local = [split_for_cp(t, rank, world_size, dim=2).clone().requires_grad_()
+             for t in (q, k, v)]
+    drawn = []
+    original = cp_module._Dropout.forward_keep
+
+    def spy(self, shape, device, dtype):
+        keep = original(self, shape, device, dtype)
+        drawn.append(keep.clone())
+        return keep
+
+    cp_module._Dropout.forward_keep = spy
+    try:
+        torch.manual_seed(100 + rank)
+        out = cp_attention(*local, group, comm_type, split_for_cp(ids, rank, world_size, 1),
+                           dropout_p=0.3)
+    finally:
+        cp_module._Dropout.forward_keep = original
+    torch.rand(7)  # the backward must redraw from the noted states, not the current one
+    out.backward(split_for_cp(dout, rank, world_size, dim=2))
+    keeps = {(rank - i) % world_size: m for i, m in enumerate(drawn)}
+    return [t.numpy() for t in (out.detach(), *(t.grad for t in local))], {
+        src: m.numpy() for src, m in keeps.items()}
+
+
+@pytest.mark.parametrize("cp,comm_type", [(2, "p2p"), (4, "allgather")])
+def test_cp_attention_dropout_equals_full_attention_with_the_same_masks(cp, comm_type):
+    """Each block's dropout is the full attention's dropout restricted to that block: with
+    the keep masks the ranks drew assembled into one [S, S] mask, the reference
+    softmax(scores) * keep @ V and its gradients equal what the ranks computed (the
+    backward redrew the masks from the generator states it noted)."""
+    from megamoe.parallel.context_parallel import cp_positions
+
+    results = run_distributed(_dropout_worker, cp, 120, comm_type)
+    q, k, v, dout, ids = _inputs()
+    keep = torch.zeros(B, N, S, S, dtype=torch.float64)
+    for r, (_, keeps) in enumerate(results):
+        rows = cp_positions(S // cp, r, cp, "cpu")
+        for src, m in keeps.items():
+            cols = cp_positions(S // cp, src, cp, "cpu")
+            keep[:, :, rows[:, None], cols[None, :]] = torch.as_tensor(m)
+    assert 0.5 < float((keep > 0).double().mean()) < 0.9  # about 1 - p kept
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = (torch.ones(S, S, dtype=torch.bool).tril() & (ids[:, :, None] == ids[:, None]))
+    rep = N // G
+    s = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / D ** 0.5
+    p = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), dim=-1)
+    out = (p * keep) @ v.repeat_interleave(rep, 1)
+    out.backward(dout)
+    for r, (got, _) in enumerate(results):
+        want = [split_for_cp(t, r, cp, dim=2) for t in (out.detach(), q.grad, k.grad, v.grad)]
+        for a, b in zip(got, want):
+            assert (torch.as_tensor(a) - b).abs().max() < 1e-12, r

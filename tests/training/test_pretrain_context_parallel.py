@@ -95,13 +95,32 @@ def test_cp_layouts_match_single_process(layout, world, single_extra, docs):
 
 @pytest.mark.parametrize("extra,message", [
     ("--context-parallel-size 2 --cp-comm-type a2a", "not supported yet: --cp-comm-type a2a"),
-    ("--context-parallel-size 2 --attention-dropout 0.1", "not supported yet: --attention-drop"),
     ("--context-parallel-size 3", "must be divisible by 2 x --context-parallel-size"),
 ])
 def test_cp_refusals(capsys, extra, message):
     world = 3 if "size 3" in extra else 2
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}",
                                   world_size=world)
+
+
+def _history(rank: int, world_size: int, extra: str) -> list[dict]:
+    return _train(f"{CP_BASE} {extra}", world_size)[0]
+
+
+@pytest.mark.slow
+def test_cp_attention_dropout_is_replayed_by_recompute():
+    """With attention dropout under CP (masks drawn per ring block), recomputing the core
+    attention replays the same masks: the run equals the one without recompute, and both
+    differ from the run without dropout."""
+    cp2 = f"--context-parallel-size 2 {DOCS} --attention-dropout 0.3"
+    plain = run_distributed(_history, 2, 300, cp2)[0]
+    replayed = run_distributed(_history, 2, 300, f"{cp2} --recompute-granularity selective "
+                               "--recompute-modules core_attn")[0]
+    no_dropout = run_distributed(_history, 2, 300, cp2.replace("0.3", "0.0"))[0]
+    for a, b in zip(plain, replayed):
+        for k in ("lm loss", "grad norm"):
+            assert abs(a[k] - b[k]) <= 1e-6 * abs(a[k]), (k, plain, replayed)
+    assert abs(plain[0]["lm loss"] - no_dropout[0]["lm loss"]) > 1e-4
 
 
 def _lm_losses(rank: int, world_size: int, extra: str) -> list[float]:
