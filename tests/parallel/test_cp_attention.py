@@ -65,7 +65,8 @@ def _worker(rank, world_size, comm_type, docs):
 
 
 @pytest.mark.parametrize("cp,comm_type,docs", [
-    (2, "p2p", False), (2, "p2p", True), (4, "p2p", True), (4, "allgather", True),
+    (2, "p2p", False), (2, "p2p", True), (4, "allgather", True),
+    pytest.param(4, "p2p", True, marks=pytest.mark.slow),
     pytest.param(4, "p2p", False, marks=pytest.mark.slow),
     pytest.param(2, "allgather", False, marks=pytest.mark.slow),
 ])
@@ -135,7 +136,7 @@ def _count_ring_bytes(rank, world_size):
     return sum(sent)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_planner_ring_volume_is_what_the_ring_sends(cp):
     """The planner's CP cost (ring_bytes_per_layer) equals the bytes the real ring sends
     per rank for one layer's forward and backward."""
