@@ -99,3 +99,34 @@ def test_mla_checkpoint_reshards_between_tp2_and_tp1(tmp_path):
     for losses in run_distributed(_losses_worker, 2, 300,
                                   f"{tp2} --ckpt-format torch_dist --load {src1}"):
         assert losses == pytest.approx(reference[2:], rel=1e-5)
+
+
+# The whole DeepSeek-V3 recipe at tiny size: MLA (above), sigmoid scores with
+# group-limited top-k, a scaling factor and the aux-loss-free expert bias, a shared
+# expert, the sequence aux loss, a dense first layer and one MTP depth.
+DSV3 = ("--moe-router-score-function sigmoid --moe-router-num-groups 2 "
+        "--moe-router-group-topk 1 --moe-router-enable-expert-bias "
+        "--moe-router-topk-scaling-factor 2.5 --moe-shared-expert-intermediate-size 24 "
+        "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3 "
+        "--mtp-num-layers 1")
+DSV3_KEYS = ("lm loss", "seq_load_balancing_loss", "z_loss", "mtp_1 loss", "grad norm")
+_SINGLE_DSV3: list[list[dict]] = []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,world", [
+    ("--tensor-model-parallel-size 2 --sequence-parallel", 2),
+    ("--pipeline-model-parallel-size 2", 2),
+    ("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall", 2),
+    ("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer", 4),
+], ids=["tp2sp", "pp2", "ep2", "ep2-tp2sp-distopt"])
+def test_deepseek_v3_recipe_matches_single_process(layout, world):
+    """MLA + MTP + DeepSeek-V3 routing: every layout trains with the single-process lm
+    loss, MTP loss, balancing losses and grad norms (fp32, rel 1e-5)."""
+    if not _SINGLE_DSV3:
+        _SINGLE_DSV3.append(_history(DSV3, 1))
+    single = _SINGLE_DSV3[0]
+    assert all(h["mtp_1 loss"] > 0 for h in single)
+    for hist in run_distributed(_worker, world, 300, f"{DSV3} {layout}"):
+        _same(single, hist, DSV3_KEYS)
