@@ -27,7 +27,7 @@ def test_all_presets_present():
     names = {os.path.basename(p) for p in PRESETS}
     assert {"mixtral-8x7b.yaml", "mixtral-8x22b.yaml", "deepseek-moe-16b.yaml", "tiny.yaml",
             "tiny-mixtral-cpu.yaml", "qwen3-30b-a3b.yaml", "qwen3-235b-a22b.yaml",
-            "olmoe-1b-7b.yaml"} <= names
+            "olmoe-1b-7b.yaml", "deepseek-v3.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
@@ -141,6 +141,11 @@ TINY_HF = {  # small configs of each family with every option the count depends 
                                 num_experts=6, tie_word_embeddings=True),
     "OlmoeForCausalLM": dict(intermediate_size=24, num_experts=6, rms_norm_eps=1e-6),
     "MixtralForCausalLM": dict(intermediate_size=24, num_local_experts=6),
+    "DeepseekV3ForCausalLM": dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+                                  qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=6,
+                                  n_shared_experts=2, moe_intermediate_size=12,
+                                  intermediate_size=40, first_k_dense_replace=1, n_group=2,
+                                  topk_group=1),
 }
 
 
@@ -164,3 +169,33 @@ def test_hf_count_equals_transformers(arch):
             with torch.device("meta"):
                 big = cls(cls.config_class.from_dict(published))
             assert hf_num_parameters(published)[0] == sum(p.numel() for p in big.parameters())
+
+
+def test_deepseek_v3_preset_has_the_published_models_parameter_count(capsys):
+    """configs/deepseek-v3.yaml: megamoe's count (with its one MTP depth) equals the count
+    computed from DeepSeek-V3's config.json (671,026,404,352 without MTP, which is
+    transformers' own count of that config, built on the meta device; plus the MTP
+    module's own 11,610,067,968), and --dry-run reports it."""
+    import torch
+    import transformers
+
+    from megamoe.model import num_parameters
+    from megamoe.model.hf_counts import deepseek_v3_mtp_parameters, hf_num_parameters
+
+    cfg = json.load(open(os.path.join(HF_CONFIGS, "deepseek-v3.json")))
+    total, active = hf_num_parameters(cfg)
+    mtp_total, mtp_active, mtp_in_files = deepseek_v3_mtp_parameters(cfg)
+    assert (total, active) == (671_026_404_352, 37_552_282_624)
+    assert total + mtp_in_files == 684_489_830_400  # the model card's "685B"
+    args, model = _model_config(["--config", os.path.join(ROOT, "configs",
+                                                          "deepseek-v3.yaml")],
+                                cfg["vocab_size"])
+    assert model.padded_vocab_size == cfg["vocab_size"]
+    assert num_parameters(model) == (total + mtp_total, active + mtp_active)
+    published = {k: v for k, v in cfg.items() if k != "rope_scaling"}  # counts only
+    with torch.device("meta"):
+        big = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**published))
+    assert sum(p.numel() for p in big.parameters()) == total
+    pretrain(args, print_fn=print)  # --dry-run: the memory/size report
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["parameters"] == total + mtp_total, out
