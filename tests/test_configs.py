@@ -196,6 +196,18 @@ def test_deepseek_v3_preset_has_the_published_models_parameter_count(capsys):
     with torch.device("meta"):
         big = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**published))
     assert sum(p.numel() for p in big.parameters()) == total
+    # the converter's flags for that config.json build the same network (the balancing
+    # losses and the init std are training choices config.json does not record)
+    from megamoe.config import to_dict
+    from megamoe.model.hf_families import family_of_config
+
+    _, converted = _model_config(family_of_config(cfg).flags(cfg), cfg["vocab_size"])
+    mine, theirs = to_dict(model), to_dict(converted)
+    for d in (mine, theirs):
+        d.pop("init_method_std")
+        for k in ("load_balancing_types", "aux_loss_coeffs", "z_loss_coeff"):
+            d["moe"].pop(k)
+    assert mine == theirs
     pretrain(args, print_fn=print)  # --dry-run: the memory/size report
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["parameters"] == total + mtp_total, out

@@ -8,6 +8,9 @@
                                        dense layers
     olmoe       OlmoeForCausalLM       q/k RMSNorm over the whole projections
                                        (--qk-layernorm-scope projection)
+    deepseek_v3 DeepseekV3ForCausalLM  multi-latent attention (YaRN), sigmoid group-limited
+                                       routing with a correction bias, shared experts,
+                                       dense first layers, MTP layers
 
 A family knows (1) which config.json it reads and why it refuses one (`config_error`),
 (2) the pretrain_gpt.py flags that build the same network (`flags`), (3) whether a
@@ -17,8 +20,7 @@ as Megatron's: HF's softmax over all experts then top-k, renormalised when norm_
 (Mixtral: always), equals Megatron's top-k then softmax over the k logits (the default);
 without renormalisation it is --moe-router-pre-softmax. HF's dense-layer rule ((i + 1) %
 decoder_sparse_step == 0 and i not in mlp_only_layers) becomes an explicit
---moe-layer-freq list. DeepSeek-V3 plugs in as one more subclass (with its own WeightMap
-for multi-latent attention) once megamoe has MLA.
+--moe-layer-freq list. DeepSeek-V3 has its own WeightMap (hf_mla.DeepSeekV3Weights).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Optional
 
 from megamoe.config import ModelConfig
 from megamoe.model.hf_mapping import MIXTRAL, QWEN_NAMES, WeightMap
+from megamoe.model.hf_mla import DEEPSEEK_V3
 
 
 def _rope_theta(cfg: dict, default: float) -> float:
@@ -116,6 +119,10 @@ class HFFamily:
     def extra_flags(self, cfg: dict) -> list:
         return []
 
+    def config_for_weights(self, cfg: dict, keys) -> dict:
+        """`cfg` as the weights at hand realise it (DeepSeek-V3: the MTP layers present)."""
+        return cfg
+
     # ------------------------------------------------------------ megamoe -> config.json
 
     def export_error(self, config: ModelConfig) -> Optional[str]:
@@ -134,6 +141,8 @@ class HFFamily:
             (moe.topk_scaling_factor not in (None, 1.0), "--moe-router-topk-scaling-factor"),
             (moe.num_groups is not None, "--moe-router-num-groups"),
             (moe.enable_expert_bias, "--moe-router-enable-expert-bias"),
+            (config.multi_latent_attention, "--multi-latent-attention"),
+            (bool(config.mtp_num_layers), "--mtp-num-layers"),
         ]
         return next((why for bad, why in checks if bad), None) or self.family_error(config)
 
@@ -288,8 +297,153 @@ class OlmoeFamily(HFFamily):
                 "pad_token_id": None, "eos_token_id": None}
 
 
+class DeepSeekV3Family(HFFamily):
+    """DeepSeek-V3: multi-latent attention with YaRN, first_k_dense_replace dense layers,
+    sigmoid routing limited to topk_group of n_group groups, normalised and scaled by
+    routed_scaling_factor, the aux-loss-free correction bias (--moe-router-enable-expert-
+    bias), shared experts without a gate, and num_nextn_predict_layers MTP depths.
+    Megatron scores a group by its top (topk / group_topk) experts, transformers by its
+    top 2: configs where those differ are refused (DeepSeek-V3: 8 / 4 = 2)."""
+
+    name = "deepseek_v3"
+    architecture = "DeepseekV3ForCausalLM"
+    weights = DEEPSEEK_V3
+
+    def config_error(self, cfg: dict) -> Optional[str]:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        yarn_fixed = {"original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1}
+        groups = cfg.get("n_group") or 1
+        checks = [
+            (cfg.get("hidden_act", "silu") != "silu", "hidden_act other than silu"),
+            (cfg.get("attention_bias", False), "attention_bias (MLA has no biases)"),
+            (kind not in ("default", "yarn"), f"rope_type {kind!r} is not supported"),
+            (kind == "yarn" and any(rope.get(k, v) != v for k, v in yarn_fixed.items()),
+             f"YaRN constants other than {yarn_fixed} (megamoe has no flags for them)"),
+            (cfg.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than "
+             "sigmoid"),
+            (not cfg.get("norm_topk_prob", True), "norm_topk_prob false (Megatron's sigmoid "
+             "routing always normalises the top-k)"),
+            (groups > 1 and cfg["num_experts_per_tok"] != 2 * cfg["topk_group"],
+             "num_experts_per_tok != 2 x topk_group (transformers scores a group by its top "
+             "2 experts, Megatron by its top num_experts_per_tok / topk_group)"),
+            (cfg.get("moe_layer_freq", 1) != 1, "moe_layer_freq other than 1"),
+            (not cfg.get("n_shared_experts"), "no shared experts (n_shared_experts)"),
+        ]
+        return next((why for bad, why in checks if bad), None)
+
+    def num_experts(self, cfg: dict) -> int:
+        return cfg["n_routed_experts"]
+
+    def config_for_weights(self, cfg: dict, keys) -> dict:
+        """The MTP depths are the MTP layers the files hold: DeepSeek's own checkpoints
+        carry num_nextn_predict_layers of them, transformers saves none (and keeps the
+        field), so a model saved by transformers converts without MTP."""
+        n, keys = cfg["num_hidden_layers"], set(keys)
+        depths = 0
+        while (depths < cfg.get("num_nextn_predict_layers", 0)
+               and f"model.layers.{n + depths}.eh_proj.weight" in keys):
+            depths += 1
+        return {**cfg, "num_nextn_predict_layers": depths}
+
+    def expert_ffn(self, cfg: dict) -> int:
+        return cfg["moe_intermediate_size"]
+
+    def layer_pattern(self, cfg: dict) -> list[int]:
+        k = cfg.get("first_k_dense_replace", 0)
+        return [int(i >= k) for i in range(cfg["num_hidden_layers"])]
+
+    def flags(self, cfg: dict) -> list[str]:
+        base = super().flags(cfg)
+        gqa = base.index("--group-query-attention")
+        del base[gqa:gqa + 3]  # MLA: every head its own (latent) keys
+        kv = base.index("--kv-channels")
+        del base[kv:kv + 2]
+        return base
+
+    def extra_flags(self, cfg: dict) -> list:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        flags = ["--multi-latent-attention", "--qk-layernorm",
+                 "--kv-lora-rank", cfg["kv_lora_rank"],
+                 "--qk-head-dim", cfg["qk_nope_head_dim"],
+                 "--qk-pos-emb-head-dim", cfg["qk_rope_head_dim"],
+                 "--v-head-dim", cfg["v_head_dim"],
+                 "--moe-shared-expert-intermediate-size",
+                 cfg["n_shared_experts"] * cfg["moe_intermediate_size"],
+                 "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-topk-scaling-factor", cfg.get("routed_scaling_factor", 1.0)]
+        if cfg.get("q_lora_rank") is not None:
+            flags += ["--q-lora-rank", cfg["q_lora_rank"]]
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            flags += ["--rotary-scaling-factor", rope["factor"],
+                      "--mscale", rope.get("mscale", 1.0),
+                      "--mscale-all-dim", rope.get("mscale_all_dim", 0.0)]
+        else:
+            flags += ["--rope-type", "rope"]
+        if (cfg.get("n_group") or 1) > 1:
+            flags += ["--moe-router-num-groups", cfg["n_group"],
+                      "--moe-router-group-topk", cfg["topk_group"]]
+        if cfg.get("num_nextn_predict_layers"):
+            flags += ["--mtp-num-layers", cfg["num_nextn_predict_layers"]]
+        return flags
+
+    def export_error(self, config: ModelConfig) -> Optional[str]:
+        moe = config.moe
+        if moe is None or not config.multi_latent_attention:
+            return "not a multi-latent-attention MoE model (--multi-latent-attention)"
+        k = config.moe_layer_pattern.index(1) if 1 in config.moe_layer_pattern else 0
+        checks = [
+            (config.normalization != "RMSNorm", "--normalization LayerNorm"),
+            (not config.swiglu or config.add_bias_linear, "no --swiglu, or linear biases"),
+            (not config.qk_layernorm, "no latent norms (--qk-layernorm)"),
+            (config.rotary_percent != 1.0, "--rotary-percent < 1"),
+            (config.moe_layer_pattern != [0] * k + [1] * (config.num_layers - k),
+             "dense layers after the first MoE layer"),
+            (moe.score_function != "sigmoid" or not moe.enable_expert_bias,
+             "DeepSeek-V3 routes by sigmoid scores with the expert bias"),
+            (moe.shared_expert_intermediate_size is None or moe.shared_expert_gate,
+             "DeepSeek-V3 has ungated shared experts"),
+            (moe.shared_expert_intermediate_size is not None
+             and moe.shared_expert_intermediate_size % moe.ffn_hidden_size,
+             "a shared expert size that is not a multiple of --moe-ffn-hidden-size"),
+            (moe.num_groups is not None and moe.topk != 2 * moe.group_topk,
+             "--moe-router-topk != 2 x --moe-router-group-topk"),
+        ]
+        return next((why for bad, why in checks if bad), None)
+
+    def config_fields(self, config: ModelConfig) -> dict:
+        moe, c = config.moe, config
+        k = c.moe_layer_pattern.index(1)
+        rope = ({"rope_type": "yarn", "rope_theta": c.rotary_base,
+                 "factor": c.rotary_scaling_factor, "mscale": c.mscale,
+                 "mscale_all_dim": c.mscale_all_dim,
+                 "original_max_position_embeddings": c.original_max_position_embeddings,
+                 "beta_fast": c.beta_fast, "beta_slow": c.beta_slow}
+                if c.mla_rope_type == "yarn" else
+                {"rope_type": "default", "rope_theta": c.rotary_base})
+        return dict(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+            intermediate_size=c.ffn_hidden_size, moe_intermediate_size=moe.ffn_hidden_size,
+            num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_attention_heads,
+            n_shared_experts=moe.shared_expert_intermediate_size // moe.ffn_hidden_size,
+            n_routed_experts=moe.num_experts, num_experts_per_tok=moe.topk,
+            routed_scaling_factor=moe.topk_scaling_factor or 1.0,
+            kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank,
+            qk_rope_head_dim=c.qk_pos_emb_head_dim, qk_nope_head_dim=c.qk_head_dim,
+            v_head_dim=c.v_head_dim, n_group=moe.num_groups or 1,
+            topk_group=moe.group_topk or 1, first_k_dense_replace=k, norm_topk_prob=True,
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_epsilon,
+            rope_parameters=rope, attention_bias=False,
+            attention_dropout=c.attention_dropout,
+            tie_word_embeddings=not c.untie_embeddings_and_output_weights,
+            initializer_range=c.init_method_std,
+            num_nextn_predict_layers=c.mtp_num_layers or 0)
+
+
 FAMILIES: dict[str, HFFamily] = {f.name: f for f in (
-    HFFamily(), Qwen2MoeFamily(), Qwen3MoeFamily(), OlmoeFamily())}
+    HFFamily(), Qwen2MoeFamily(), Qwen3MoeFamily(), OlmoeFamily(), DeepSeekV3Family())}
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 
 

@@ -1,5 +1,6 @@
-"""Hugging Face DeepSeek-V2/V3 attention (`DeepseekV3Attention`) <-> megamoe's
-MLASelfAttention names, one layer at a time (for the DeepSeek-V3 converter).
+"""Hugging Face DeepSeek-V3 (`DeepseekV3ForCausalLM`) <-> GPTModel weights: the attention
+(`DeepseekV3Attention` <-> MLASelfAttention, one layer at a time) and the whole model
+(`DeepSeekV3Weights`, with the router's correction bias, shared experts and MTP layers).
 
 The tensors are equal (both head-major, DeepSeek's rope_interleave pair order, see
 model/mla.py), so the mapping only renames. It pops what it maps from `src`, so a caller
@@ -20,7 +21,12 @@ mscale = mscale_all_dim = 1.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+
+from megamoe.config import ModelConfig
+from megamoe.model.hf_mapping import QWEN_NAMES, WeightMap, _unmapped
 
 Tensor = torch.Tensor
 
@@ -59,3 +65,103 @@ def mla_to_hf(src: dict[str, Tensor], mm_prefix: str, hf_prefix: str) -> dict[st
         if key in src:
             out[f"{hf_prefix}.{hf}"] = src.pop(key)
     return out
+
+
+class DeepSeekV3Weights(WeightMap):
+    """DeepseekV3ForCausalLM <-> GPTModel: multi-latent attention (the renames above), a
+    sigmoid router whose `e_score_correction_bias` is megamoe's `router.expert_bias`, the
+    shared experts (`mlp.shared_experts.*`, no gate), dense first layers, and the MTP
+    depths DeepSeek's files store as extra layers `model.layers.{N + k}` (N =
+    num_hidden_layers): enorm, hnorm, eh_proj, a decoder layer's tensors, and
+    shared_head.norm = megamoe's mtp final_layernorm. Each MTP layer's `embed_tokens` and
+    `shared_head.head` are copies of the model's embedding and output layer: on import
+    they must equal them (megamoe shares one tensor), on export they are written out as
+    DeepSeek's files carry them. transformers builds no MTP module and ignores them."""
+
+    def __init__(self):
+        super().__init__(QWEN_NAMES)
+
+    # ------------------------------------------------------------ HF -> GPTModel
+
+    def to_megamoe(self, hf_state_dict: Mapping[str, Tensor], config: ModelConfig
+                   ) -> dict[str, Tensor]:
+        main, mtp = {}, {}
+        for k, t in hf_state_dict.items():
+            layer = k.split(".")[2] if k.startswith("model.layers.") else None
+            (mtp if layer is not None and int(layer) >= config.num_layers else main)[k] = t
+        out = super().to_megamoe(main, config)
+        for depth in range(config.mtp_num_layers or 0):
+            self._mtp_to_megamoe(mtp, out, depth, config)
+        _unmapped(mtp, "unmapped Hugging Face keys")
+        return out
+
+    def _mtp_to_megamoe(self, src: dict, out: dict, depth: int, config: ModelConfig) -> None:
+        hf, mm = f"model.layers.{config.num_layers + depth}", f"mtp.layers.{depth}"
+        for name, shared in (("embed_tokens.weight", "embedding.word_embeddings.weight"),
+                             ("shared_head.head.weight", "output_layer.weight")):
+            copy = src.pop(f"{hf}.{name}", None)
+            whole = out.get(shared, out["embedding.word_embeddings.weight"])
+            if copy is not None and not torch.equal(copy, whole[:copy.shape[0]]):
+                raise ValueError(f"{hf}.{name} differs from the model's {shared} (megamoe's "
+                                 "MTP shares it)")
+        for name in ("enorm", "hnorm", "eh_proj"):
+            out[f"{mm}.{name}.weight"] = src.pop(f"{hf}.{name}.weight")
+        out[f"{mm}.final_layernorm.weight"] = src.pop(f"{hf}.shared_head.norm.weight")
+        layer = f"{mm}.transformer_layer"
+        out[f"{layer}.input_layernorm.weight"] = src.pop(f"{hf}.input_layernorm.weight")
+        out[f"{layer}.pre_mlp_layernorm.weight"] = src.pop(
+            f"{hf}.post_attention_layernorm.weight")
+        self.attention_to_megamoe(src, out, f"{hf}.self_attn", f"{layer}.self_attention")
+        self.moe_to_megamoe(src, out, hf, f"{layer}.mlp", config)
+
+    def attention_to_megamoe(self, src: dict, out: dict, hf: str, mm: str) -> None:
+        out.update(mla_from_hf(src, hf, mm))
+
+    def moe_to_megamoe(self, src: dict, out: dict, hf_layer: str, mm: str,
+                       config: ModelConfig) -> None:
+        prefix = f"{hf_layer}.mlp"
+        out[f"{mm}.router.weight"] = src.pop(f"{prefix}.gate.weight")
+        out[f"{mm}.router.expert_bias"] = src.pop(
+            f"{prefix}.gate.e_score_correction_bias").float()
+        fc1, fc2 = self._experts(src, prefix, config.moe.num_experts)
+        out[f"{mm}.experts.fc1_weight"], out[f"{mm}.experts.fc2_weight"] = fc1, fc2
+        out.update(self._mlp_to_megamoe(src, f"{prefix}.shared_experts", f"{mm}.shared_experts"))
+
+    # ------------------------------------------------------------ GPTModel -> HF
+
+    def to_hf(self, state_dict: Mapping[str, Tensor], config: ModelConfig, *,
+              fused_experts: bool = False) -> dict[str, Tensor]:
+        main = {k: t for k, t in state_dict.items() if not k.startswith("mtp.")}
+        mtp = {k: t for k, t in state_dict.items() if k.startswith("mtp.")}
+        out = super().to_hf(main, config, fused_experts=fused_experts)
+        for depth in range(config.mtp_num_layers or 0):
+            hf, mm = f"model.layers.{config.num_layers + depth}", f"mtp.layers.{depth}"
+            out[f"{hf}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+            out[f"{hf}.shared_head.head.weight"] = out.get(
+                "lm_head.weight", out["model.embed_tokens.weight"]).clone()
+            for name in ("enorm", "hnorm", "eh_proj"):
+                out[f"{hf}.{name}.weight"] = mtp.pop(f"{mm}.{name}.weight")
+            out[f"{hf}.shared_head.norm.weight"] = mtp.pop(f"{mm}.final_layernorm.weight")
+            layer = f"{mm}.transformer_layer"
+            out[f"{hf}.input_layernorm.weight"] = mtp.pop(f"{layer}.input_layernorm.weight")
+            out[f"{hf}.post_attention_layernorm.weight"] = mtp.pop(
+                f"{layer}.pre_mlp_layernorm.weight")
+            self.attention_to_hf(mtp, out, f"{hf}.self_attn", f"{layer}.self_attention",
+                                 config)
+            self.moe_to_hf(mtp, out, hf, f"{layer}.mlp", fused_experts)
+        _unmapped(mtp, "GPTModel keys with no Hugging Face name")
+        return out
+
+    def attention_to_hf(self, src: dict, out: dict, hf: str, mm: str,
+                        config: ModelConfig) -> None:
+        out.update(mla_to_hf(src, mm, hf))
+
+    def moe_to_hf(self, src: dict, out: dict, hf_layer: str, mm: str,
+                  fused_experts: bool) -> None:
+        prefix = f"{hf_layer}.mlp"
+        out[f"{prefix}.gate.e_score_correction_bias"] = src.pop(f"{mm}.router.expert_bias")
+        out.update(self._mlp_to_hf(src, f"{prefix}.shared_experts", f"{mm}.shared_experts"))
+        super().moe_to_hf(src, out, hf_layer, mm, fused_experts)
+
+
+DEEPSEEK_V3 = DeepSeekV3Weights()

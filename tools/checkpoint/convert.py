@@ -148,12 +148,13 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
     checkpoint loads under any layout)."""
     cfg, family = _read_hf_config(hf_dir)
     config_path = os.path.join(hf_dir, "config.json")
+    hf_sd = read_safetensors(hf_dir)
     try:
+        cfg = family.config_for_weights(cfg, hf_sd.keys())
         args = _build_args(family.flags(cfg), config_path)
     except KeyError as e:
         raise ConvertError(f"{config_path}: missing field {e}") from None
     config = run_config_from_args(args, cfg["vocab_size"]).model
-    hf_sd = read_safetensors(hf_dir)
     try:
         sd = family.weights.to_megamoe(hf_sd, config)
     except (KeyError, ValueError, RuntimeError) as e:
