@@ -45,7 +45,7 @@ from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
 from megamoe.model.mla import MLASelfAttention
-from megamoe.model.mtp import MTPLayer
+from megamoe.model.mtp import MTPLayer, MultiTokenPrediction
 from megamoe.model.norms import ProjectionRMSNorm
 from megamoe.model.pipeline_stage import GPTStage, split_pipeline
 from megamoe.model.transformer_block import TransformerBlock, TransformerLayer
@@ -116,16 +116,21 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
 
 def apply_context_parallel(model: nn.Module, group: Group, comm_types: list[str]) -> nn.Module:
     """Step 2b, in place: attention runs over the cp group (one --cp-comm-type value for
-    all layers or one per layer, indexed by the layer's global index as Megatron)."""
+    all layers or one per layer, indexed by the layer's global index as Megatron; an MTP
+    depth's layer, numbered after the decoder's, takes the last layer's, as its kind),
+    and MTP shifts its targets across the cp ranks."""
     num_layers = model.config.num_layers
     types = parse_cp_comm_type(list(comm_types), num_layers)
+    cp = (group, group_rank(group), group_size(group))
     for m in model.modules():
         if isinstance(m, TransformerLayer):
             m.self_attention.cp_group = group
-            m.self_attention.cp_comm_type = types[m.layer_index]
+            m.self_attention.cp_comm_type = types[min(m.layer_index, num_layers - 1)]
         if isinstance(m, TopKRouter):
             m.cp_group, m.cp_size = group, group_size(group)
-    model.context_parallel = (group, group_rank(group), group_size(group))
+        if isinstance(m, MultiTokenPrediction):
+            m.cp = cp
+    model.context_parallel = cp
     return model
 
 

@@ -56,20 +56,19 @@ class RunConfig:
             self._validate_context_parallel()
 
     def _validate_mtp(self) -> None:
-        """What multi-token prediction does not support yet: CP (Megatron rolls tokens
-        across cp ranks), and a learned position table on a last pipeline stage that would
-        need its own synchronised copy of it (RoPE models, as DeepSeek-V3, are fine)."""
+        """Under CP each depth's shifted-in tokens come from the head of the next chunk, so
+        a chunk (S / (2 CP)) must hold at least D tokens. Not supported yet: a learned
+        position table on a last pipeline stage that would need its own synchronised copy
+        of it (RoPE models, as DeepSeek-V3, are fine)."""
         p, m = self.parallel, self.model
-        require(p.context_parallel_size == 1,
-                "not supported yet: --mtp-num-layers with --context-parallel-size > 1")
+        chunk = m.seq_length // (2 * p.context_parallel_size)
+        require(p.context_parallel_size == 1 or chunk >= m.mtp_num_layers,
+                f"--mtp-num-layers {m.mtp_num_layers} must be at most --seq-length / "
+                f"(2 x --context-parallel-size) ({chunk})")
         require(p.pipeline_model_parallel_size == 1
                 or m.position_embedding_type != "learned_absolute",
                 "not supported yet: --mtp-num-layers with --pipeline-model-parallel-size > 1 "
                 "and --position-embedding-type learned_absolute")
-        # Megatron weighs the MTP loss per token too under --calculate-per-token-loss;
-        # megamoe's MTP loss is a per-micro-batch mean (model/mtp.py).
-        require(not self.train.calculate_per_token_loss,
-                "not supported yet: --mtp-num-layers with --calculate-per-token-loss")
 
     def _validate_context_parallel(self) -> None:
         """What context parallelism needs (each rank 2 equal chunks, split again by TP

@@ -126,12 +126,14 @@ class GPTModel(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_mask: Optional[torch.Tensor] = None,
+                mtp_token_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], or with `labels` [B, S] the per-token
         cross-entropy [B, S] in fp32 (no reduction: the schedule masks and averages);
         `document_ids` [B, S] (--reset-attention-mask) keeps attention inside documents.
         With MTP, training: the returned loss carries the MTP loss into the gradient
-        (`loss_mask` [B, S] masks it, as the schedule masks the LM loss; model/mtp.py)."""
+        (`loss_mask` [B, S] masks it, as the schedule masks the LM loss;
+        `mtp_token_scales` [D] with --calculate-per-token-loss; model/mtp.py)."""
         rotary = rotary_for(self.config, tokens_BS, position_ids)
         docs = documents_for(document_ids)
         h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary, docs)
@@ -139,7 +141,7 @@ class GPTModel(nn.Module):
         loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp)
         return with_mtp_loss(self.mtp, loss, h_SBH, tokens_BS, position_ids, labels,
                              loss_mask, self.embedding, loss_head(w_VH, self.config, self.tp),
-                             rotary, docs)
+                             rotary, docs, mtp_token_scales)
 
 
 def loss_head(w_VH: torch.Tensor, config: ModelConfig, tp: TensorParallel

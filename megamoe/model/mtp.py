@@ -10,19 +10,31 @@ the token k + 2 places ahead:
                                                hnorm_k(h_{k-1})))))
     loss_k = CE(output_head(h_k), roll(labels, k + 1)), masked by roll(loss_mask, k + 1)
 
-`roll` is Megatron's roll_tensor without CP: shift left by one along the sequence per
-depth, the vacated last positions filled with zeros (a zero loss mask there), position ids
-rolled alike; the decoder's RoPE table and document mask are reused unchanged, as in
-Megatron. `layer_k` is one transformer layer of the decoder's last layer's kind (MoE or
-dense), numbered num_layers + k (its MoE losses are logged as that layer's). The word
-embedding and the output head are the model's own (tied or not), so their gradients
+`roll` is Megatron's roll_tensor: shift left by one along the sequence per depth, the
+vacated last positions filled with zeros (a zero loss mask there), position ids rolled
+alike; the decoder's RoPE table and document mask are reused unchanged, as in Megatron.
+Under context parallelism (`cp` set by parallelize) the sequence is the load-balanced
+split (rank r holds chunks r and 2CP-1-r): each chunk's shifted-in tail is the head of the
+chunk after it in the whole sequence (rank r+1's first chunk, rank r-1's second, or for
+rank CP-1 its own second chunk; zeros after the last chunk). One all-gather of every
+rank's chunk heads (D tokens each, no autograd) brings them, for all depths at once.
+
+`layer_k` is one transformer layer of the decoder's last layer's kind (MoE or dense),
+numbered num_layers + k (its MoE losses are logged as that layer's). The word embedding
+and the output head are the model's own (tied or not), so their gradients
 collect the MTP terms too.
 
-The loss of depth k is the masked mean over its micro-batch's tokens; the model adds
+The loss of depth k is the masked mean over its micro-batch's tokens (under CP over the
+whole sequence, as the LM loss: parallel/context_parallel.cp_masked_mean); the model adds
 (mtp_loss_scaling_factor / D) * sum_k loss_k to the gradient only (the autoscaler the MoE
 aux losses use: scaled by 1 / num_microbatches like the LM loss), never to the returned LM
-loss; each loss_k is recorded for logging as "mtp_{k+1} loss" (MTPLossTracker). MTP runs in
-training forwards only: evaluation reports the LM loss, which MTP does not change.
+loss; each loss_k is recorded for logging as "mtp_{k+1} loss" (MTPLossTracker). With
+--calculate-per-token-loss the schedule passes `token_scales_D` = (dp x cp) / N_k, N_k the
+step's unmasked tokens of depth k over the global batch (training/loss.py): loss_k is then
+this micro-batch's masked sum x that scale, attached unscaled, so the step's MTP loss of
+depth k is its per-token mean over the global batch, exactly; Megatron's version
+approximates it with local counts. MTP runs in training forwards only: evaluation reports
+the LM loss, which MTP does not change.
 
 Names, for checkpoint conversion: `mtp.layers.{k}.{enorm, hnorm, eh_proj,
 transformer_layer, final_layernorm}` = Megatron's names = DeepSeek-V3's HF
@@ -43,7 +55,8 @@ from megamoe.model.norms import build_norm
 from megamoe.model.transformer_block import TransformerLayer
 from megamoe.moe.losses import attach_aux_loss
 from megamoe.parallel.checkpointing import maybe_checkpoint
-from megamoe.parallel.comm import gather_from_sequence, scatter_to_sequence
+from megamoe.parallel.comm import all_gather_no_grad, gather_from_sequence, scatter_to_sequence
+from megamoe.parallel.context_parallel import cp_masked_mean
 from megamoe.parallel.tensor_parallel import SINGLE, ColumnParallelLinear, TensorParallel
 
 Rotary = Optional[tuple[torch.Tensor, torch.Tensor]]
@@ -81,9 +94,23 @@ class MTPLossTracker:
                 for k, v in enumerate(values.tolist())}
 
 
-def roll_left(x_BS: torch.Tensor) -> torch.Tensor:
-    """Megatron's roll_tensor(shifts=-1, dims=-1) without CP: x[:, 1:] then a zero."""
-    return torch.cat([x_BS[:, 1:], torch.zeros_like(x_BS[:, :1])], dim=1)
+def shifted(x_XS: torch.Tensor, num_shifts: int, cp: Optional[tuple] = None
+            ) -> list[torch.Tensor]:
+    """[x shifted left by 1, ..., by `num_shifts`] along the last (sequence) dim: Megatron's
+    roll_tensor(shifts=-1) applied k times, zeros past the sequence's end. `cp` = (group,
+    rank, size): x is this rank's load-balanced part [A | B] (module docstring)."""
+    if cp is None or cp[2] == 1:
+        tail = torch.zeros_like(x_XS[..., :num_shifts])
+        return [torch.cat([x_XS[..., s:], tail[..., :s]], dim=-1)
+                for s in range(1, num_shifts + 1)]
+    group, rank, size = cp
+    a, b = x_XS.chunk(2, dim=-1)
+    heads = all_gather_no_grad(torch.stack([a[..., :num_shifts], b[..., :num_shifts]])[None],
+                               group)  # [CP, 2, ..., D]: every rank's chunk heads
+    next_a = heads[rank + 1, 0] if rank + 1 < size else b[..., :num_shifts]
+    next_b = heads[rank - 1, 1] if rank > 0 else torch.zeros_like(b[..., :num_shifts])
+    return [torch.cat([a[..., s:], next_a[..., :s], b[..., s:], next_b[..., :s]], dim=-1)
+            for s in range(1, num_shifts + 1)]
 
 
 class MTPLayer(nn.Module):
@@ -130,43 +157,61 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(MTPLayer(config, k) for k in range(config.mtp_num_layers))
+        self.cp: Optional[tuple] = None  # (group, rank, size): parallelize, under CP
 
     def forward(self, h_SBH: torch.Tensor, tokens_BS: torch.Tensor,
                 position_ids: Optional[torch.Tensor], labels_BS: torch.Tensor,
                 loss_mask_BS: Optional[torch.Tensor], embed: Callable, head: Callable,
-                rotary: Rotary, docs: Optional[DocumentMask]) -> torch.Tensor:
+                rotary: Rotary, docs: Optional[DocumentMask],
+                token_scales_D: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The scaled MTP loss (a 0-d fp32 tensor to attach to the LM loss's graph); each
         depth's loss is recorded for logging. `h_SBH`: the decoder's output after its final
         norm; `embed(tokens, position_ids)` the model's embedding ([S(/TP), B, H]);
-        `head(h, labels)` the per-token loss [B, S] through the model's output layer."""
+        `head(h, labels)` the per-token loss [B, S] through the model's output layer;
+        `token_scales_D`: --calculate-per-token-loss (module docstring)."""
         num_depths = len(self.layers)
         mask_BS = (torch.ones_like(labels_BS, dtype=torch.float32) if loss_mask_BS is None
                    else loss_mask_BS.to(torch.float32))
         if position_ids is None and self.config.position_embedding_type == "learned_absolute":
             position_ids = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
-            position_ids = position_ids.expand_as(tokens_BS)
+        ids = [tokens_BS, labels_BS] + ([] if position_ids is None
+                                        else [position_ids.expand_as(tokens_BS)])
+        ids_per_depth = shifted(torch.stack([t.long() for t in ids]), num_depths, self.cp)
+        masks = shifted(mask_BS, num_depths, self.cp)
         total = torch.zeros((), dtype=torch.float32, device=h_SBH.device)
         for k, layer in enumerate(self.layers):
-            tokens_BS, labels_BS, mask_BS = (roll_left(tokens_BS), roll_left(labels_BS),
-                                             roll_left(mask_BS))
-            if position_ids is not None:
-                position_ids = roll_left(position_ids)
-            h_SBH = layer(h_SBH, embed(tokens_BS, position_ids), rotary, docs)
-            num_tokens = mask_BS.sum()
-            loss = (head(h_SBH, labels_BS) * mask_BS).sum() / num_tokens.clamp(min=1.0)
+            tokens_k, labels_k, *positions_k = ids_per_depth[k].unbind(0)
+            h_SBH = layer(h_SBH, embed(tokens_k, positions_k[0] if positions_k else None),
+                          rotary, docs)
+            loss = self._depth_loss(head(h_SBH, labels_k), masks[k],
+                                    None if token_scales_D is None else token_scales_D[k])
             MTPLossTracker.record(k, num_depths, loss)
             total = total + loss
         return total * (self.config.mtp_loss_scaling_factor / num_depths)
+
+    def _depth_loss(self, loss_BS: torch.Tensor, mask_BS: torch.Tensor,
+                    token_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """One depth's loss: per-token (masked sum x the step's scale), or the masked mean
+        over the micro-batch (the whole sequence under CP)."""
+        if token_scale is not None:
+            return (loss_BS.float() * mask_BS).sum() * token_scale
+        if self.cp is not None:
+            return cp_masked_mean(loss_BS, mask_BS, self.cp[0], self.cp[2])
+        return (loss_BS.float() * mask_BS).sum() / mask_BS.sum().clamp(min=1.0)
 
 
 def with_mtp_loss(mtp: Optional[MultiTokenPrediction], loss_BS: torch.Tensor,
                   h_SBH: torch.Tensor, tokens_BS: torch.Tensor,
                   position_ids: Optional[torch.Tensor], labels: Optional[torch.Tensor],
                   loss_mask: Optional[torch.Tensor], embed: Callable, head: Callable,
-                  rotary: Rotary, docs: Optional[DocumentMask]) -> torch.Tensor:
+                  rotary: Rotary, docs: Optional[DocumentMask],
+                  token_scales_D: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`loss_BS` (the per-token LM loss, unchanged) carrying the MTP loss into the
-    gradient, when the model has MTP, is training and has labels; else `loss_BS`."""
+    gradient, when the model has MTP, is training and has labels; else `loss_BS`.
+    `token_scales_D` (--calculate-per-token-loss): the loss is already the step's share,
+    so it is attached unscaled rather than x 1 / num_microbatches."""
     if mtp is None or labels is None or not mtp.training:
         return loss_BS
-    scaled = mtp(h_SBH, tokens_BS, position_ids, labels, loss_mask, embed, head, rotary, docs)
-    return attach_aux_loss(loss_BS, scaled)
+    scaled = mtp(h_SBH, tokens_BS, position_ids, labels, loss_mask, embed, head, rotary, docs,
+                 token_scales_D)
+    return attach_aux_loss(loss_BS, scaled, None if token_scales_D is None else 1.0)

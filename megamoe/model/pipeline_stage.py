@@ -77,10 +77,12 @@ class GPTStage(nn.Module):
                 position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_mask: Optional[torch.Tensor] = None,
+                mtp_token_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [S(/TP), B, H] from the previous stage (None on the first) -> hidden for
         the next stage, or on the last stage the per-token loss [B, S] (logits without
-        labels); `document_ids` and `loss_mask` (MTP) as GPTModel.forward."""
+        labels); `document_ids`, `loss_mask` and `mtp_token_scales` (MTP) as
+        GPTModel.forward."""
         h_SBH = self.embedding(tokens_BS, position_ids) if self.pre_process else hidden
         rotary = rotary_for(self.config, tokens_BS, position_ids)
         docs = documents_for(document_ids)
@@ -92,7 +94,7 @@ class GPTStage(nn.Module):
         loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp)
         return with_mtp_loss(self.mtp, loss, h_SBH, tokens_BS, position_ids, labels,
                              loss_mask, self._mtp_embed(), loss_head(w_VH, self.config, self.tp),
-                             rotary, docs)
+                             rotary, docs, mtp_token_scales)
 
     def _mtp_embed(self):
         """The embedding MTP looks tokens up with: this stage's own, or (last of several

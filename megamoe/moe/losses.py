@@ -25,21 +25,27 @@ class _AuxLossAutoScaler(torch.autograd.Function):
     """Identity on `output` whose backward also feeds `scale` into the aux loss's graph."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor,
+                scale: Optional[float]) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad_output: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux_loss) * _AUX_LOSS_BACKWARD_SCALE
+        scale = _AUX_LOSS_BACKWARD_SCALE if ctx.scale is None else ctx.scale
+        return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
 @torch.compiler.disable  # traced, the identity's extra gradient was lost (--compile)
-def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor,
+                    backward_scale: Optional[float] = None) -> torch.Tensor:
     """Return `output` unchanged; its backward adds scale * d(aux_loss) to the gradients
-    (the scale read when the backward runs: the schedule sets it per step)."""
-    return _AuxLossAutoScaler.apply(output, aux_loss)
+    (the scale read when the backward runs: the schedule sets it per step), or
+    `backward_scale` when given (a loss already normalised for the whole step)."""
+    return _AuxLossAutoScaler.apply(output, aux_loss, backward_scale)
 
 
 def switch_load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor,

@@ -88,6 +88,20 @@ def cp_positions(seq_local: int, rank: int, cp: int, device) -> torch.Tensor:
                       torch.arange(b * c, (b + 1) * c, device=device)])
 
 
+def cp_masked_mean(loss_BS: torch.Tensor, mask_BS: torch.Tensor, group: Group,
+                   size: int) -> torch.Tensor:
+    """Mean per-token loss over the unmasked tokens of the whole (cp-split) sequence: the
+    value is the global mean on every cp rank; the gradient is this rank's tokens' share
+    x `size`, since dense gradients are averaged over the cp ranks (dp x cp)."""
+    mask = mask_BS.to(torch.float32)
+    local_sum = (loss_BS.float() * mask).sum()
+    stats = torch.stack([local_sum.detach(), mask.sum()])
+    dist.all_reduce(stats, group=group)
+    total = stats[1].clamp(min=1.0)
+    for_grad = local_sum * size / total
+    return for_grad + (stats[0] / total - for_grad.detach())  # value: the global mean
+
+
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_ids_BS: Optional[torch.Tensor],
           k_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
     """bool [B|1, 1, Sq, Sk]: causal by full-sequence position, and within one document."""

@@ -20,9 +20,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from megamoe.parallel.context_parallel import split_for_cp
+from megamoe.parallel.context_parallel import cp_masked_mean, split_for_cp
 
 Batch = dict[str, torch.Tensor]
 CPInfo = Optional[tuple]  # (group, rank, size) from parallelize's apply_context_parallel
@@ -48,10 +47,4 @@ def split_batch(batch: Batch, cp: CPInfo) -> Batch:
 def cp_lm_loss(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor, cp: CPInfo) -> torch.Tensor:
     """Mean per-token loss over the unmasked tokens of the whole (cp-split) sequence."""
     group, _, size = cp
-    mask = loss_mask_BS.to(torch.float32)
-    local_sum = (loss_BS.float() * mask).sum()
-    stats = torch.stack([local_sum.detach(), mask.sum()])
-    dist.all_reduce(stats, group=group)
-    total = stats[1].clamp(min=1.0)
-    for_grad = local_sum * size / total
-    return for_grad + (stats[0] / total - for_grad.detach())  # value: the global mean
+    return cp_masked_mean(loss_BS, loss_mask_BS, group, size)

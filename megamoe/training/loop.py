@@ -54,7 +54,7 @@ def per_token_loss(run: RunConfig, mesh: Mesh) -> Optional[PerTokenLoss]:
         return None
     size = mesh.dp_size * mesh.cp_size
     group = None if size == 1 else mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
-    return PerTokenLoss(group, size)
+    return PerTokenLoss(group, size, run.model.mtp_num_layers or 0)
 
 
 def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
@@ -117,7 +117,9 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     per_layer = run.model.moe is not None and run.moe_training.per_layer_logging
     moe = _moe_scalars(MoELossTracker.report(n_micro),
                        moe_layer_numbers(model) if per_layer else None)
-    mtp = MTPLossTracker.report(n_micro)  # {"mtp_1 loss": ...}: not part of the lm loss
+    # {"mtp_1 loss": ...}, not part of the lm loss; per-token, each micro-batch recorded
+    # its share of the step's per-token mean (model/mtp.py), so the shares add up
+    mtp = MTPLossTracker.report(1 if run.train.calculate_per_token_loss else n_micro)
     names = ["lm loss", *mtp.keys(), *moe.keys()]
     values = _dp_mean([float(lm_loss), *mtp.values(), *moe.values()], mesh)
     out = dict(zip(names, values))

@@ -13,6 +13,8 @@ Two normalisations, as Megatron-LM:
   loss masks of the step's micro-batches, all-reduced over the dp x cp group on the device:
   no host sync) and back-propagates sum x (dp x cp) / N: the data-parallel gradient
   average then gives exactly sum / N, in every layout, with the optimizers unchanged.
+  The MTP loss of each depth is likewise its per-token mean over the global batch, N_k
+  being the step's tokens whose depth-k target is unmasked (model/mtp.py).
   The MoE auxiliary losses keep their per-micro-batch scale (1 / num_microbatches per dp
   rank): Megatron's stated target for them, which it reaches approximately through token
   counts (exactly when no token is masked).
@@ -43,23 +45,36 @@ def masked_lm_loss(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.T
 @dataclass
 class PerTokenLoss:
     """--calculate-per-token-loss: `group` is the group over which dense gradients are
-    averaged (dp x cp; None with one rank), `size` its size."""
+    averaged (dp x cp; None with one rank), `size` its size, `mtp_depths` the model's
+    --mtp-num-layers."""
 
     group: Optional[dist.ProcessGroup]
     size: int
+    mtp_depths: int = 0
     scale: Optional[torch.Tensor] = None  # size / N of the current step (device, 0-d)
     num_tokens: Optional[torch.Tensor] = None  # N of the current step (device, 0-d)
+    mtp_scales: Optional[torch.Tensor] = None  # [D]: size / N_k (MTP depth k; device)
 
     def start_step(self, batches: Sequence[Batch], cp: CPInfo) -> None:
-        """Count the unmasked tokens N of the step: this rank's parts of `batches`, summed
-        over the group."""
+        """Count the unmasked tokens N of the step (and N_k of each MTP depth): this rank's
+        parts of `batches`, summed over the group, in one all-reduce."""
         rank, cp_size = (cp[1], cp[2]) if cp is not None else (0, 1)
-        count = sum(split_for_cp(b["loss_mask"], rank, cp_size, dim=1).to(torch.float32).sum()
-                    for b in batches)
+        counts = sum(self._counts(b["loss_mask"].to(torch.float32), rank, cp_size)
+                     for b in batches)
         if self.group is not None:
-            dist.all_reduce(count, group=self.group)
-        self.num_tokens = count
-        self.scale = self.size / count.clamp(min=1.0)
+            dist.all_reduce(counts, group=self.group)
+        self.num_tokens = counts[0]
+        scales = self.size / counts.clamp(min=1.0)
+        self.scale, self.mtp_scales = scales[0], scales[1:]
+
+    def _counts(self, mask_BS: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor:
+        """[1 + D]: this rank's unmasked LM tokens, then those of each MTP depth k: the
+        targets shifted k + 1 places left, so the sequence's first k + 1 mask entries drop
+        out (they sit in chunk 0, cp rank 0's, since a chunk is >= D tokens)."""
+        local = split_for_cp(mask_BS, rank, cp_size, dim=1).sum()
+        lead = mask_BS[:, :self.mtp_depths].sum(0).cumsum(0) if rank == 0 else \
+            torch.zeros(self.mtp_depths, device=mask_BS.device)
+        return torch.cat([local[None], local - lead])
 
 
 def step_share(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor, cp: CPInfo,

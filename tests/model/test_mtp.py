@@ -22,9 +22,11 @@ from megamoe.model.flops import (
     num_parameters,
 )
 from megamoe.model.gpt_model import GPTModel, rotary_for
-from megamoe.model.mtp import MTPLossTracker
+from megamoe.model.mtp import MTPLossTracker, shifted
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
+from megamoe.parallel.context_parallel import split_for_cp
 from megamoe.training.loss import masked_lm_loss
+from tests.distributed import run_distributed
 
 S, B, V = 12, 2, 97
 
@@ -140,3 +142,31 @@ def test_parameter_and_flop_counts_include_the_mtp_modules(tied, moe, depths):
     extra = depths * (6 * (2 * h * h + per_layer[-1] + V * h) + core)
     assert flops_per_token(config) - flops_per_token(plain) == extra
 
+
+
+def test_shift_without_cp_is_megatrons_roll_applied_k_times():
+    x_XBS = torch.arange(1, 1 + 3 * 2 * 16).view(3, 2, 16)
+    rolled = x_XBS
+    for k, got in enumerate(shifted(x_XBS, 3)):
+        rolled = torch.roll(rolled, -1, dims=-1)
+        rolled[..., -1] = 0
+        assert torch.equal(got, rolled), k
+
+
+def _shift_worker(rank: int, world_size: int, x_XBS: torch.Tensor, num_shifts: int):
+    import torch.distributed as dist
+
+    local = split_for_cp(x_XBS, rank, world_size, dim=-1)
+    return shifted(local, num_shifts, (dist.group.WORLD, rank, world_size))
+
+
+@pytest.mark.parametrize("cp, num_shifts", [
+    (2, 3), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_shift_under_cp_is_this_ranks_part_of_the_whole_sequences_shift(cp, num_shifts):
+    """Each cp rank's shifted load-balanced part (one all-gather of the chunk heads) equals
+    its part of the whole sequence shifted: the tails come from the right chunks."""
+    x_XBS = torch.arange(1, 1 + 3 * 2 * 16).view(3, 2, 16)  # non-zero: the zero tail shows
+    whole = shifted(x_XBS, num_shifts)
+    for rank, parts in enumerate(run_distributed(_shift_worker, cp, 60, x_XBS, num_shifts)):
+        for s in range(num_shifts):
+            assert torch.equal(parts[s], split_for_cp(whole[s], rank, cp, dim=-1)), (rank, s)

@@ -75,3 +75,44 @@ def test_per_token_loss_cp2_matches_single_process():
 ])
 def test_per_token_loss_layouts_match_single_process(layout, world):
     _parity(layout, world)
+
+
+MTP = "--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3"
+MTP_KEYS = ("lm loss", "grad norm", "mtp_1 loss", "mtp_2 loss")
+
+
+def _mtp_losses(extra: str) -> list[tuple[float, ...]]:
+    return [tuple(h[k] for k in MTP_KEYS) for h in _train(f"{MTP} {extra}", 1)[0]]
+
+
+def test_per_token_mtp_loss_does_not_depend_on_the_micro_batch_cut():
+    """Each MTP depth's loss is its per-token mean over the global batch too (its own
+    token count: the targets shifted k + 1 places): 4 micro-batches of 2 = 1 of 8, whose
+    losses equal the default's; the default's mean of means over 4 differs."""
+    one = "--micro-batch-size 8"
+    per_token_4 = _mtp_losses(f"{PER_TOKEN} {NO_MOE_LOSSES}")
+    per_token_1 = _mtp_losses(f"{PER_TOKEN} {NO_MOE_LOSSES} {one}")
+    mean_1 = _mtp_losses(f"{DOCS} {NO_MOE_LOSSES} {one}")
+    mean_4 = _mtp_losses(f"{DOCS} {NO_MOE_LOSSES}")
+    assert _close(per_token_4, per_token_1), (per_token_4, per_token_1)
+    assert _close(mean_1, per_token_1), (mean_1, per_token_1)
+    for k in (2, 3):  # each depth's logged loss
+        assert max(abs(m[k] - p[k]) / p[k] for m, p in zip(mean_4, per_token_4)) > 2e-5, (
+            k, mean_4, per_token_4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,world", [
+    ("--context-parallel-size 2", 2),
+    ("", 2),  # dp 2
+    ("--context-parallel-size 2 --pipeline-model-parallel-size 2", 4),
+    ("--context-parallel-size 2 --use-distributed-optimizer", 4),  # dp 2 x cp 2
+])
+def test_per_token_mtp_layouts_match_single_process(layout, world):
+    single = _train(f"{PER_TOKEN} {MTP}", 1)[0]
+    runs = run_distributed(_worker, world, 600, f"{PER_TOKEN} {MTP} {layout}")
+    for rank, hist in enumerate(runs):
+        assert len(hist) == len(single)
+        for a, b in zip(single, hist):
+            for k in KEYS + MTP_KEYS[2:]:
+                assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (rank, k, single, hist)

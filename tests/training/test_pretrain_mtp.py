@@ -75,6 +75,15 @@ def test_mtp_under_pipeline_parallelism_matches_single_process():
     _assert_parity(MTP2, "--pipeline-model-parallel-size 2", 2)
 
 
+CP2_DOCS = "--context-parallel-size 2 --reset-attention-mask --reset-position-ids"
+
+
+def test_mtp_under_context_parallelism_matches_single_process():
+    """CP=2 with documents: each depth's shifted targets cross the cp ranks' chunks and the
+    depth losses are means over the whole sequence."""
+    _assert_parity(f"{MTP2} --reset-attention-mask --reset-position-ids", CP2_DOCS, 2)
+
+
 TIED = "--tied-output-layer"  # not a flag: _history drops --untie-embeddings-and-output-weights
 
 
@@ -92,9 +101,17 @@ TIED = "--tied-output-layer"  # not a flag: _history drops --untie-embeddings-an
     (MTP2, "--pipeline-model-parallel-size 2 --use-distributed-optimizer", 4),
     (f"{MTP2} --recompute-granularity full --recompute-method uniform "
      "--recompute-num-layers 1", TP2_SP, 2),
+    (MTP1, "--context-parallel-size 2", 2),
+    (MTP2, "--context-parallel-size 2 --cp-comm-type allgather", 2),
+    (MTP2, "--context-parallel-size 4", 4),
+    (MTP2, f"--context-parallel-size 2 {TP2_SP}", 4),
+    (MTP2, "--context-parallel-size 2 --pipeline-model-parallel-size 2", 4),
+    (MTP2, f"--context-parallel-size 2 {EP2}", 4),
+    (MTP2, "--context-parallel-size 2 --use-distributed-optimizer", 4),
 ], ids=["tp2sp-D2", "tp2sp-D1", "pp2-D1", "pp2-tied-D2", "tp2sp-tied-D2", "ep2-D2", "ep2-D1",
         "ep2-tp2sp-distopt-D2", "ep2-tp2sp-distopt-D1", "pp2-dp2-distopt-D2",
-        "tp2sp-full-recompute-D2"])
+        "tp2sp-full-recompute-D2", "cp2-D1", "cp2-allgather-D2", "cp4-D2", "cp2-tp2sp-D2",
+        "cp2-pp2-D2", "cp2-ep2-D2", "cp2-dp2-distopt-D2"])
 def test_mtp_layouts_match_single_process(model, layout, world_size):
     _assert_parity(model, layout, world_size)
 
@@ -104,14 +121,12 @@ def test_mtp_layouts_match_single_process(model, layout, world_size):
     ("--mtp-num-layers 0", 1, "--mtp-num-layers must be positive, got 0"),
     ("--mtp-num-layers 1 --mtp-loss-scaling-factor -0.1", 1,
      "--mtp-loss-scaling-factor must be >= 0, got -0.1"),
-    ("--mtp-num-layers 1 --context-parallel-size 2", 2,
-     "not supported yet: --mtp-num-layers with --context-parallel-size > 1"),
+    ("--mtp-num-layers 5 --context-parallel-size 2", 2,
+     "--mtp-num-layers 5 must be at most --seq-length / (2 x --context-parallel-size) (4)"),
     ("--mtp-num-layers 1 --pipeline-model-parallel-size 2 "
      "--position-embedding-type learned_absolute", 2,
      "not supported yet: --mtp-num-layers with --pipeline-model-parallel-size > 1 and "
      "--position-embedding-type learned_absolute"),
-    ("--mtp-num-layers 1 --calculate-per-token-loss", 1,
-     "not supported yet: --mtp-num-layers with --calculate-per-token-loss"),
 ])
 def test_bad_mtp_flags_fail_in_one_line(capsys, extra, world, message):
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}", world)

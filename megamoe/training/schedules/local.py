@@ -38,6 +38,8 @@ def forward_step(model: torch.nn.Module, batch: Batch, num_microbatches: int = 1
     extra = {}
     if getattr(model, "mtp", None) is not None:  # MTP masks its loss with the batch's mask
         extra["loss_mask"] = batch["loss_mask"]
+        if per_token is not None:
+            extra["mtp_token_scales"] = per_token.mtp_scales
     loss_BS = model(batch["tokens"], position_ids=batch.get("position_ids"),
                     labels=batch["labels"], document_ids=batch.get("document_ids"), **extra)
     return step_share(loss_BS, batch["loss_mask"], cp, num_microbatches, per_token)

@@ -204,7 +204,9 @@ class _Stages:
             out = self.model.chunks[c](inp, batch["tokens"], batch.get("position_ids"),
                                        batch["labels"] if v == last else None,
                                        batch.get("document_ids"),
-                                       batch["loss_mask"] if v == last else None)
+                                       batch["loss_mask"] if v == last else None,
+                                       self.per_token.mtp_scales
+                                       if v == last and self.per_token is not None else None)
             if v == last:
                 out = step_share(out, batch["loss_mask"], self.cp, len(self.batches),
                                  self.per_token)
