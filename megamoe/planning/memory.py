@@ -131,13 +131,32 @@ def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2) -> dict[s
 
 def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes: int = 2
                      ) -> float:
-    """Saved activations on the first pipeline stage (it holds PP micro-batches in 1F1B):
-    per layer what activations.py counts for the layout's recompute mode."""
+    """Saved activations on the most loaded pipeline stage: per layer what activations.py
+    counts for the layout's recompute mode, times the micro-batches the stage holds in
+    1F1B. The first stage holds the most (PP; interleaved PP + (PP-1)/VPP stage-equivalents,
+    Megatron's warm-up counts); the last holds the fewest (1; PP - (PP-1)/VPP) but also the
+    MTP layers and the logits, which can make it the larger (DeepSeek-V3's MTP)."""
+    pp, vpp = lay.pp, lay.vpp
+    first_in_flight = 1 if pp == 1 else pp + (pp - 1) / vpp if vpp > 1 else pp
+    mtp = model.num_mtp_layers
+    first = _stage_activations(model, lay, seq_length, act_bytes, mtp if pp == 1 else 0,
+                               first_in_flight)
+    if pp == 1:
+        return first
+    last_in_flight = pp - (pp - 1) / vpp if vpp > 1 else 1
+    return max(first, _stage_activations(model, lay, seq_length, act_bytes, mtp,
+                                         last_in_flight))
+
+
+def _stage_activations(model: ModelConfig, lay: Layout, seq_length: int, act_bytes: int,
+                       mtp: int, in_flight: float) -> float:
+    """One stage's saved activations: its num_layers / PP decoder layers (the model's mean
+    layer) plus `mtp` MTP layers, `in_flight` micro-batches, and the fp32 logits with their
+    gradient once per prediction (1 + D with MTP; charged to every stage, conservatively)."""
     h = model.hidden_size
     tokens = seq_length // lay.cp * lay.micro_batch_size
     recompute = recompute_config(lay.recompute)
     kept = recompute if recompute.granularity != "full" else recompute_config("none")
-    mtp = model.num_mtp_layers if lay.pp == 1 else 0  # (on the last of several stages)
     per_layer = [layer_values(model, i, kept, tp=lay.tp, ep=lay.ep, etp=lay.etp,
                               act_bytes=act_bytes) for i in range(model.num_layers + mtp)]
     layers_per_stage = model.num_layers / lay.pp + mtp
@@ -146,9 +165,5 @@ def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes
         stage = layers_per_stage * h / lay.tp + max(per_layer)
     else:
         stage = layers_per_stage * mean_layer
-    in_flight = lay.pp if lay.pp > 1 else 1
-    if lay.vpp > 1:
-        in_flight = lay.pp + (lay.pp - 1) / lay.vpp
-    # fp32 logits and their gradient (last stage), once per prediction (MTP: 1 + D)
     logits = 2 * 4 * model.vocab_size / lay.tp * (1 + mtp)
     return tokens * act_bytes * (stage * in_flight) + tokens * logits

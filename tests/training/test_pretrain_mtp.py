@@ -181,3 +181,22 @@ def test_mtp_checkpoint_saved_at_one_layout_resumes_at_another(
         for a, b in zip(reference[2:], hist):
             for k in keys:
                 assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, reference, hist)
+
+
+def test_planner_activations_count_the_last_stage_with_its_mtp_layers():
+    """Under PP the MTP layers and their logits sit on the last stage, which holds one
+    micro-batch in 1F1B: with enough MTP depths it outweighs the first stage (PP in
+    flight), and the estimate is then the last stage's."""
+    from megamoe.planning import memory as pl
+    from tests.tools.test_plan_parallel import _layout, _run_config
+
+    def estimate(flags: str) -> float:
+        args, run = _run_config(f"--pipeline-model-parallel-size 2 {flags}", 2)
+        return pl.activation_bytes(run.model, _layout(args), run.model.seq_length)
+
+    args, run = _run_config("--pipeline-model-parallel-size 2 --mtp-num-layers 3", 2)
+    lay = _layout(args)
+    last = pl._stage_activations(run.model, lay, run.model.seq_length, 2, 3, 1)
+    first = pl._stage_activations(run.model, lay, run.model.seq_length, 2, 0, 2)
+    assert last > first
+    assert estimate("--mtp-num-layers 3") == last > estimate("") == first
