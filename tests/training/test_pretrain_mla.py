@@ -135,8 +135,10 @@ def test_deepseek_v3_recipe_matches_single_process(layout, world):
 
 
 # Context parallelism: MLA's core attention runs the cp ring (K at qk + pe, V at v head
-# dims, MLA's softmax scale), RoPE sees each token's place in its document.
-DOCS = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
+# dims, MLA's softmax scale), RoPE sees each token's place in its document. The larger
+# init makes the attention scores matter: at std 0.02 they are so small that even a wrong
+# softmax scale moves the losses by < 1e-6.
+DOCS = "--reset-attention-mask --reset-position-ids --eod-mask-loss --init-method-std 0.2"
 _SINGLE_BY_FLAGS: dict[str, list[dict]] = {}
 
 
