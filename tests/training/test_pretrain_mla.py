@@ -3,9 +3,9 @@
 the single-process losses and grad norms (fp32, rel 1e-5) under TP=2+SP, PP=2 and EP=2 x
 TP=2+SP with the distributed optimizer, and under context parallelism with document
 masking (CP=2 p2p; slow set: allgather, CP=2 x TP=2+SP, recompute, the DeepSeek-V3
-recipe without MTP); --recompute-modules mla_up_proj changes nothing; an MLA checkpoint
-saved at TP=2 resumes at TP=1 and one saved at TP=1 resumes at TP=2 with the losses of a
-run that never changed layout."""
+recipe with and without MTP); --recompute-modules mla_up_proj changes nothing; an MLA
+checkpoint saved at TP=2 resumes at TP=1 and one saved at TP=1 resumes at TP=2 with the
+losses of a run that never changed layout."""
 
 from __future__ import annotations
 
@@ -168,10 +168,12 @@ def test_mla_cp_layouts_match_single_process(layout, world):
 
 
 @pytest.mark.slow
-def test_deepseek_v3_recipe_without_mtp_at_cp2_matches_single_process():
-    """The DeepSeek-V3 recipe (above) but MTP, under CP=2 with documents: lm loss, the
-    sequence aux loss (its token counts summed over cp), z-loss and grad norms."""
-    flags = f"{DSV3.replace('--mtp-num-layers 1', '')} {DOCS}"
-    assert "--mtp-num-layers" not in flags
+@pytest.mark.parametrize("mtp", [False, True], ids=["no-mtp", "mtp"])
+def test_deepseek_v3_recipe_at_cp2_matches_single_process(mtp):
+    """The DeepSeek-V3 recipe (above), with and without its MTP depth, under CP=2 with
+    documents: lm loss, MTP loss, the sequence aux loss (its token counts summed over
+    cp), z-loss and grad norms."""
+    flags = f"{DSV3 if mtp else DSV3.replace('--mtp-num-layers 1', '')} {DOCS}"
+    assert ("--mtp-num-layers" in flags) == mtp
     _check_cp(flags, "--context-parallel-size 2", 2,
-              tuple(k for k in DSV3_KEYS if k != "mtp_1 loss"))
+              tuple(k for k in DSV3_KEYS if mtp or k != "mtp_1 loss"))
