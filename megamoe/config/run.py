@@ -71,8 +71,8 @@ class RunConfig:
                 "and --position-embedding-type learned_absolute")
 
     def _validate_context_parallel(self) -> None:
-        """What context parallelism needs (each rank 2 equal chunks, split again by TP
-        under SP), and what it does not support yet."""
+        """What context parallelism needs: each rank 2 equal chunks, split again by TP
+        under SP."""
         p, m = self.parallel, self.model
         cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
         split = 2 * cp * (tp if p.sequence_parallel else 1)
@@ -80,8 +80,6 @@ class RunConfig:
         require(m.seq_length % split == 0,
                 f"--seq-length {m.seq_length} must be divisible by 2 x "
                 f"--context-parallel-size{what} ({split})")
-        require(not m.multi_latent_attention, "not supported yet: --multi-latent-attention "
-                                              "with --context-parallel-size > 1")
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even; the vocabulary padding must not depend

@@ -42,6 +42,12 @@ Names and the Hugging Face DeepSeek-V3 (`DeepseekV3Attention`) names, tensor for
 The layouts are equal (both head-major, position channels last, rope_interleave=True's
 pair order), so the conversion renames only.
 
+Context parallelism (Megatron's): with `cp_group` set (parallelize.py) this rank's tokens
+are chunks r and 2CP-1-r of the sequence; RoPE takes their positions from the batch
+(training/cp_batch.py makes them explicit), and core attention is
+parallel/context_parallel.py's `cp_attention` with MLA's softmax scale and document ids,
+its ring carrying K (qk + pe) and V (v_head_dim) at their own widths.
+
 --recompute-modules mla_up_proj (Megatron's meaning): the up projections and RoPE keep
 only their inputs; their outputs q, k, v are not kept by core attention and are
 recomputed in backward (parallel/checkpointing.py `discard_saved`).
@@ -70,6 +76,7 @@ from megamoe.model.rope import (
 )
 from megamoe.parallel.checkpointing import maybe_checkpoint, maybe_discard
 from megamoe.parallel.comm import copy_to_tp, gather_from_sequence
+from megamoe.parallel.context_parallel import cp_attention
 from megamoe.parallel.linear import Linear
 from megamoe.parallel.tensor_parallel import (
     SINGLE,
@@ -114,7 +121,10 @@ class MLASelfAttention(nn.Module):
         self.use_flash_attn = config.use_flash_attn
         self.recompute_core_attn = False  # --recompute-modules core_attn (parallelize sets)
         self.recompute_up_proj = False  # --recompute-modules mla_up_proj (parallelize sets)
-        self.cp_group = None  # (context parallelism is refused with MLA: config/run.py)
+        # Context parallelism (parallelize sets both): this rank holds chunks r and
+        # 2CP-1-r of the sequence; core attention runs parallel/context_parallel.py's op.
+        self.cp_group = None
+        self.cp_comm_type = "p2p"
         heads, h, std = config.num_attention_heads, config.hidden_size, config.init_method_std
         self.qk_head_dim, self.pe_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
@@ -150,17 +160,20 @@ class MLASelfAttention(nn.Module):
 
     def forward(self, x_SBH: torch.Tensor, rotary: Optional[Rotary] = None,
                 docs: Optional[DocumentMask] = None) -> torch.Tensor:
-        """`rotary`: MLA's (cos, sin) for the full sequence (`mla_cos_sin`; computed here
-        for positions 0..S-1 when not given); `docs`: attention stays inside documents."""
+        """`rotary`: MLA's (cos, sin) for the full sequence, or under CP for this rank's
+        tokens' positions (`mla_cos_sin`; computed here for positions 0..S-1 when not
+        given); `docs`: attention stays inside documents."""
         q_in, kv_lat, k_pe_SBP = self._down_proj(x_SBH)
         if rotary is None:
             rotary = mla_cos_sin(self.config, k_pe_SBP.shape[0], device=x_SBH.device)
         qkv = self._up_proj_and_rope(q_in, kv_lat, k_pe_SBP, rotary)
-        mask_B1SS = docs.mask() if docs is not None else None
+        if self.cp_group is not None:  # document ids: the op masks each block itself
+            core, mask = self.cp_core_attention, docs.ids_BS if docs is not None else None
+        else:
+            core, mask = self.core_attention, docs.mask() if docs is not None else None
         with maybe_discard(self.recompute_up_proj, qkv,
                            lambda: self._up_proj_and_rope(q_in, kv_lat, k_pe_SBP, rotary)):
-            o_BNSV = maybe_checkpoint(self.recompute_core_attn, self.core_attention,
-                                      *qkv, mask_B1SS)
+            o_BNSV = maybe_checkpoint(self.recompute_core_attn, core, *qkv, mask)
         b, n, s, _ = o_BNSV.shape
         return self.linear_proj(o_BNSV.permute(2, 0, 1, 3).reshape(s, b, n * self.v_head_dim))
 
@@ -216,3 +229,14 @@ class MLASelfAttention(nn.Module):
                 dropout_p=self.attention_dropout if self.training else 0.0,
                 scale=self.softmax_scale)
         return o_BNSV[..., :v_dim]
+
+    def cp_core_attention(self, q_BNSD: torch.Tensor, k_BNSD: torch.Tensor,
+                          v_BNSV: torch.Tensor,
+                          doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Core attention of this cp rank's queries against the whole sequence with MLA's
+        softmax scale (the ring carries K and V at their own head dims, no padding);
+        dropout from this rank's heads' stream, as `core_attention`."""
+        with self.tp.dropout_rng(split=True):
+            return cp_attention(q_BNSD, k_BNSD, v_BNSV, self.cp_group, self.cp_comm_type,
+                                doc_ids_BS, scale=self.softmax_scale,
+                                dropout_p=self.attention_dropout if self.training else 0.0)

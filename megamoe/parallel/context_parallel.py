@@ -10,6 +10,9 @@ tokens (RoPE, masks).
 values of the whole sequence, causal and optionally within documents (per-token document
 ids), without ever holding the whole sequence's K/V at once (p2p) or holding it only for
 the op (allgather):
+K and V travel as one buffer, concatenated along the head dim ([B, G, S/CP, Dk + Dv]) and
+split back where a block is used, so their head dims may differ (MLA: K has qk + pe
+channels, V v channels) without padding bytes on the wire; dK/dV travel the same way.
 - `p2p` (Megatron's default `--cp-comm-type p2p`): K/V go around the cp ring; at each of
   the CP steps a rank sends the block it holds to rank r+1 and receives the next from
   rank r-1 in one `batch_isend_irecv` (even ranks send first, odd ranks receive first,
@@ -200,9 +203,8 @@ def _block_backward(q, k, v, lse, dout, delta, mask, scale, keep=None):
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
     if heads != groups:  # sum the query heads sharing each kv group
-        b, _, sk, d = dk.shape
-        dk = dk.view(b, groups, heads // groups, sk, d).sum(2)
-        dv = dv.view(b, groups, heads // groups, sk, d).sum(2)
+        dk = dk.unflatten(1, (groups, heads // groups)).sum(2)
+        dv = dv.unflatten(1, (groups, heads // groups)).sum(2)
     return dq, dk, dv
 
 
@@ -232,15 +234,20 @@ class _Ring:
 
 
 class _CPAttention(torch.autograd.Function):
+    """K and V travel as one buffer [B, G, S/CP, Dk + Dv] (`_kv`), split back by the
+    two head dims where a block is used (`_split`), so K and V may differ in width (MLA:
+    q/k head dim qk + pe, v head dim v) and no padding is sent; dK/dV likewise."""
+
     @staticmethod
     def forward(ctx, q, k, v, ids_BS, group, comm_type, scale, dropout_p):
         ring = _Ring(group)
         r, cp = ring.rank, ring.size
+        dk = k.shape[-1]
         pos = cp_positions(q.shape[2], r, cp, q.device)
         all_ids = (all_gather_no_grad(ids_BS[None], group) if ids_BS is not None else None)
-        kv = torch.stack([k, v]).contiguous()
+        kv = _kv(k, v)
         if comm_type == "allgather":
-            kv_full = all_gather_no_grad(kv[None], group)  # [CP, 2, B, G, Sl, D]
+            kv_full = all_gather_no_grad(kv[None], group)  # [CP, B, G, Sl, Dk + Dv]
         out = lse = None
         drop = _Dropout(dropout_p)
         for i in range(cp):
@@ -252,7 +259,7 @@ class _CPAttention(torch.autograd.Function):
             mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
                          None if all_ids is None else all_ids[src])
             keep = drop.forward_keep(_scores_shape(q, blk), q.device, _acc(q))
-            o_b, l_b = _block_forward(q, blk[0], blk[1], mask, scale, keep)
+            o_b, l_b = _block_forward(q, *_split(blk, dk), mask, scale, keep)
             out, lse = (o_b, l_b) if out is None else _merge(out, lse, o_b, l_b)
             if works is not None:
                 ring.wait(works)
@@ -266,13 +273,14 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, out, lse, ids_BS, all_ids = ctx.saved_tensors
         ring = _Ring(ctx.group)
         r, cp = ring.rank, ring.size
+        dk = k.shape[-1]
         pos = cp_positions(q.shape[2], r, cp, q.device)
         dout = dout.to(out.dtype)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q, dtype=out.dtype)
-        kv = torch.stack([k, v])  # travels in the model dtype; blocks upcast on arrival
+        kv = _kv(k, v)  # travels in the model dtype; blocks upcast on arrival
         if ctx.comm_type == "allgather":
-            kv_all = all_gather_no_grad(kv[None].contiguous(), ctx.group)
+            kv_all = all_gather_no_grad(kv[None], ctx.group)
             dkv_all = torch.zeros_like(kv_all)
         dkv = None  # p2p: the gradient of the block held, accumulated by earlier ranks
         for i in range(cp):
@@ -284,14 +292,13 @@ class _CPAttention(torch.autograd.Function):
             mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
                          None if all_ids is None else all_ids[src])
             keep = ctx.drop.backward_keep(i, _scores_shape(q, blk), q.device, _acc(q))
-            dq_b, dk_b, dv_b = _block_backward(q, blk[0], blk[1], lse, dout, delta, mask,
+            dq_b, dk_b, dv_b = _block_backward(q, *_split(blk, dk), lse, dout, delta, mask,
                                                ctx.scale, keep)
             dq += dq_b
             if ctx.comm_type == "allgather":
-                dkv_all[src, 0] += dk_b
-                dkv_all[src, 1] += dv_b
+                dkv_all[src] += _kv(dk_b, dv_b)
                 continue
-            g = torch.stack([dk_b, dv_b])
+            g = _kv(dk_b, dv_b)
             g = g if dkv is None else g + dkv
             # on to the rank that holds this block next; after the last step it is home
             dkv_next, g_works = ring.start(g)
@@ -302,8 +309,19 @@ class _CPAttention(torch.autograd.Function):
             dkv = dkv_next
         if ctx.comm_type == "allgather":
             dkv = _reduce_scatter_blocks(dkv_all, ctx.group)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+        dk_t, dv_t = _split(dkv, dk)
+        return (dq.to(q.dtype), dk_t.to(k.dtype), dv_t.to(v.dtype),
                 None, None, None, None, None)
+
+
+def _kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V (or dK and dV) as the one contiguous buffer the ring carries."""
+    return torch.cat([k, v], dim=-1)
+
+
+def _split(kv: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views of a `_kv` buffer, K being the first `k_dim` channels."""
+    return kv[..., :k_dim], kv[..., k_dim:]
 
 
 def _scores_shape(q: torch.Tensor, blk: torch.Tensor) -> tuple[int, int, int, int]:
@@ -313,12 +331,17 @@ def _scores_shape(q: torch.Tensor, blk: torch.Tensor) -> tuple[int, int, int, in
 
 def ring_bytes_per_layer(num_query_groups: int, kv_channels: int, tokens_per_rank: float,
                          cp: int, tp: int = 1, dtype_bytes: int = 2,
-                         recompute_forward: bool = False) -> float:
+                         recompute_forward: bool = False,
+                         v_channels: Optional[int] = None) -> float:
     """Bytes one cp rank sends per layer in `cp_attention`'s p2p ring for its
     `tokens_per_rank` tokens: the forward passes CP-1 K/V blocks on, the backward CP-1
     K/V blocks again plus CP dK/dV blocks in fp32 (the last one brings each rank its own);
-    a recomputed forward adds its ring again. The planner's CP cost uses this."""
-    kv = 2 * num_query_groups / tp * kv_channels * tokens_per_rank
+    a recomputed forward adds its ring again. A K/V block holds, per token, the
+    `num_query_groups` / TP heads' K (`kv_channels`) and V (`v_channels`, default
+    `kv_channels`) channels: MLA passes its heads, qk + pe and v head dims. The planner's
+    CP cost uses this."""
+    v_channels = kv_channels if v_channels is None else v_channels
+    kv = num_query_groups / tp * (kv_channels + v_channels) * tokens_per_rank
     forward = (cp - 1) * kv * dtype_bytes
     return forward * (2 if recompute_forward else 1) + forward + cp * kv * 4
 
@@ -330,14 +353,15 @@ def _reduce_scatter_blocks(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
+def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSV: torch.Tensor,
                  group: Group, comm_type: str = "p2p",
                  document_ids_BS: Optional[torch.Tensor] = None,
                  scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal (and, with `document_ids_BS`, document-causal) attention of this cp rank's
-    queries [B, N, S/CP, D] against the whole sequence's keys/values, given as this
-    rank's [B, G, S/CP, D] in the `split_for_cp` layout; returns [B, N, S/CP, D].
-    `dropout_p`: attention dropout, drawn from the current device generator."""
+    queries [B, N, S/CP, D] against the whole sequence's keys [B, G, S/CP, D] and values
+    [B, G, S/CP, V] (V may differ from D, as MLA's), given as this rank's part in the
+    `split_for_cp` layout; returns [B, N, S/CP, V]. `scale`: the softmax scale (default
+    1/sqrt(D)); `dropout_p`: attention dropout, drawn from the current device generator."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"not supported yet: --cp-comm-type {comm_type}")
     scale = 1.0 / math.sqrt(q_BNSD.shape[-1]) if scale is None else scale
@@ -345,8 +369,8 @@ def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tenso
         mask = _mask(*(torch.arange(q_BNSD.shape[2], device=q_BNSD.device),) * 2,
                      document_ids_BS, document_ids_BS)
         return torch.nn.functional.scaled_dot_product_attention(
-            q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale, dropout_p=dropout_p,
+            q_BNSD, k_BGSD, v_BGSV, attn_mask=mask, scale=scale, dropout_p=dropout_p,
             enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
     ids = None if document_ids_BS is None else document_ids_BS.contiguous()
-    return _CPAttention.apply(q_BNSD, k_BGSD.contiguous(), v_BGSD.contiguous(), ids, group,
+    return _CPAttention.apply(q_BNSD, k_BGSD.contiguous(), v_BGSV.contiguous(), ids, group,
                               comm_type, scale, dropout_p)

@@ -91,10 +91,10 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     if lay.cp > 1:  # the p2p ring's real volume (parallel/context_parallel.py), counted
         # as not overlapped with the attention it runs under (an upper bound)
         replay = recompute.granularity == "full" or "core_attn" in recompute.selected
-        cp_comm = ring_bytes_per_layer(model.num_query_groups, model.kv_channels,
-                                       local_tokens, lay.cp, lay.tp,
-                                       recompute_forward=replay) * layers_local \
-            / bw(lay.tp * lay.cp)
+        heads, k_dim, v_dim = _ring_kv_dims(model)
+        cp_comm = ring_bytes_per_layer(heads, k_dim, local_tokens, lay.cp, lay.tp,
+                                       recompute_forward=replay, v_channels=v_dim) \
+            * layers_local / bw(lay.tp * lay.cp)
     m = global_batch_size // (lay.micro_batch_size * lay.dp)
     bubble = (lay.pp - 1) / (lay.vpp * m) if lay.pp > 1 else 0.0
     p2p = 0.0
@@ -111,6 +111,16 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     total = busy * (1 + bubble) + dp_comm + p2p
     return {"total": total, "compute": compute, "tp_comm": tp_comm, "all_to_all": a2a,
             "cp_comm": cp_comm, "bubble": busy * bubble, "dp_comm": dp_comm, "p2p": p2p}
+
+
+def _ring_kv_dims(model: ModelConfig) -> tuple[int, int, int]:
+    """(K/V heads, K head dim, V head dim) the CP ring carries per token. MLA: every
+    head's K (its shared k_pe expanded per head, as core attention gets it), qk + pe
+    channels, and v_head_dim V channels."""
+    if model.multi_latent_attention:
+        return (model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim,
+                model.v_head_dim)
+    return model.num_query_groups, model.kv_channels, model.kv_channels
 
 
 def _recompute_modes(model: ModelConfig) -> list[str]:

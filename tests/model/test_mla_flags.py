@@ -27,6 +27,16 @@ def test_mla_flags_reach_the_model_config():
     assert m.mla_rope_type == "yarn" and m.original_max_position_embeddings == 4096
 
 
+def test_mla_with_context_parallelism_is_accepted():
+    """MLA runs under CP (its core attention is the cp ring's; the parity is in
+    tests/training/test_pretrain_mla.py)."""
+    run = run_config_from_args(parse_args(shlex.split(
+        f"{MLA} --context-parallel-size 2 --cp-comm-type allgather "
+        "--moe-router-load-balancing-type global_aux_loss"), world_size=2), 97)
+    assert run.model.multi_latent_attention
+    assert (run.parallel.context_parallel_size, run.parallel.cp_comm_type) == (2, ["allgather"])
+
+
 @pytest.mark.parametrize("flags,world,message", [
     (f"{BASE} --q-lora-rank 16", 1, "--q-lora-rank needs --multi-latent-attention"),
     (f"{BASE} --kv-lora-rank 16", 1, "--kv-lora-rank needs --multi-latent-attention"),
@@ -41,8 +51,6 @@ def test_mla_flags_reach_the_model_config():
     (f"{MLA} --hidden-size 48 --num-attention-heads 6 --tensor-model-parallel-size 4 "
      "--sequence-parallel", 4, "--num-attention-heads (6) must be divisible by "
                                "--tensor-model-parallel-size (4)"),
-    (f"{MLA} --context-parallel-size 2 --moe-router-load-balancing-type global_aux_loss", 2,
-     "not supported yet: --multi-latent-attention with --context-parallel-size > 1"),
     (f"{BASE} --recompute-granularity selective --recompute-modules mla_up_proj", 1,
      "--recompute-modules mla_up_proj needs multi-latent attention"),
 ])

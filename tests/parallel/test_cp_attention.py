@@ -75,6 +75,58 @@ def test_cp_attention_equals_full_attention(cp, comm_type, docs):
         assert max(errs) < 1e-12, errs
 
 
+DK, DV, SCALE = 12, 6, 0.37  # MLA-shaped: K wider than V (qk + pe vs v), own scale
+
+
+def _mla_inputs():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, N, S, DK, generator=g, dtype=torch.float64)
+    k = torch.randn(B, G, S, DK, generator=g, dtype=torch.float64)
+    v = torch.randn(B, G, S, DV, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, N, S, DV, generator=g, dtype=torch.float64)
+    return q, k, v, dout, _inputs()[4]
+
+
+def _plain_reference(q, k, v, dout, ids):
+    """softmax(q k^T * SCALE, document-causal) v written out, and its q/k/v gradients."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(S, S, dtype=torch.bool).tril() & (ids[:, :, None] == ids[:, None])
+    rep = N // G
+    s = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * SCALE
+    p = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), dim=-1)
+    out = p @ v.repeat_interleave(rep, 1)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _mla_worker(rank, world_size, comm_type):
+    q, k, v, dout, ids = _mla_inputs()
+    ref = _plain_reference(q, k, v, dout, ids)
+    group = dist.new_group(list(range(world_size)))
+    local = [split_for_cp(t, rank, world_size, dim=2).clone().requires_grad_()
+             for t in (q, k, v)]
+    out = cp_attention(*local, group, comm_type, split_for_cp(ids, rank, world_size, 1),
+                       scale=SCALE)
+    out.backward(split_for_cp(dout, rank, world_size, dim=2))
+    got = (out.detach(), *(t.grad for t in local))
+    want = [split_for_cp(t, rank, world_size, dim=2) for t in ref]
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want]
+    return [float((a - b).abs().max()) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("cp,comm_type", [
+    (2, "p2p"), (2, "allgather"),
+    pytest.param(4, "p2p", marks=pytest.mark.slow),
+    pytest.param(4, "allgather", marks=pytest.mark.slow),
+])
+def test_cp_attention_with_wider_keys_than_values(cp, comm_type):
+    """MLA's shape: K head dim (qk + pe) != V head dim, a softmax scale of its own, GQA
+    and documents; the output has V's head dim and it and the q/k/v gradients equal the
+    written-out attention's."""
+    for errs in run_distributed(_mla_worker, cp, 120, comm_type):
+        assert max(errs) < 1e-12, errs
+
+
 def test_cp_comm_type_parsing():
     assert parse_cp_comm_type(["p2p"], 3) == ["p2p"] * 3
     assert parse_cp_comm_type(["p2p", "allgather"], 2) == ["p2p", "allgather"]
@@ -116,8 +168,9 @@ def test_ring_p2p_is_ordered_for_nccl(cp):
     simulate(rec.programs)
 
 
-def _count_ring_bytes(rank, world_size):
-    """Bytes this rank's ring sends for one forward + backward (fp32 model dtype)."""
+def _count_ring_bytes(rank, world_size, v_dim):
+    """Bytes this rank's ring sends for one forward + backward (fp32 model dtype), with
+    V's head dim `v_dim` (K's is D)."""
     from megamoe.parallel import context_parallel as cpmod
 
     sent = []
@@ -129,6 +182,7 @@ def _count_ring_bytes(rank, world_size):
 
     cpmod._Ring.start = counting
     q, k, v, dout, ids = _inputs()
+    v, dout = v[..., :1].expand(-1, -1, -1, v_dim), dout[..., :1].expand(-1, -1, -1, v_dim)
     local = [split_for_cp(t.float(), rank, world_size, dim=2).requires_grad_()
              for t in (q, k, v)]
     out = cp_attention(*local, dist.new_group(list(range(world_size))), "p2p")
@@ -136,13 +190,30 @@ def _count_ring_bytes(rank, world_size):
     return sum(sent)
 
 
-@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_planner_ring_volume_is_what_the_ring_sends(cp):
+@pytest.mark.parametrize("cp,v_dim", [  # (V narrower than K covers the equal case's sizes)
+    (2, 3), pytest.param(2, D, marks=pytest.mark.slow),
+    pytest.param(4, D, marks=pytest.mark.slow), pytest.param(4, 3, marks=pytest.mark.slow)])
+def test_planner_ring_volume_is_what_the_ring_sends(cp, v_dim):
     """The planner's CP cost (ring_bytes_per_layer) equals the bytes the real ring sends
-    per rank for one layer's forward and backward."""
-    predicted = ring_bytes_per_layer(G, D, B * S / cp, cp, dtype_bytes=4)
-    for sent in run_distributed(_count_ring_bytes, cp, 120):
+    per rank for one layer's forward and backward, also when V's head dim is not K's
+    (MLA: K and V travel in one buffer at their own widths, no padding)."""
+    predicted = ring_bytes_per_layer(G, D, B * S / cp, cp, dtype_bytes=4, v_channels=v_dim)
+    for sent in run_distributed(_count_ring_bytes, cp, 120, v_dim):
         assert sent == predicted, (sent, predicted)
+
+
+def test_planner_counts_mla_keys_and_values():
+    """The planner's CP cost of an MLA model: every head's K at qk + pe and V at v."""
+    from megamoe.config import ModelConfig
+    from megamoe.planning.planner import _ring_kv_dims
+
+    mla = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
+                      multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=24,
+                      qk_pos_emb_head_dim=8, v_head_dim=16)
+    assert _ring_kv_dims(mla) == (8, 32, 16)
+    gqa = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
+                      num_query_groups=2)
+    assert _ring_kv_dims(gqa) == (2, 8, 8)
 
 
 def _dropout_worker(rank, world_size, comm_type):

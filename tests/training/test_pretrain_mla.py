@@ -1,9 +1,11 @@
 """pretrain_gpt.py-level parity for multi-latent attention: a tiny DeepSeek-V3-like model
 (MLA with q compression, latent norms and YaRN, a dense first layer then MoE) trains with
 the single-process losses and grad norms (fp32, rel 1e-5) under TP=2+SP, PP=2 and EP=2 x
-TP=2+SP with the distributed optimizer; --recompute-modules mla_up_proj changes nothing;
-an MLA checkpoint saved at TP=2 resumes at TP=1 and one saved at TP=1 resumes at TP=2
-with the losses of a run that never changed layout."""
+TP=2+SP with the distributed optimizer, and under context parallelism with document
+masking (CP=2 p2p; slow set: allgather, CP=2 x TP=2+SP, recompute, the DeepSeek-V3
+recipe with and without MTP); --recompute-modules mla_up_proj changes nothing; an MLA
+checkpoint saved at TP=2 resumes at TP=1 and one saved at TP=1 resumes at TP=2 with the
+losses of a run that never changed layout."""
 
 from __future__ import annotations
 
@@ -130,3 +132,48 @@ def test_deepseek_v3_recipe_matches_single_process(layout, world):
     assert all(h["mtp_1 loss"] > 0 for h in single)
     for hist in run_distributed(_worker, world, 300, f"{DSV3} {layout}"):
         _same(single, hist, DSV3_KEYS)
+
+
+# Context parallelism: MLA's core attention runs the cp ring (K at qk + pe, V at v head
+# dims, MLA's softmax scale), RoPE sees each token's place in its document. The larger
+# init makes the attention scores matter: at std 0.02 they are so small that even a wrong
+# softmax scale moves the losses by < 1e-6.
+DOCS = "--reset-attention-mask --reset-position-ids --eod-mask-loss --init-method-std 0.2"
+_SINGLE_BY_FLAGS: dict[str, list[dict]] = {}
+
+
+def _check_cp(flags: str, layout: str, world: int, keys=KEYS) -> None:
+    """`flags` + `layout` on `world` ranks equals `flags` in one process."""
+    if flags not in _SINGLE_BY_FLAGS:
+        _SINGLE_BY_FLAGS[flags] = _history(flags, 1)
+    single = _SINGLE_BY_FLAGS[flags]
+    assert all(h["grad norm"] > 0.05 for h in single)  # clipping active every step
+    for hist in run_distributed(_worker, world, 300, f"{flags} {layout}"):
+        _same(single, hist, keys)
+
+
+def test_mla_cp2_with_documents_matches_single_process():
+    _check_cp(DOCS, "--context-parallel-size 2", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,world", [
+    ("--context-parallel-size 2 --cp-comm-type allgather", 2),
+    ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", 4),
+    ("--context-parallel-size 2 --recompute-granularity selective --recompute-modules "
+     "mla_up_proj core_attn", 2),
+], ids=["cp2-allgather", "cp2-tp2sp", "cp2-recompute"])
+def test_mla_cp_layouts_match_single_process(layout, world):
+    _check_cp(DOCS, layout, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mtp", [False, True], ids=["no-mtp", "mtp"])
+def test_deepseek_v3_recipe_at_cp2_matches_single_process(mtp):
+    """The DeepSeek-V3 recipe (above), with and without its MTP depth, under CP=2 with
+    documents: lm loss, MTP loss, the sequence aux loss (its token counts summed over
+    cp), z-loss and grad norms."""
+    flags = f"{DSV3 if mtp else DSV3.replace('--mtp-num-layers 1', '')} {DOCS}"
+    assert ("--mtp-num-layers" in flags) == mtp
+    _check_cp(flags, "--context-parallel-size 2", 2,
+              tuple(k for k in DSV3_KEYS if mtp or k != "mtp_1 loss"))
