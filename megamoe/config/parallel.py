@@ -115,8 +115,8 @@ class ParallelConfig:
             require(self.overlap_grad_reduce,
                     "--overlap-param-gather needs --overlap-grad-reduce")
         for v in self.cp_comm_type:
-            require(v not in ("a2a", "a2a+p2p"), f"not supported yet: --cp-comm-type {v}")
-            require(v in ("p2p", "allgather"),
+            require(v != "a2a+p2p", f"not supported yet: --cp-comm-type {v}")
+            require(v in ("p2p", "allgather", "a2a"),
                     f"--cp-comm-type must be p2p, allgather, a2a or a2a+p2p, got {v!r}")
         backend = self.distributed_backend
         require(backend is None or backend in BACKENDS,

@@ -72,7 +72,8 @@ class RunConfig:
 
     def _validate_context_parallel(self) -> None:
         """What context parallelism needs: each rank 2 equal chunks, split again by TP
-        under SP."""
+        under SP; with a2a, heads (and K/V heads) per TP rank that split over the cp ranks
+        (MLA's keys have a head per query head)."""
         p, m = self.parallel, self.model
         cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
         split = 2 * cp * (tp if p.sequence_parallel else 1)
@@ -80,6 +81,13 @@ class RunConfig:
         require(m.seq_length % split == 0,
                 f"--seq-length {m.seq_length} must be divisible by 2 x "
                 f"--context-parallel-size{what} ({split})")
+        if "a2a" in p.cp_comm_type:
+            groups = m.num_attention_heads if m.multi_latent_attention else m.num_query_groups
+            heads, groups = m.num_attention_heads // tp, groups // tp
+            require(heads % cp == 0 and groups % cp == 0,
+                    f"--cp-comm-type a2a needs the attention heads ({heads}) and key/value "
+                    f"heads ({groups}) per tensor-parallel rank to be multiples of "
+                    f"--context-parallel-size ({cp})")
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even; the vocabulary padding must not depend

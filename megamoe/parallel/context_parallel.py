@@ -25,7 +25,9 @@ channels, V v channels) without padding bytes on the wire; dK/dV travel the same
   dK/dV (Megatron's / ring-flash-attention's scheme). Only q, k, v, the output and the
   log-sum-exp are kept for backward: scores are recomputed per block.
 - `allgather`: K/V of the whole sequence are all-gathered for the op (and freed after);
-  backward reduce-scatters dK/dV.
+  backward reduce-scatters dK/dV (summed in fp32, as the ring's).
+- `a2a` (Ulysses): parallel/cp_a2a.py trades the sequence split for a head split with
+  all-to-alls and runs one attention over the whole sequence.
 Per block the scores are formed explicitly in fp32 ([B, heads, 2c, 2c]: per block, never
 per sequence), portable to every device; a fused kernel returning the log-sum-exp could
 replace `_block_forward` / `_block_backward` without touching the ring.
@@ -47,9 +49,10 @@ import torch
 import torch.distributed as dist
 
 from megamoe.parallel.comm import Group, all_gather_no_grad, group_rank, group_size
+from megamoe.parallel.cp_a2a import a2a_attention
 
-CP_COMM_TYPES = ("p2p", "allgather")
-NOT_BUILT_COMM_TYPES = ("a2a", "a2a+p2p")
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+NOT_BUILT_COMM_TYPES = ("a2a+p2p",)
 
 
 def parse_cp_comm_type(values: list[str], num_layers: int) -> list[str]:
@@ -281,7 +284,7 @@ class _CPAttention(torch.autograd.Function):
         kv = _kv(k, v)  # travels in the model dtype; blocks upcast on arrival
         if ctx.comm_type == "allgather":
             kv_all = all_gather_no_grad(kv[None], ctx.group)
-            dkv_all = torch.zeros_like(kv_all)
+            dkv_all = torch.zeros_like(kv_all, dtype=out.dtype)  # summed in fp32, as p2p
         dkv = None  # p2p: the gradient of the block held, accumulated by earlier ranks
         for i in range(cp):
             src = (r - i) % cp
@@ -361,7 +364,8 @@ def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSV: torch.Tenso
     queries [B, N, S/CP, D] against the whole sequence's keys [B, G, S/CP, D] and values
     [B, G, S/CP, V] (V may differ from D, as MLA's), given as this rank's part in the
     `split_for_cp` layout; returns [B, N, S/CP, V]. `scale`: the softmax scale (default
-    1/sqrt(D)); `dropout_p`: attention dropout, drawn from the current device generator."""
+    1/sqrt(D)); `dropout_p`: attention dropout, drawn from the current device generator.
+    `comm_type` a2a: parallel/cp_a2a.py (heads exchanged for the sequence)."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"not supported yet: --cp-comm-type {comm_type}")
     scale = 1.0 / math.sqrt(q_BNSD.shape[-1]) if scale is None else scale
@@ -372,5 +376,7 @@ def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSV: torch.Tenso
             q_BNSD, k_BGSD, v_BGSV, attn_mask=mask, scale=scale, dropout_p=dropout_p,
             enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])
     ids = None if document_ids_BS is None else document_ids_BS.contiguous()
+    if comm_type == "a2a":
+        return a2a_attention(q_BNSD, k_BGSD, v_BGSV, group, ids, scale, dropout_p)
     return _CPAttention.apply(q_BNSD, k_BGSD.contiguous(), v_BGSV.contiguous(), ids, group,
                               comm_type, scale, dropout_p)

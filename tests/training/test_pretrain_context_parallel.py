@@ -58,6 +58,12 @@ def test_cp2_matches_single_process(docs):
            dense_only=True)
 
 
+def test_cp2_a2a_matches_single_process():
+    """--cp-comm-type a2a (Ulysses: heads exchanged for the sequence), with documents."""
+    _check(run_distributed(_worker, 2, 240, f"--context-parallel-size 2 --cp-comm-type a2a "
+                                            f"{DOCS}"), DOCS, dense_only=True)
+
+
 # With DP > 1, one micro-batch per rank: global_aux_loss counts the tokens seen so far in
 # the global batch, so with several micro-batches per dp rank its per-micro-batch values
 # differ from one process's by design (as in test_pretrain.py's global-aux DP test); the
@@ -74,6 +80,10 @@ ONE_MB = (f"--global-batch-size 4 {GLOBAL_ONLY}",
 @pytest.mark.parametrize("layout,world,single_extra", [
     ("--context-parallel-size 2 --cp-comm-type allgather", 2, ""),
     ("--context-parallel-size 2 --cp-comm-type p2p allgather", 2, ""),  # one per layer
+    ("--context-parallel-size 2 --cp-comm-type a2a p2p", 2, ""),
+    ("--context-parallel-size 2 --cp-comm-type a2a --expert-model-parallel-size 2", 2, ""),
+    ("--context-parallel-size 2 --cp-comm-type a2a --recompute-granularity selective "
+     "--recompute-modules core_attn", 2, ""),
     ("--context-parallel-size 2 --expert-model-parallel-size 2", 2, ""),
     ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", 4, ""),
     ("--context-parallel-size 2 --pipeline-model-parallel-size 2", 4, ""),
@@ -98,11 +108,16 @@ def test_cp_layouts_match_single_process(layout, world, single_extra, docs):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ("--context-parallel-size 2 --cp-comm-type a2a", "not supported yet: --cp-comm-type a2a"),
+    ("--context-parallel-size 2 --cp-comm-type a2a+p2p",
+     "not supported yet: --cp-comm-type a2a+p2p"),
+    ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+     "--cp-comm-type a2a",
+     "--cp-comm-type a2a needs the attention heads (2) and key/value heads (1) per "
+     "tensor-parallel rank to be multiples of --context-parallel-size (2)"),
     ("--context-parallel-size 3", "must be divisible by 2 x --context-parallel-size"),
 ])
 def test_cp_refusals(capsys, extra, message):
-    world = 3 if "size 3" in extra else 2
+    world = 3 if "size 3" in extra else 4 if "tensor-model-parallel-size 2" in extra else 2
     assert message in parse_error(capsys, f"{TINY_MOE} --train-iters 1 {extra}",
                                   world_size=world)
 

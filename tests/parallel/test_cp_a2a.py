@@ -1,0 +1,84 @@
+"""`--cp-comm-type a2a` (megamoe/parallel/cp_a2a.py) equals full attention, forward and
+backward, on gloo ranks: each rank gives its load-balanced chunks of the same q/k/v and
+must get those chunks of the single-process output and gradients. Also: the exchange
+helpers are each other's inverses, and heads that do not split over CP are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megamoe.parallel.context_parallel import split_for_cp
+from megamoe.parallel.cp_a2a import _to_rank_order, _to_sequence_order, a2a_attention
+from tests.distributed import run_distributed
+from tests.parallel.test_cp_attention import _inputs
+
+S = 32
+
+
+def _reference(q, k, v, dout, ids, scale):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+    if ids is not None:
+        mask = (mask & (ids[:, :, None] == ids[:, None]))[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                         scale=scale)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _worker(rank, world_size, docs, v_dim, gqa):
+    q, k, v, _, ids = _inputs()
+    if not gqa:  # as many k/v heads as query heads
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(*v.shape[:3], v_dim, generator=g, dtype=v.dtype)  # V narrower (MLA)
+    dout = torch.randn(*q.shape[:3], v_dim, generator=g, dtype=q.dtype)
+    ids = ids if docs else None
+    scale = 0.3
+    ref = _reference(q, k, v, dout, ids, scale)
+    local = [split_for_cp(t, rank, world_size, dim=2).clone().requires_grad_()
+             for t in (q, k, v)]
+    ids_local = None if ids is None else split_for_cp(ids, rank, world_size, dim=1)
+    out = a2a_attention(*local, dist.group.WORLD, ids_local, scale=scale)
+    out.backward(split_for_cp(dout, rank, world_size, dim=2))
+    got = (out.detach(), *(t.grad for t in local))
+    want = [split_for_cp(t, rank, world_size, dim=2) for t in ref]
+    return [float((a - b).abs().max()) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("cp, docs, v_dim, gqa", [
+    (2, True, 5, True),
+    pytest.param(2, False, 8, True, marks=pytest.mark.slow),
+    pytest.param(4, True, 8, False, marks=pytest.mark.slow),
+])
+def test_a2a_attention_equals_full_attention(cp, docs, v_dim, gqa):
+    for errs in run_distributed(_worker, cp, 120, docs, v_dim, gqa):
+        assert max(errs) < 1e-12, errs
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_rank_and_sequence_orders_are_inverse(cp):
+    x = torch.arange(2 * 3 * S).view(2, 3, S)
+    by_rank = _to_rank_order(x, cp, dim=2)
+    for r in range(cp):
+        assert torch.equal(by_rank[r], split_for_cp(x, r, cp, dim=2))
+    assert torch.equal(_to_sequence_order(by_rank, cp, dim=2), x)
+
+
+def _refusal_worker(rank, world_size):
+    q = torch.zeros(1, 3, 4, 2)
+    k = torch.zeros(1, 1, 4, 2)
+    try:
+        a2a_attention(q, k, k, dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow  # (the flags refuse such a layout first: test_pretrain_context_parallel.py)
+def test_heads_that_do_not_split_over_cp_are_refused():
+    for msg in run_distributed(_refusal_worker, 2, 60):
+        assert msg is not None and "multiples of --context-parallel-size (2)" in msg
