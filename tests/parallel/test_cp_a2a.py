@@ -49,11 +49,9 @@ def _worker(rank, world_size, docs, v_dim, gqa):
     return [float((a - b).abs().max()) for a, b in zip(got, want)]
 
 
+@pytest.mark.slow  # (the default set's CP2 a2a training parity covers the op)
 @pytest.mark.parametrize("cp, docs, v_dim, gqa", [
-    (2, True, 5, True),
-    pytest.param(2, False, 8, True, marks=pytest.mark.slow),
-    pytest.param(4, True, 8, False, marks=pytest.mark.slow),
-])
+    (2, True, 5, True), (2, False, 8, True), (4, True, 8, False)])
 def test_a2a_attention_equals_full_attention(cp, docs, v_dim, gqa):
     for errs in run_distributed(_worker, cp, 120, docs, v_dim, gqa):
         assert max(errs) < 1e-12, errs
