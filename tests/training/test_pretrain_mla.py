@@ -160,10 +160,12 @@ def test_mla_cp2_with_documents_matches_single_process():
 @pytest.mark.parametrize("layout,world", [
     ("--context-parallel-size 2 --cp-comm-type allgather", 2),
     ("--context-parallel-size 2 --cp-comm-type a2a", 2),
+    ("--context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2 "
+     "--sequence-parallel", 4),
     ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", 4),
     ("--context-parallel-size 2 --recompute-granularity selective --recompute-modules "
      "mla_up_proj core_attn", 2),
-], ids=["cp2-allgather", "cp2-a2a", "cp2-tp2sp", "cp2-recompute"])
+], ids=["cp2-allgather", "cp2-a2a", "cp2-a2a-tp2sp", "cp2-tp2sp", "cp2-recompute"])
 def test_mla_cp_layouts_match_single_process(layout, world):
     _check_cp(DOCS, layout, world)
 
