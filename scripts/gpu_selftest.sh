@@ -5,8 +5,9 @@
 # norms, flash attention), host syncs per MoE layer, fp32 training on the GPU equal to the
 # CPU's, a tiny Mixtral learning in bf16 with its tokens/s and MFU, the MoE layer
 # benchmark in bf16. Two or more: every layout under NCCL (TP2+SP, EP2 all-to-all, PP2 1F1B
-# and interleaved, DP2 distributed optimizer; TP2xEP2 and TP2xPP2 on four) gives the
-# one-GPU fp32 losses and grad norms, and a TP2 checkpoint resumes on one GPU.
+# and interleaved, DP2 distributed optimizer, CP2 p2p ring and a2a; TP2xEP2 and TP2xPP2 on
+# four) gives the one-GPU fp32 losses and grad norms, and a TP2 checkpoint resumes on one
+# GPU.
 # Prints one line per check (PASS/FAIL name, then its JSON); exits 0 when all pass, 1 when
 # any fails, 2 (one line, nothing run) when no CUDA GPU is visible. Do not source env.sh
 # first: it installs the CPU torch wheel; use the cluster's CUDA torch.
@@ -89,7 +90,9 @@ if [ "$NGPU" -ge 2 ]; then
                 "pp2_1f1b:--pipeline-model-parallel-size 2" \
                 "pp2_interleaved:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" \
                 "dp2_distopt:--use-distributed-optimizer" \
-                "dp2_distopt_overlap:--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000"; do
+                "dp2_distopt_overlap:--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000" \
+                "cp2_p2p:--context-parallel-size 2" \
+                "cp2_a2a:--context-parallel-size 2 --cp-comm-type a2a"; do
     name=${layout%%:*}
     # shellcheck disable=SC2086
     check "${name}_run" history "$WORK/$name.json" 2 "${TINY[@]}" "${ITERS[@]}" ${layout#*:}

@@ -74,5 +74,6 @@ def test_script_rehearses_every_step_on_the_cpu(tmp_path):
     passed = [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("PASS")]
     for name in ("gpu_equals_cpu_fp32", "bf16_learns", "tp2_sp_equals_1gpu",
                  "ep2_alltoall_equals_1gpu", "pp2_interleaved_equals_1gpu",
-                 "dp2_distopt_equals_1gpu", "tp2_resume_equals"):
+                 "dp2_distopt_equals_1gpu", "cp2_p2p_equals_1gpu", "cp2_a2a_equals_1gpu",
+                 "tp2_resume_equals"):
         assert name in passed, out.stdout
