@@ -65,6 +65,21 @@ def _ranks_to_heads(o_BHSV: torch.Tensor, group: Group) -> torch.Tensor:
     return recv.view(cp, b, h, s, v).transpose(0, 1).reshape(b, cp * h, s, v)
 
 
+def a2a_bytes_per_layer(num_heads: int, num_kv_heads: int, k_channels: int, v_channels: int,
+                        tokens_per_rank: float, cp: int, tp: int = 1, dtype_bytes: int = 2,
+                        recompute_forward: bool = False) -> float:
+    """Bytes one cp rank sends per layer in `a2a_attention` for its `tokens_per_rank`
+    tokens: the forward's all-to-alls move q (num_heads x k_channels per token), k
+    (num_kv_heads x k_channels), v (num_kv_heads x v_channels) and the output (num_heads x
+    v_channels), heads split over TP, each keeping 1/CP at home; the backward moves their
+    gradients the same way; a recomputed forward moves its four again. The planner's CP
+    cost for a2a layouts uses this."""
+    per_token = (num_heads * (k_channels + v_channels)
+                 + num_kv_heads * (k_channels + v_channels)) / tp
+    forward = per_token * tokens_per_rank * (cp - 1) / cp * dtype_bytes
+    return forward * (2 if recompute_forward else 1) + forward
+
+
 def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSV: torch.Tensor,
                   group: Group, document_ids_BS: Optional[torch.Tensor] = None,
                   scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:

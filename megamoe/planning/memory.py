@@ -32,6 +32,7 @@ class Layout:
     distributed_optimizer: bool
     recompute: str  # none | full | selective[:modules] (activations.recompute_config)
     micro_batch_size: int
+    cp_comm_type: str = "p2p"  # --cp-comm-type for every layer (p2p or a2a), with cp > 1
 
 
 def _stage_of_layer(model: ModelConfig, lay: Layout, i: int) -> int:

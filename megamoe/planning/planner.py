@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from megamoe.config import (
     ConfigError,
@@ -31,6 +31,7 @@ from megamoe.config import (
 from megamoe.config.unsupported import is_built
 from megamoe.model.flops import flops_per_token, recompute_flops_per_token
 from megamoe.parallel.context_parallel import ring_bytes_per_layer
+from megamoe.parallel.cp_a2a import a2a_bytes_per_layer
 from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
@@ -88,13 +89,17 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
         if recompute.granularity == "full" or "moe" in recompute.selected:
             a2a *= 1.5  # the replayed forward runs dispatch and combine again
     cp_comm = 0.0
-    if lay.cp > 1:  # the p2p ring's real volume (parallel/context_parallel.py), counted
-        # as not overlapped with the attention it runs under (an upper bound)
+    if lay.cp > 1:  # the real volume of the p2p ring (parallel/context_parallel.py) or of
+        # the a2a exchanges (parallel/cp_a2a.py), counted as not overlapped (upper bound)
         replay = recompute.granularity == "full" or "core_attn" in recompute.selected
         heads, k_dim, v_dim = _ring_kv_dims(model)
-        cp_comm = ring_bytes_per_layer(heads, k_dim, local_tokens, lay.cp, lay.tp,
-                                       recompute_forward=replay, v_channels=v_dim) \
-            * layers_local / bw(lay.tp * lay.cp)
+        if lay.cp_comm_type == "a2a":
+            vol = a2a_bytes_per_layer(model.num_attention_heads, heads, k_dim, v_dim,
+                                      local_tokens, lay.cp, lay.tp, recompute_forward=replay)
+        else:
+            vol = ring_bytes_per_layer(heads, k_dim, local_tokens, lay.cp, lay.tp,
+                                       recompute_forward=replay, v_channels=v_dim)
+        cp_comm = vol * layers_local / bw(lay.tp * lay.cp)
     m = global_batch_size // (lay.micro_batch_size * lay.dp)
     bubble = (lay.pp - 1) / (lay.vpp * m) if lay.pp > 1 else 0.0
     p2p = 0.0
@@ -114,7 +119,7 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
 
 
 def _ring_kv_dims(model: ModelConfig) -> tuple[int, int, int]:
-    """(K/V heads, K head dim, V head dim) the CP ring carries per token. MLA: every
+    """(K/V heads, K head dim, V head dim) the CP ops carry per token. MLA: every
     head's K (its shared k_pe expanded per head, as core attention gets it), qk + pe
     channels, and v_head_dim V channels."""
     if model.multi_latent_attention:
@@ -141,7 +146,8 @@ def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: 
     try:
         RunConfig(model, parallel=ParallelConfig(
             tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-            context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
+            context_parallel_size=lay.cp, cp_comm_type=[lay.cp_comm_type],
+            expert_model_parallel_size=lay.ep,
             expert_tensor_parallel_size=lay.etp, sequence_parallel=lay.tp > 1,
             use_distributed_optimizer=lay.distributed_optimizer, world_size=gpus,
             num_layers_per_virtual_pipeline_stage=vpp_layers),
@@ -163,6 +169,8 @@ def layout_flags(model: ModelConfig, lay: Layout) -> list[str]:
         flags.append("--sequence-parallel")
     if lay.cp > 1:
         flags.append(f"--context-parallel-size={lay.cp}")
+        if lay.cp_comm_type != "p2p":
+            flags.append(f"--cp-comm-type={lay.cp_comm_type}")
     if lay.vpp > 1:
         layers = model.num_layers // (lay.pp * lay.vpp)
         flags.append(f"--num-layers-per-virtual-pipeline-stage={layers}")
@@ -177,7 +185,8 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
                   gpus_per_node: int) -> list[Layout]:
     """Every layout megamoe's argument rules accept for this model and world size: the
     candidates (TP within a node; the sizes that multiply to the world size), kept when
-    `rules_accept` them."""
+    `rules_accept` them; with CP each layout once with the p2p ring and once with a2a
+    where its heads split over CP."""
     out = []
     experts = model.moe.num_experts if model.moe else 1
     for tp, pp, cp in itertools.product(divisors(gpus_per_node), divisors(model.num_layers),
@@ -196,8 +205,12 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
                     if dist_opt and dp * cp == 1:
                         continue
                     lay = Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs)
-                    if rules_accept(model, lay, gpus, global_batch_size):
-                        out.append(lay)
+                    if not rules_accept(model, lay, gpus, global_batch_size):
+                        continue
+                    out.append(lay)
+                    a2a = replace(lay, cp_comm_type="a2a")  # where the heads split over CP
+                    if cp > 1 and rules_accept(model, a2a, gpus, global_batch_size):
+                        out.append(a2a)
     return out
 
 
@@ -235,7 +248,8 @@ def explain(r: dict, hw: Hardware) -> str:
                    key=lambda kv: -kv[1])
     shares = ", ".join(f"{k} {100 * v / t['total']:.0f}%" for k, v in parts[:3])
     return (f"TP{lay['tp']} PP{lay['pp']} VPP{lay['vpp']} EP{lay['ep']} ETP{lay['etp']} "
-            f"DP{lay['dp']} CP{lay['cp']} mbs{lay['micro_batch_size']}"
+            f"DP{lay['dp']} CP{lay['cp']}{' a2a' if lay['cp_comm_type'] == 'a2a' else ''} "
+            f"mbs{lay['micro_batch_size']}"
             f"{' distopt' if lay['distributed_optimizer'] else ''}"
             f"{'' if lay['recompute'] == 'none' else ' recompute ' + lay['recompute']}: "
             f"{r['memory_gb']['total']:.1f}/{hw.gpu_memory_gb:.0f} GB, "

@@ -11,7 +11,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megamoe.parallel.context_parallel import split_for_cp
-from megamoe.parallel.cp_a2a import _to_rank_order, _to_sequence_order, a2a_attention
+from megamoe.parallel.cp_a2a import (
+    _to_rank_order,
+    _to_sequence_order,
+    a2a_attention,
+    a2a_bytes_per_layer,
+)
 from tests.distributed import run_distributed
 from tests.parallel.test_cp_attention import _inputs
 
@@ -80,3 +85,36 @@ def _refusal_worker(rank, world_size):
 def test_heads_that_do_not_split_over_cp_are_refused():
     for msg in run_distributed(_refusal_worker, 2, 60):
         assert msg is not None and "multiples of --context-parallel-size (2)" in msg
+
+
+def _count_a2a_bytes(rank, world_size, v_dim):
+    """Bytes this rank's all-to-alls send to other ranks for one forward + backward (fp32),
+    with V's head dim `v_dim` (K's is D), G = N / 2 K/V heads."""
+    from megamoe.parallel import comm
+
+    sent = []
+    exchange = comm._all_to_all  # (the differentiable all-to-all's forward and backward)
+
+    def counting(x, output_splits, input_splits, group):
+        row = x[0].numel() * x.element_size()
+        sent.append(sum(n for r, n in enumerate(input_splits) if r != rank) * row)
+        return exchange(x, output_splits, input_splits, group)
+
+    comm._all_to_all = counting
+    q, k, v, dout, _ = _inputs()
+    v, dout = v[..., :1].expand(-1, -1, -1, v_dim), dout[..., :1].expand(-1, -1, -1, v_dim)
+    local = [split_for_cp(t.float(), rank, world_size, dim=2).requires_grad_()
+             for t in (q, k, v)]
+    out = a2a_attention(*local, dist.group.WORLD)
+    out.backward(split_for_cp(dout.float(), rank, world_size, dim=2))
+    return sum(sent)
+
+
+def test_planner_a2a_volume_is_what_the_all_to_alls_send():
+    """The planner's CP cost for a2a layouts (a2a_bytes_per_layer) equals the bytes the
+    op's all-to-alls send per rank for one forward and backward, V narrower than K."""
+    from tests.parallel.test_cp_attention import B, D, G, N
+
+    predicted = a2a_bytes_per_layer(N, G, D, 3, B * S / 2, 2, dtype_bytes=4)
+    for sent in run_distributed(_count_a2a_bytes, 2, 120, 3):
+        assert sent == predicted, (sent, predicted)

@@ -317,3 +317,33 @@ def test_shared_experts_split_over_tp_in_the_memory_model():
     without = sum(pl.stage_parameters(plain.model, _layout(plain_args), 0))
     h, fs, moe_layers = 64, 64, 2  # configs/tiny.yaml: two MoE layers, swiglu
     assert predicted - without == moe_layers * (3 * h * fs // 2 + h)
+
+
+def test_planner_offers_a2a_where_heads_split_and_costs_it_by_its_volume():
+    """With CP the planner weighs both --cp-comm-type p2p and a2a (the latter where the
+    heads and K/V heads per TP rank split over CP), costs a2a by the bytes its all-to-alls
+    send (parallel/cp_a2a.py, checked against the op in tests/parallel/test_cp_a2a.py), and
+    launches it with its flag."""
+    from dataclasses import replace
+
+    from megamoe.parallel.cp_a2a import a2a_bytes_per_layer
+    from megamoe.planning.planner import Hardware, step_time
+
+    model = pl.load_model(os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"), 32000, None)
+    layouts = pl.legal_layouts(model, 64, 256, model.seq_length, 8)
+    a2a = [lay for lay in layouts if lay.cp_comm_type == "a2a"]
+    assert a2a and all(lay.cp > 1 for lay in a2a)
+    legal = set(layouts)
+    assert all(replace(lay, cp_comm_type="p2p") in legal for lay in a2a)
+    for lay in a2a:
+        assert (model.num_attention_heads // lay.tp) % lay.cp == 0
+        assert (model.num_query_groups // lay.tp) % lay.cp == 0
+    lay = next(lay for lay in a2a if lay.recompute == "none" and lay.tp * lay.cp <= 8)
+    hw = Hardware(gpus=64, gpu_memory_gb=80)
+    tokens = 256 * model.seq_length / (lay.dp * lay.cp)
+    want = a2a_bytes_per_layer(32, 8, 128, 128, tokens, lay.cp, lay.tp) \
+        * model.num_layers / lay.pp / (0.7 * hw.intra_node_gbps * 1e9)
+    got = step_time(model, lay, hw, model.seq_length, 256)["cp_comm"]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert "--cp-comm-type=a2a" in pl.layout_flags(model, lay)
+    _rules_accept(os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"), model, lay, 64, 256)
