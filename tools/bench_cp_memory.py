@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megamoe.config import ModelConfig, MoEConfig  # noqa: E402
 from megamoe.model.gpt_model import GPTModel, rotary_for  # noqa: E402
 from megamoe.model.transformer_block import run_layers  # noqa: E402
-from megamoe.parallel.context_parallel import cp_positions  # noqa: E402
+from megamoe.parallel.cp_layout import cp_positions  # noqa: E402
 from megamoe.parallelize import apply_context_parallel  # noqa: E402
 from tools.gloo_ranks import run_gloo_ranks  # noqa: E402
 from tools.memory_tracking import TensorMemoryTracker  # noqa: E402

@@ -33,6 +33,7 @@ from megamoe.model.norms import ProjectionRMSNorm, build_norm
 from megamoe.model.rope import apply_rotary
 from megamoe.parallel.checkpointing import maybe_checkpoint
 from megamoe.parallel.context_parallel import cp_attention
+from megamoe.parallel.cp_layout import causal_mask
 from megamoe.parallel.tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -52,22 +53,9 @@ class DocumentMask:
 
     def mask(self) -> torch.Tensor:
         if self._mask_B1SS is None:
-            self._mask_B1SS = document_causal_mask(self.ids_BS, self.ids_BS)
+            pos = torch.arange(self.ids_BS.shape[1], device=self.ids_BS.device)
+            self._mask_B1SS = causal_mask(pos, pos, self.ids_BS, self.ids_BS)
         return self._mask_B1SS
-
-
-def document_causal_mask(q_ids_BS: torch.Tensor, k_ids_BS: torch.Tensor,
-                         q_pos: Optional[torch.Tensor] = None,
-                         k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """bool [B, 1, Sq, Sk]: key j is visible to query i when both are in one document and
-    j is not after i (`q_pos`/`k_pos`: positions in the full sequence, default 0..S-1)."""
-    sq, sk = q_ids_BS.shape[1], k_ids_BS.shape[1]
-    dev = q_ids_BS.device
-    q_pos = torch.arange(sq, device=dev) if q_pos is None else q_pos
-    k_pos = torch.arange(sk, device=dev) if k_pos is None else k_pos
-    causal_SS = k_pos[None, :] <= q_pos[:, None]
-    same_BSS = q_ids_BS[:, :, None] == k_ids_BS[:, None, :]
-    return (same_BSS & causal_SS)[:, None]
 
 
 class SelfAttention(nn.Module):

@@ -1,10 +1,8 @@
 """Context parallelism: attention over a sequence split across the cp group (Megatron's).
 
-Layout (Megatron's load balancing for causal attention): the sequence is cut into 2 x CP
-chunks of c = S / (2 CP) tokens; cp rank r holds chunks r and 2CP-1-r, in that order, so
-every rank has the same share of the causal work. `split_for_cp` makes that split of any
-[B, S, ...] batch tensor; `cp_positions` gives the full-sequence positions of the local
-tokens (RoPE, masks).
+Layout (Megatron's load balancing for causal attention, parallel/cp_layout.py): the
+sequence is cut into 2 x CP chunks of c = S / (2 CP) tokens; cp rank r holds chunks r and
+2CP-1-r, in that order, so every rank has the same share of the causal work.
 
 `cp_attention(q, k, v, ...)` is exact attention of the local queries against the keys and
 values of the whole sequence, causal and optionally within documents (per-token document
@@ -50,6 +48,7 @@ import torch.distributed as dist
 
 from megamoe.parallel.comm import Group, all_gather_no_grad, group_rank, group_size
 from megamoe.parallel.cp_a2a import a2a_attention
+from megamoe.parallel.cp_layout import causal_mask, cp_positions
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 NOT_BUILT_COMM_TYPES = ("a2a+p2p",)
@@ -69,31 +68,6 @@ def parse_cp_comm_type(values: list[str], num_layers: int) -> list[str]:
     return list(values) * num_layers if len(values) == 1 else list(values)
 
 
-def chunk_indices(rank: int, cp: int) -> tuple[int, int]:
-    """The two of the 2 x CP sequence chunks cp rank `rank` holds."""
-    return rank, 2 * cp - 1 - rank
-
-
-def split_for_cp(x_BS: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """This cp rank's part of a full-sequence tensor: chunks r and 2CP-1-r along `dim`."""
-    if cp == 1:
-        return x_BS
-    if x_BS.shape[dim] % (2 * cp):
-        raise ValueError(f"sequence length {x_BS.shape[dim]} is not divisible by 2 x "
-                         f"--context-parallel-size ({2 * cp})")
-    chunks = x_BS.chunk(2 * cp, dim=dim)
-    a, b = chunk_indices(rank, cp)
-    return torch.cat([chunks[a], chunks[b]], dim=dim)
-
-
-def cp_positions(seq_local: int, rank: int, cp: int, device) -> torch.Tensor:
-    """int64 [seq_local]: full-sequence positions of this rank's tokens."""
-    c = seq_local // 2
-    a, b = chunk_indices(rank, cp)
-    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device),
-                      torch.arange(b * c, (b + 1) * c, device=device)])
-
-
 def cp_masked_mean(loss_BS: torch.Tensor, mask_BS: torch.Tensor, group: Group,
                    size: int) -> torch.Tensor:
     """Mean per-token loss over the unmasked tokens of the whole (cp-split) sequence: the
@@ -106,15 +80,6 @@ def cp_masked_mean(loss_BS: torch.Tensor, mask_BS: torch.Tensor, group: Group,
     total = stats[1].clamp(min=1.0)
     for_grad = local_sum * size / total
     return for_grad + (stats[0] / total - for_grad.detach())  # value: the global mean
-
-
-def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_ids_BS: Optional[torch.Tensor],
-          k_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
-    """bool [B|1, 1, Sq, Sk]: causal by full-sequence position, and within one document."""
-    m = (k_pos[None, :] <= q_pos[:, None])[None, None]
-    if q_ids_BS is not None:
-        m = m & (q_ids_BS[:, :, None] == k_ids_BS[:, None, :])[:, None]
-    return m
 
 
 def _expand_groups(t_BGSD: torch.Tensor, heads: int) -> torch.Tensor:
@@ -259,8 +224,8 @@ class _CPAttention(torch.autograd.Function):
             if comm_type == "p2p" and i + 1 < cp:
                 nxt, works = ring.start(kv)  # overlaps the block below
             blk = kv if comm_type == "p2p" else kv_full[src]
-            mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
-                         None if all_ids is None else all_ids[src])
+            mask = causal_mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
+                               None if all_ids is None else all_ids[src])
             keep = drop.forward_keep(_scores_shape(q, blk), q.device, _acc(q))
             o_b, l_b = _block_forward(q, *_split(blk, dk), mask, scale, keep)
             out, lse = (o_b, l_b) if out is None else _merge(out, lse, o_b, l_b)
@@ -292,8 +257,8 @@ class _CPAttention(torch.autograd.Function):
             if ctx.comm_type == "p2p" and i + 1 < cp:
                 kv_next, kv_works = ring.start(kv)  # the next block, under this compute
             blk = kv if ctx.comm_type == "p2p" else kv_all[src]
-            mask = _mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
-                         None if all_ids is None else all_ids[src])
+            mask = causal_mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
+                               None if all_ids is None else all_ids[src])
             keep = ctx.drop.backward_keep(i, _scores_shape(q, blk), q.device, _acc(q))
             dq_b, dk_b, dv_b = _block_backward(q, *_split(blk, dk), lse, dout, delta, mask,
                                                ctx.scale, keep)
@@ -370,8 +335,8 @@ def cp_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSV: torch.Tenso
         raise ValueError(f"not supported yet: --cp-comm-type {comm_type}")
     scale = 1.0 / math.sqrt(q_BNSD.shape[-1]) if scale is None else scale
     if group_size(group) == 1:  # one rank: its one block is the whole sequence
-        mask = _mask(*(torch.arange(q_BNSD.shape[2], device=q_BNSD.device),) * 2,
-                     document_ids_BS, document_ids_BS)
+        mask = causal_mask(*(torch.arange(q_BNSD.shape[2], device=q_BNSD.device),) * 2,
+                           document_ids_BS, document_ids_BS)
         return torch.nn.functional.scaled_dot_product_attention(
             q_BNSD, k_BGSD, v_BGSV, attn_mask=mask, scale=scale, dropout_p=dropout_p,
             enable_gqa=k_BGSD.shape[1] != q_BNSD.shape[1])

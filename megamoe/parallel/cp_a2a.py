@@ -1,7 +1,7 @@
 """`--cp-comm-type a2a`: context-parallel attention by all-to-all (DeepSpeed-Ulysses; what
 Megatron's `a2a` runs through Transformer Engine).
 
-Each cp rank holds its two load-balanced chunks (r and 2CP-1-r, parallel/context_parallel.py)
+Each cp rank holds its two load-balanced chunks (r and 2CP-1-r, parallel/cp_layout.py)
 of every head. One all-to-all per tensor trades that for the whole sequence of 1/CP of the
 heads: rank j receives heads [j N/CP, (j+1) N/CP) of every rank's chunks, which it puts in
 sequence order, and runs ordinary causal (or document-causal) attention over the whole
@@ -22,27 +22,7 @@ from typing import Optional
 import torch
 
 from megamoe.parallel.comm import Group, all_gather_no_grad, all_to_all_uneven, group_size
-
-
-def _chunk_order(cp: int) -> list[tuple[int, int]]:
-    """For each of the 2CP chunks of the sequence, in order: (cp rank holding it, which of
-    its two chunks)."""
-    return [(j, 0) if j < cp else (2 * cp - 1 - j, 1) for j in range(2 * cp)]
-
-
-def _to_sequence_order(x_RB_SL: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
-    """[CP (source rank), ..., 2c (its chunks), ...] -> [..., S, ...] in sequence order,
-    the local sequence dim being `dim` of the per-rank part."""
-    chunks = [x.chunk(2, dim=dim) for x in x_RB_SL.unbind(0)]
-    return torch.cat([chunks[r][half] for r, half in _chunk_order(cp)], dim=dim)
-
-
-def _to_rank_order(x_S: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
-    """Inverse of `_to_sequence_order`: [..., S, ...] -> [CP, ..., 2c, ...] where row j
-    holds cp rank j's chunks j and 2CP-1-j."""
-    chunks = x_S.chunk(2 * cp, dim=dim)
-    return torch.stack([torch.cat([chunks[j], chunks[2 * cp - 1 - j]], dim=dim)
-                        for j in range(cp)])
+from megamoe.parallel.cp_layout import causal_mask, join_from_cp, split_for_cp
 
 
 def _heads_to_ranks(x_BHSD: torch.Tensor, group: Group) -> torch.Tensor:
@@ -53,13 +33,14 @@ def _heads_to_ranks(x_BHSD: torch.Tensor, group: Group) -> torch.Tensor:
     send = x_BHSD.view(b, cp, h // cp, s, d).transpose(0, 1)  # [CP (dest), B, H/CP, 2c, D]
     recv = all_to_all_uneven(send.contiguous().view(cp * b, h // cp, s, d), [b] * cp,
                              [b] * cp, group)
-    return _to_sequence_order(recv.view(cp, b, h // cp, s, d), cp, dim=2)
+    return join_from_cp(list(recv.view(cp, b, h // cp, s, d).unbind(0)), dim=2)
 
 
 def _ranks_to_heads(o_BHSV: torch.Tensor, group: Group) -> torch.Tensor:
     """Inverse of `_heads_to_ranks` for the output: [B, N/CP, S, V] -> [B, N, 2c, V]."""
     cp = group_size(group)
-    send = _to_rank_order(o_BHSV, cp, dim=2)  # [CP (dest), B, N/CP, 2c, V]
+    send = torch.stack([split_for_cp(o_BHSV, j, cp, dim=2)  # [CP (dest), B, N/CP, 2c, V]
+                        for j in range(cp)])
     _, b, h, s, v = send.shape
     recv = all_to_all_uneven(send.reshape(cp * b, h, s, v), [b] * cp, [b] * cp, group)
     return recv.view(cp, b, h, s, v).transpose(0, 1).reshape(b, cp * h, s, v)
@@ -94,10 +75,10 @@ def a2a_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSV: torch.Tens
     q, k, v = (_heads_to_ranks(t, group) for t in (q_BNSD, k_BGSD, v_BGSV))
     mask = None
     if document_ids_BS is not None:
-        ids = _to_sequence_order(all_gather_no_grad(document_ids_BS[None], group), cp, dim=1)
-        s = ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        mask = (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+        ids = join_from_cp(list(all_gather_no_grad(document_ids_BS[None], group).unbind(0)),
+                           dim=1)
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        mask = causal_mask(pos, pos, ids, ids)
     o = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, dropout_p=dropout_p,
         enable_gqa=g != n)

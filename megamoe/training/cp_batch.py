@@ -4,7 +4,7 @@ loss_func).
 
 Every cp rank of one data-parallel replica reads the same batch (the data loader follows
 the dp rank); `split_batch` keeps this rank's chunks r and 2CP-1-r of every [B, S] tensor
-(parallel/context_parallel.py's load-balanced layout). Positions are made explicit first
+(parallel/cp_layout.py's load-balanced layout). Positions are made explicit first
 (arange when the batch has none), so RoPE and learned position embeddings see each token's
 place in the whole sequence; document ids split like the tokens.
 
@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from megamoe.parallel.context_parallel import cp_masked_mean, split_for_cp
+from megamoe.parallel.context_parallel import cp_masked_mean
+from megamoe.parallel.cp_layout import split_for_cp
 
 Batch = dict[str, torch.Tensor]
 CPInfo = Optional[tuple]  # (group, rank, size) from parallelize's apply_context_parallel

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megamoe.parallel.context_parallel import split_for_cp
+from megamoe.parallel.cp_layout import split_for_cp
 from megamoe.training.cp_batch import CPInfo, cp_lm_loss
 
 Batch = dict[str, torch.Tensor]

@@ -24,7 +24,7 @@ from megamoe.model.flops import (
 from megamoe.model.gpt_model import GPTModel, rotary_for
 from megamoe.model.mtp import MTPLossTracker, shifted
 from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
-from megamoe.parallel.context_parallel import split_for_cp
+from megamoe.parallel.cp_layout import split_for_cp
 from megamoe.training.loss import masked_lm_loss
 from tests.distributed import run_distributed
 

@@ -1,7 +1,7 @@
 """`--cp-comm-type a2a` (megamoe/parallel/cp_a2a.py) equals full attention, forward and
 backward, on gloo ranks: each rank gives its load-balanced chunks of the same q/k/v and
-must get those chunks of the single-process output and gradients. Also: the exchange
-helpers are each other's inverses, and heads that do not split over CP are refused."""
+must get those chunks of the single-process output and gradients. Also: joining every
+rank's parts inverts the split, and heads that do not split over CP are refused."""
 
 from __future__ import annotations
 
@@ -10,13 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megamoe.parallel.context_parallel import split_for_cp
-from megamoe.parallel.cp_a2a import (
-    _to_rank_order,
-    _to_sequence_order,
-    a2a_attention,
-    a2a_bytes_per_layer,
-)
+from megamoe.parallel.cp_a2a import a2a_attention, a2a_bytes_per_layer
+from megamoe.parallel.cp_layout import join_from_cp, split_for_cp
 from tests.distributed import run_distributed
 from tests.parallel.test_cp_attention import _inputs
 
@@ -63,12 +58,11 @@ def test_a2a_attention_equals_full_attention(cp, docs, v_dim, gqa):
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_rank_and_sequence_orders_are_inverse(cp):
+def test_join_from_cp_inverts_split_for_cp(cp):
+    """The a2a op gathers every rank's parts back into sequence order with join_from_cp."""
     x = torch.arange(2 * 3 * S).view(2, 3, S)
-    by_rank = _to_rank_order(x, cp, dim=2)
-    for r in range(cp):
-        assert torch.equal(by_rank[r], split_for_cp(x, r, cp, dim=2))
-    assert torch.equal(_to_sequence_order(by_rank, cp, dim=2), x)
+    parts = [split_for_cp(x, r, cp, dim=2) for r in range(cp)]
+    assert torch.equal(join_from_cp(parts, dim=2), x)
 
 
 def _refusal_worker(rank, world_size):

@@ -17,8 +17,8 @@ from megamoe.parallel.context_parallel import (
     cp_attention,
     parse_cp_comm_type,
     ring_bytes_per_layer,
-    split_for_cp,
 )
+from megamoe.parallel.cp_layout import split_for_cp
 from tests.distributed import run_distributed
 from tests.training.test_p2p_order import Recorder, assert_mirrored, simulate
 
@@ -252,7 +252,7 @@ def test_cp_attention_dropout_equals_full_attention_with_the_same_masks(cp, comm
     the keep masks the ranks drew assembled into one [S, S] mask, the reference
     softmax(scores) * keep @ V and its gradients equal what the ranks computed (the
     backward redrew the masks from the generator states it noted)."""
-    from megamoe.parallel.context_parallel import cp_positions
+    from megamoe.parallel.cp_layout import cp_positions
 
     results = run_distributed(_dropout_worker, cp, 120, comm_type)
     q, k, v, dout, ids = _inputs()
