@@ -92,7 +92,7 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     if lay.cp > 1:  # the real volume of the p2p ring (parallel/context_parallel.py) or of
         # the a2a exchanges (parallel/cp_a2a.py), counted as not overlapped (upper bound)
         replay = recompute.granularity == "full" or "core_attn" in recompute.selected
-        heads, k_dim, v_dim = _ring_kv_dims(model)
+        heads, k_dim, v_dim = _cp_kv_dims(model)
         if lay.cp_comm_type == "a2a":
             vol = a2a_bytes_per_layer(model.num_attention_heads, heads, k_dim, v_dim,
                                       local_tokens, lay.cp, lay.tp, recompute_forward=replay)
@@ -118,7 +118,7 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
             "cp_comm": cp_comm, "bubble": busy * bubble, "dp_comm": dp_comm, "p2p": p2p}
 
 
-def _ring_kv_dims(model: ModelConfig) -> tuple[int, int, int]:
+def _cp_kv_dims(model: ModelConfig) -> tuple[int, int, int]:
     """(K/V heads, K head dim, V head dim) the CP ops carry per token. MLA: every
     head's K (its shared k_pe expanded per head, as core attention gets it), qk + pe
     channels, and v_head_dim V channels."""

@@ -54,7 +54,7 @@ def per_token_loss(run: RunConfig, mesh: Mesh) -> Optional[PerTokenLoss]:
         return None
     size = mesh.dp_size * mesh.cp_size
     group = None if size == 1 else mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
-    return PerTokenLoss(group, size, run.model.mtp_num_layers or 0)
+    return PerTokenLoss(group, size, run.model.num_mtp_layers)
 
 
 def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:

@@ -25,12 +25,13 @@ from tests.training.test_p2p_order import Recorder, assert_mirrored, simulate
 B, N, G, S, D = 2, 4, 2, 32, 8
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, N, S, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, G, S, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, G, S, D, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, N, S, D, generator=g, dtype=torch.float64)
+def _inputs(k_dim: int = D, v_dim: int = D, seed: int = 0):
+    """q, k [.., k_dim], v, dout [.., v_dim] (fp64) and two packings' document ids."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, S, k_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(B, G, S, k_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(B, G, S, v_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, N, S, v_dim, generator=g, dtype=torch.float64)
     lengths = [5, 9, 1, 11, 6]  # packed documents (not aligned to chunks)
     ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     ids = torch.stack([ids, torch.roll(ids, 3).cummax(0).values])  # two different packings
@@ -78,15 +79,6 @@ def test_cp_attention_equals_full_attention(cp, comm_type, docs):
 DK, DV, SCALE = 12, 6, 0.37  # MLA-shaped: K wider than V (qk + pe vs v), own scale
 
 
-def _mla_inputs():
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, N, S, DK, generator=g, dtype=torch.float64)
-    k = torch.randn(B, G, S, DK, generator=g, dtype=torch.float64)
-    v = torch.randn(B, G, S, DV, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, N, S, DV, generator=g, dtype=torch.float64)
-    return q, k, v, dout, _inputs()[4]
-
-
 def _plain_reference(q, k, v, dout, ids):
     """softmax(q k^T * SCALE, document-causal) v written out, and its q/k/v gradients."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -100,7 +92,7 @@ def _plain_reference(q, k, v, dout, ids):
 
 
 def _mla_worker(rank, world_size, comm_type):
-    q, k, v, dout, ids = _mla_inputs()
+    q, k, v, dout, ids = _inputs(DK, DV, seed=1)
     ref = _plain_reference(q, k, v, dout, ids)
     group = dist.new_group(list(range(world_size)))
     local = [split_for_cp(t, rank, world_size, dim=2).clone().requires_grad_()
@@ -204,15 +196,15 @@ def test_planner_ring_volume_is_what_the_ring_sends(cp, v_dim):
 def test_planner_counts_mla_keys_and_values():
     """The planner's CP cost of an MLA model: every head's K at qk + pe and V at v."""
     from megamoe.config import ModelConfig
-    from megamoe.planning.planner import _ring_kv_dims
+    from megamoe.planning.planner import _cp_kv_dims
 
     mla = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
                       multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=24,
                       qk_pos_emb_head_dim=8, v_head_dim=16)
-    assert _ring_kv_dims(mla) == (8, 32, 16)
+    assert _cp_kv_dims(mla) == (8, 32, 16)
     gqa = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
                       num_query_groups=2)
-    assert _ring_kv_dims(gqa) == (2, 8, 8)
+    assert _cp_kv_dims(gqa) == (2, 8, 8)
 
 
 def _dropout_worker(rank, world_size, comm_type):

@@ -16,8 +16,18 @@ PER_TOKEN = f"--calculate-per-token-loss {DOCS}"
 NO_MOE_LOSSES = "--moe-aux-loss-coeff 0 --moe-z-loss-coeff 0"  # those are per micro-batch
 
 
-def _losses(extra: str) -> list[tuple[float, float]]:
-    return [(h["lm loss"], h["grad norm"]) for h in _train(extra, 1)[0]]
+def _losses(extra: str, keys=("lm loss", "grad norm")) -> list[tuple[float, ...]]:
+    return [tuple(h[k] for k in keys) for h in _train(extra, 1)[0]]
+
+
+def _cuts(model: str = "", keys=("lm loss", "grad norm")) -> tuple[list, list, list, list]:
+    """`keys` per iteration of one process for `model`: per-token with 4 micro-batches of
+    2 and with 1 of 8, then the default mean with 1 of 8 and with 4 of 2."""
+    one = "--micro-batch-size 8"
+    return (_losses(f"{model} {PER_TOKEN} {NO_MOE_LOSSES}", keys),
+            _losses(f"{model} {PER_TOKEN} {NO_MOE_LOSSES} {one}", keys),
+            _losses(f"{model} {DOCS} {NO_MOE_LOSSES} {one}", keys),
+            _losses(f"{model} {DOCS} {NO_MOE_LOSSES}", keys))
 
 
 def _close(a, b, rel=1e-5) -> bool:
@@ -28,11 +38,7 @@ def test_per_token_loss_does_not_depend_on_the_micro_batch_cut():
     """Per-token: 4 micro-batches of 2 = 1 micro-batch of 8 (= the default's loss on one
     micro-batch, where the two meanings coincide); the default's mean of means over 4
     micro-batches differs once --eod-mask-loss makes their token counts uneven."""
-    one = "--micro-batch-size 8"
-    per_token_4 = _losses(f"{PER_TOKEN} {NO_MOE_LOSSES}")
-    per_token_1 = _losses(f"{PER_TOKEN} {NO_MOE_LOSSES} {one}")
-    mean_1 = _losses(f"{DOCS} {NO_MOE_LOSSES} {one}")
-    mean_4 = _losses(f"{DOCS} {NO_MOE_LOSSES}")
+    per_token_4, per_token_1, mean_1, mean_4 = _cuts()
     assert _close(per_token_4, per_token_1), (per_token_4, per_token_1)
     assert _close(mean_1, per_token_1), (mean_1, per_token_1)
     # (short mock documents: the counts differ by a few tokens, the losses by ~6e-5)
@@ -81,19 +87,11 @@ MTP = "--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3"
 MTP_KEYS = ("lm loss", "grad norm", "mtp_1 loss", "mtp_2 loss")
 
 
-def _mtp_losses(extra: str) -> list[tuple[float, ...]]:
-    return [tuple(h[k] for k in MTP_KEYS) for h in _train(f"{MTP} {extra}", 1)[0]]
-
-
 def test_per_token_mtp_loss_does_not_depend_on_the_micro_batch_cut():
     """Each MTP depth's loss is its per-token mean over the global batch too (its own
     token count: the targets shifted k + 1 places): 4 micro-batches of 2 = 1 of 8, whose
     losses equal the default's; the default's mean of means over 4 differs."""
-    one = "--micro-batch-size 8"
-    per_token_4 = _mtp_losses(f"{PER_TOKEN} {NO_MOE_LOSSES}")
-    per_token_1 = _mtp_losses(f"{PER_TOKEN} {NO_MOE_LOSSES} {one}")
-    mean_1 = _mtp_losses(f"{DOCS} {NO_MOE_LOSSES} {one}")
-    mean_4 = _mtp_losses(f"{DOCS} {NO_MOE_LOSSES}")
+    per_token_4, per_token_1, mean_1, mean_4 = _cuts(MTP, MTP_KEYS)
     assert _close(per_token_4, per_token_1), (per_token_4, per_token_1)
     assert _close(mean_1, per_token_1), (mean_1, per_token_1)
     for k in (2, 3):  # each depth's logged loss
