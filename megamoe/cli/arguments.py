@@ -337,6 +337,12 @@ def config_file_to_argv(path: str) -> list[str]:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ArgumentError(f"--config: file not found: {path}") from None
+    except IsADirectoryError:
+        raise ArgumentError(f"--config: {path} is a directory, not a YAML file") from None
+    except UnicodeDecodeError:
+        raise ArgumentError(f"--config: {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise ArgumentError(f"--config: cannot read {path} ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ArgumentError(
             f"--config: {path} is not valid YAML ({e.__class__.__name__})") from None
@@ -380,6 +386,19 @@ def expand_config_file(argv: list[str]) -> list[str]:
     return preset + rest
 
 
+def check_int_bounds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every integer flag fits an int64: counts, sizes and ids become tensor shapes, numpy
+    indices and checkpoint fields, where a larger Python int overflows or allocates
+    without end ("--train-iters 100000000000000000000000000")."""
+    for action in parser._actions:
+        if action.type is not int:
+            continue
+        value = getattr(args, action.dest, None)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and not -2**63 <= v < 2**63:
+                raise ArgumentError(f"{action.option_strings[0]} must be below 2**63, got {v}")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
                prog: str = "pretrain_gpt.py") -> argparse.Namespace:
     """Parse and validate; on any bad input print one line and exit with code 2.
@@ -395,6 +414,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int
         parser.error(str(e))
     args = parser.parse_args(argv)
     try:
+        check_int_bounds(args, parser)
         finalize_args(args, parser, world_size=world_size)
     except ConfigError as e:  # ArgumentError included
         parser.error(str(e))

@@ -34,22 +34,38 @@ def parse_layer_freq(spec: str, num_layers: int) -> list[int]:
     """--moe-layer-freq: an int N (every Nth layer is MoE, starting with layer 0) or a
     Python-like list expression such as "([0]+[1]*23)". Evaluated without eval()."""
 
+    unreadable = ArgumentError(f"--moe-layer-freq: cannot read {spec!r}")
+    # A list longer than the model is wrong whatever it holds: stop before building it,
+    # so "[1]*100000000000" is one line, not the machine's memory.
+    most = max(num_layers, 1)
+
     def ev(node: ast.AST):
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.List):
             return [ev(e) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = ev(node.left), ev(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ArgumentError(f"--moe-layer-freq: cannot read {spec!r}")
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                seq, times = (left, right) if isinstance(left, list) else (right, left)
+                if len(seq) * max(times, 0) > most:
+                    raise ArgumentError(f"--moe-layer-freq pattern has {len(seq) * times} "
+                                        f"entries but --num-layers is {num_layers}")
+                return seq * times
+            if isinstance(node.op, ast.Mult) and isinstance(left, int):
+                return left * right
+        raise unreadable
 
     try:
         value = ev(ast.parse(spec.strip(), mode="eval"))
-    except SyntaxError:
-        raise ArgumentError(f"--moe-layer-freq: cannot read {spec!r}") from None
+    except ArgumentError:
+        raise
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise unreadable from None
     if isinstance(value, int):
         if value < 1:
             raise ArgumentError(f"--moe-layer-freq must be >= 1, got {value}")
