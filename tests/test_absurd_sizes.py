@@ -91,3 +91,43 @@ def test_training_run_with_absurd_shapes_exits_2_before_allocating(capsys, extra
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "pretrain_gpt.py: error:" in err[0], err
     assert not (tmp_path / "ckpt").exists()  # nothing written
+
+
+# --- logging targets: checked on every rank before training ---------------------------
+
+def _main_error(capsys, extra: str, tmp_path) -> tuple[int, list[str]]:
+    code = main(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}")
+                + ["--save", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not (tmp_path / "ckpt").exists()  # nothing written
+    return code, err
+
+
+def test_unwritable_tensorboard_and_wandb_dirs_are_one_line(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for extra, flag in ((f"--tensorboard-dir {afile}/tb", "--tensorboard-dir"),
+                        (f"--wandb-project p --wandb-save-dir {afile}/w", "--wandb-save-dir"),
+                        ("--tensorboard-dir /dev/full/tb", "--tensorboard-dir")):
+        code, err = _main_error(capsys, extra, tmp_path)
+        assert code == 1 and len(err) == 1 and f"{flag}: cannot write to" in err[0], err
+
+
+def test_full_disk_is_one_line(capsys, tmp_path, monkeypatch):
+    """ENOSPC from the probe's write (a full disk lets a directory be made, not filled)."""
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("megamoe.training.log_targets.os.fsync", full)
+    code, err = _main_error(capsys, f"--tensorboard-dir {tmp_path}/tb", tmp_path)
+    assert code == 1 and err == [f"pretrain_gpt.py: error: --tensorboard-dir: cannot write to "
+                                 f"{tmp_path}/tb (No space left on device)"]
+
+
+def test_missing_tensorboard_package_is_one_line(capsys, tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    code, err = _main_error(capsys, f"--tensorboard-dir {tmp_path}/tb", tmp_path)
+    assert code == 1 and err == ["pretrain_gpt.py: error: --tensorboard-dir needs the "
+                                 "tensorboard package: pip install -e .[logging]"]

@@ -22,11 +22,12 @@ from megamoe.planning.dry_run import dry_run
 from megamoe.planning.fits import check_fits
 from megamoe.training import pretrain as training
 from megamoe.training.checkpoint import CheckpointError
+from megamoe.training.log_targets import LogTargetError, check_log_targets
 from megamoe.training.loop import TrainState
 from megamoe.training.nonfinite import NonFiniteError
 
 USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure,
-               NonFiniteError)
+               NonFiniteError, LogTargetError)
 
 
 def _dry_run_vocab_size(data: DataConfig) -> int:
@@ -47,6 +48,7 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
     tokenizer = tokenizer_for(data)
     run = run_config_from_args(args, tokenizer.vocab_size)
     check_fits(run, print_fn)  # before any process group, data index or allocation
+    check_log_targets(run.logging)
     return training.pretrain(run, tokenizer, print_fn)
 
 
