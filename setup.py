@@ -34,8 +34,8 @@ setup(
         # Transformer Engine is not used (--transformer-impl transformer_engine is refused).
         # NVIDIA apex is installed from NVIDIA's repository, not PyPI.
         "gpu": ["grouped_gemm"],
-        # tools/checkpoint/convert.py (Hugging Face config objects) and from_checkpoint's
-        # exports; safetensors is also a base requirement (the converter reads it).
+        # tools/checkpoint/convert.py megamoe-to-hf writes config.json through transformers
+        # (hf-to-megamoe needs only safetensors, which is also a base requirement).
         "hf": ["transformers>=4.46", "safetensors"],
         # the documentation site: mkdocs build --strict over docs/ (mkdocs.yml)
         "docs": ["mkdocs-material", "mkdocstrings[python]"],
