@@ -9,6 +9,7 @@ one line before any rank starts work.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -24,6 +25,24 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        args, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}"
+                       f"{did_you_mean(unknown, self._option_string_actions)}")
+        return args
+
+
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """' (did you mean --hidden-size?)' for the unknown flags close to a known one."""
+    flags = [w.split("=", 1)[0] for w in unknown if w.startswith("--")]
+    hints = []
+    for word in flags:
+        close = difflib.get_close_matches(word, known, n=1, cutoff=0.8)
+        if close:
+            hints.append(f"{word} -> {close[0]}" if len(flags) > 1 else close[0])
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from megamoe.config.fields import flag_dest
 from megamoe.config.unsupported import NOT_SUPPORTED_YET
 from megamoe.data.builder import parse_data_path
 from megamoe.data.errors import DataError
+from megamoe.training.checkpoint.publish import TRACKER
 
 
 class ArgumentError(ConfigError):
@@ -190,7 +191,30 @@ def _check_data(args: argparse.Namespace) -> None:
         for prefix in prefixes:
             for suffix in (".bin", ".idx"):
                 if not os.path.isfile(prefix + suffix):
-                    raise ArgumentError(f"{flag}: file not found: {prefix + suffix}")
+                    raise ArgumentError(f"{flag}: file not found: {prefix + suffix}"
+                                        f"{_prefix_hint(prefix)}")
+
+
+def _prefix_hint(prefix: str) -> str:
+    """A data path is the prefix of a .bin/.idx pair: 'corpus_text_document', not
+    'corpus_text_document.bin'."""
+    if prefix.endswith((".bin", ".idx")):
+        return f" (give the prefix without .bin/.idx: {prefix[:-4]})"
+    return ""
+
+
+def _check_load_is_not_hf(load: Optional[str]) -> None:
+    """--load of a Hugging Face model folder (config.json + *.safetensors, no megamoe
+    checkpoint) names the converter instead of 'no checkpoint found'."""
+    if not load or not os.path.isdir(load) or os.path.exists(os.path.join(load, TRACKER)):
+        return
+    names = os.listdir(load)
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names) and \
+            not any(n.startswith("iter_") or n.endswith(".pt") for n in names):
+        raise ArgumentError(
+            f"--load {load}: a Hugging Face model (config.json, *.safetensors), not a megamoe "
+            f"checkpoint; convert it first: python tools/checkpoint/convert.py hf-to-megamoe "
+            f"--input {load} --output DIR, then --load DIR")
 
 
 def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -233,5 +257,6 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)
     _check_data(args)
+    _check_load_is_not_hf(args.load)
     _check_not_supported(args, parser)
     return args
