@@ -83,8 +83,11 @@ def build_once(paths: Sequence[str], build: Callable[[], None], what: str,
         return "cached"
     lock = paths[0] + ".lock"
     os.makedirs(os.path.dirname(lock) or ".", exist_ok=True)
-    start = time.monotonic()
+    start, holder = time.monotonic(), None  # holder: set once another process builds
     while True:
+        if holder is not None and all(os.path.isfile(p) for p in paths):
+            log(f"{what}: waited {time.monotonic() - start:.2f} s for {holder}")
+            return "waited"
         if _take_lock(lock):
             try:
                 if all(os.path.isfile(p) for p in paths):
@@ -94,13 +97,11 @@ def build_once(paths: Sequence[str], build: Callable[[], None], what: str,
                 return "built"
             finally:
                 remove_quietly(lock)
-        if all(os.path.isfile(p) for p in paths):
-            log(f"{what}: waited {time.monotonic() - start:.2f} s for {_holder(lock)}")
-            return "waited"
+        holder = _holder(lock)
         if _dead_local_holder(lock):
             remove_quietly(lock)
             continue
         if time.monotonic() - start > timeout_s:
-            raise DataError(f"{lock}: waited {timeout_s:.0f} s for {_holder(lock)} to build "
+            raise DataError(f"{lock}: waited {timeout_s:.0f} s for {holder} to build "
                             f"{what}; if that process is gone, delete the lock file")
         time.sleep(POLL_S)

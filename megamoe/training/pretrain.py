@@ -140,7 +140,8 @@ class _Data:
         # checkpoint) continues with exactly the dropout masks of a run that never stopped.
         with torch.random.fork_rng(devices=[]):
             train_ds, valid_ds, test_ds = build_gpt_datasets(
-                run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=t.seed)
+                run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=t.seed,
+                wait_timeout_s=60 * run.parallel.distributed_timeout_minutes)
             # validation resumes where the uninterrupted run's would be (one eval_iters
             # window per --eval-interval)
             valid_consumed = (state.iteration // t.eval_interval) * t.eval_iters * gbs
