@@ -67,8 +67,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_attention_mask = reset_attention_mask
         self.name = name
         document_ids = np.asarray(document_ids, dtype=np.int64)
-        _, tokens_per_epoch, _, _ = epoch_stats(document_ids, indexed.document_indices,
-                                                indexed.sequence_lengths)
+        tokens_per_epoch = epoch_stats(document_ids, indexed.document_indices,
+                                       indexed.sequence_lengths).tokens
         source = getattr(indexed, "path_prefix", None) or "mock"
         if tokens_per_epoch == 0:  # short splits are fine (more epochs); empty ones are not
             raise DataError(f"{source}: the {name} split's {len(document_ids)} documents hold "
@@ -95,10 +95,13 @@ class GPTDataset(torch.utils.data.Dataset):
     def _build(self, document_ids, tokens_per_epoch, num_samples, seed):
         rng = np.random.RandomState(seed)
         epochs = num_epochs_needed(tokens_per_epoch, self.seq_length, num_samples)
-        doc_index = build_document_index(document_ids, np.asarray(
-            self.indexed.document_indices), epochs, rng)
+        document_indices = np.asarray(self.indexed.document_indices)
+        stats = epoch_stats(document_ids, document_indices, None)
+        doc_index = build_document_index(document_ids, document_indices, epochs, rng,
+                                         stats=stats)
         sample_index = build_sample_index(np.asarray(self.indexed.sequence_lengths),
-                                          doc_index, self.seq_length)
+                                          doc_index, self.seq_length,
+                                          total_tokens=epochs * tokens_per_epoch)
         shuffle_index = build_shuffle_index(len(sample_index) - 1, rng)
         return doc_index, sample_index, shuffle_index
 

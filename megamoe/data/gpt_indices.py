@@ -14,7 +14,7 @@ draws the same numbers whatever the dtype, so the result equals rng.permutation'
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -42,47 +42,79 @@ def _chunks(n: int, chunk: int):
     return ((i, min(i + chunk, n)) for i in range(0, n, chunk))
 
 
+class EpochStats(NamedTuple):
+    sequences: int  # sequence ids one epoch spells out
+    tokens: int  # their tokens (0 when the lengths were not given)
+    top: int  # largest sequence id + 1 (0 when none)
+    single: bool  # every document holds exactly one sequence
+    identity: bool  # ... and its sequence id is its document id
+
+
+def _is_range(ids: np.ndarray, chunk: int) -> bool:
+    """ids == arange(ids[0], ids[0] + len(ids)) (what the split builder passes)."""
+    n = len(ids)
+    if n == 0 or int(ids[-1]) - int(ids[0]) != n - 1:
+        return False
+    return all(bool(np.all(np.diff(np.asarray(ids[a:min(b + 1, n)])) == 1))
+               for a, b in _chunks(n, chunk))
+
+
 def epoch_stats(document_ids: np.ndarray, document_indices: np.ndarray,
-                sequence_lengths: Optional[np.ndarray],
-                chunk: int = CHUNK) -> tuple[int, int, int, bool]:
-    """(sequences, tokens (0 without `sequence_lengths`), largest sequence id + 1, every
-    document one sequence) of one epoch over `document_ids`, in bounded memory."""
+                sequence_lengths: Optional[np.ndarray], chunk: int = CHUNK) -> EpochStats:
+    """What one epoch over `document_ids` holds, in bounded memory; a contiguous range of
+    documents (the usual split) is read as slices, without gathers."""
     document_indices = np.asarray(document_indices)
+    if _is_range(document_ids, chunk):
+        b, e = int(document_ids[0]), int(document_ids[-1]) + 1
+        first, last = int(document_indices[b]), int(document_indices[e])
+        # documents b .. e-1 hold sequences document_indices[d] .. [d + 1]
+        single = last - first == e - b and all(
+            bool(np.all(np.diff(document_indices[b + x:b + y + 1]) == 1))
+            for x, y in _chunks(e - b, chunk))
+        tokens = 0 if sequence_lengths is None else sum(
+            int(np.asarray(sequence_lengths[a:c]).sum(dtype=np.int64))
+            for a, c in ((x + first, y + first) for x, y in _chunks(last - first, chunk)))
+        return EpochStats(last - first, tokens, last if last > first else 0, single,
+                          single and first == b)
     sequences = tokens = top = 0
-    single = True
+    single = identity = True
     for a, b in _chunks(len(document_ids), chunk):
         docs = np.asarray(document_ids[a:b])
         starts, ends = document_indices[docs], document_indices[docs + 1]
         counts = ends - starts
         sequences += int(counts.sum())
         single = single and bool(np.all(counts == 1))
+        identity = identity and single and bool(np.all(starts == docs))
         if counts.any():
             top = max(top, int(ends[counts > 0].max()))
         if sequence_lengths is None:
             continue
         seq_ids = starts if single else expand_documents(document_indices, docs)
         tokens += int(np.asarray(sequence_lengths)[seq_ids].sum(dtype=np.int64))
-    return sequences, tokens, top, single
+    return EpochStats(sequences, tokens, top, single, identity)
 
 
 def build_document_index(document_ids: np.ndarray, document_indices: np.ndarray,
                          num_epochs: int, rng: np.random.RandomState,
-                         chunk: int = CHUNK) -> np.ndarray:
+                         chunk: int = CHUNK, stats: Optional[EpochStats] = None) -> np.ndarray:
     """Sequence ids in stream order: per epoch a permutation of `document_ids`, each
-    document expanded to its sequences (kept together, in order)."""
+    document expanded to its sequences (kept together, in order). `stats`: epoch_stats
+    of these documents, when the caller has them already."""
     document_indices = np.asarray(document_indices)
     n_docs = len(document_ids)
-    per_epoch, _, top, single = epoch_stats(document_ids, document_indices, None, chunk)
-    out = np.empty(num_epochs * per_epoch, dtype=np.int32 if top <= 2**31 else np.int64)
+    if stats is None:
+        stats = epoch_stats(document_ids, document_indices, None, chunk)
+    per_epoch = stats.sequences
+    out = np.empty(num_epochs * per_epoch, dtype=np.int32 if stats.top <= 2**31 else np.int64)
     top_doc = int(np.max(document_ids)) if n_docs else 0
     docs_dtype = np.int32 if top_doc < 2**31 else np.int64
-    in_place = single and top_doc <= np.iinfo(out.dtype).max
+    in_place = stats.single and top_doc <= np.iinfo(out.dtype).max
     for e in range(num_epochs):
         if in_place:  # shuffle the document ids in place, then map them to sequence ids
             epoch = out[e * per_epoch:(e + 1) * per_epoch]
             epoch[:] = document_ids
             rng.shuffle(epoch)
-            for a, b in _chunks(n_docs, chunk):
+            for a, b in _chunks(0 if stats.identity else n_docs, chunk):
                 epoch[a:b] = document_indices[epoch[a:b]]
             continue
         docs = np.asarray(document_ids, dtype=docs_dtype).copy()
@@ -96,12 +128,15 @@ def build_document_index(document_ids: np.ndarray, document_indices: np.ndarray,
 
 
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
-                       seq_length: int, chunk: int = CHUNK) -> np.ndarray:
+                       seq_length: int, chunk: int = CHUNK,
+                       total_tokens: Optional[int] = None) -> np.ndarray:
     """[N + 1, 2] (document-index position, offset) of every sample start i * seq_length:
-    the first stream position whose end lies beyond the start (skips empty sequences)."""
+    the first stream position whose end lies beyond the start (skips empty sequences).
+    `total_tokens`: the stream's length, when the caller knows it (saves a pass)."""
     n_pos = len(document_index)
-    total = sum(int(sequence_lengths[document_index[a:b]].sum(dtype=np.int64))
-                for a, b in _chunks(n_pos, chunk))
+    total = total_tokens if total_tokens is not None else sum(
+        int(sequence_lengths[document_index[a:b]].sum(dtype=np.int64))
+        for a, b in _chunks(n_pos, chunk))
     num_samples = (total - 1) // seq_length if total > 0 else 0
     out = np.zeros((num_samples + 1, 2), dtype=np.int32 if n_pos < 2**31 else np.int64)
     base = placed = 0  # tokens before the chunk; samples placed so far

@@ -128,7 +128,10 @@ def test_gpt_indices_equal_reference(ragged):
         n_docs = int(rng.integers(1, 300))
         lengths, document_indices = _corpus(rng, n_docs, ragged)
         begin = int(rng.integers(0, n_docs))
-        ids = np.arange(begin, n_docs)
+        ids = np.arange(begin, int(rng.integers(begin + 1, n_docs + 1)))
+        if trial % 4 == 1:  # not a range: the gather path
+            ids = np.sort(rng.choice(n_docs, size=int(rng.integers(1, n_docs + 1)),
+                                     replace=False))
         if ragged and trial % 3 == 0:  # one sequence each, but not sequence id == doc id
             ids = np.flatnonzero(np.diff(document_indices) == 1)
             if not ids.size:
@@ -145,7 +148,8 @@ def test_gpt_indices_equal_reference(ragged):
         assert stats[:2] == (len(seq_ids), int(lengths[seq_ids].sum()))
         if stats[1] == 0:
             continue
-        si = build_sample_index(lengths, got, seq, chunk=chunk)
+        si = build_sample_index(lengths, got, seq, chunk=chunk,
+                                total_tokens=epochs * stats.tokens if trial % 2 else None)
         ref = _ref_sample_index(lengths, want, seq)
         assert si.dtype == ref.dtype and np.array_equal(si, ref)
         check_gpt_indices(got, si, np.arange(len(si) - 1), len(lengths), "x", chunk=chunk)
