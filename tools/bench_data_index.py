@@ -9,10 +9,13 @@ Cases (each in a fresh child process, so its peak RSS is its own):
   (random lengths 1..2*--mean-doc-tokens, one sequence each, like a GPT corpus), cut
   into --seq-length samples for one epoch.
 
-Each case prints one JSON line: the case, seconds, output bytes, RSS before building
-(after the inputs exist), peak RSS, and peak_over_output = (peak - before) / output.
+Each case prints one JSON line: the case, seconds (wall), cpu_seconds (the build's CPU
+time: on a shared machine closer to an unloaded run's wall time), output bytes, RSS
+before building (after the inputs exist), peak RSS, and peak_over_output =
+(peak - before) / output.
 
     python tools/bench_data_index.py                      # 1e6 and 1e7 samples
+    python tools/bench_data_index.py --case blend --samples 1000000 --reference
     python tools/bench_data_index.py --case blend --samples 585937500 --datasets 10 \\
         --stream /tmp/blend          # the DeepSeek-V3 run (manual; docs/benchmarks/)
     python tools/bench_data_index.py --case gpt --documents 100000000
@@ -57,7 +60,7 @@ def _blend(args) -> dict:
     from megamoe.data.blended_dataset import build_blending_indices
     weights = np.random.default_rng(args.seed).random(args.datasets).tolist()
     before = _rss_bytes("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if args.stream:
         from megamoe.data.blending_index import write_blending_indices
         os.makedirs(args.stream, exist_ok=True)
@@ -65,11 +68,12 @@ def _blend(args) -> dict:
         write_blending_indices(weights, args.samples, paths)
         out_bytes = sum(os.path.getsize(p) for p in paths)
     else:
-        arrays = build_blending_indices(weights, args.samples)
+        arrays = build_blending_indices(weights, args.samples, use_helper=not args.reference)
         out_bytes = sum(a.nbytes for a in arrays)
     seconds = time.perf_counter() - start
     return {"case": "blend", "samples": args.samples, "datasets": args.datasets,
-            "stream": bool(args.stream), "seconds": round(seconds, 3),
+            "stream": bool(args.stream), "python_reference": args.reference,
+            "seconds": round(seconds, 3), "cpu_seconds": round(time.process_time() - cpu, 3),
             "output_bytes": out_bytes, "rss_before": before}
 
 
@@ -80,12 +84,13 @@ def _gpt(args) -> dict:
     samples = (tokens - 1) // args.seq_length
     ids = np.arange(args.documents)
     before = _rss_bytes("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     ds = GPTDataset(corpus, ids, samples, args.seq_length, args.seed, eod=0)
     seconds = time.perf_counter() - start
     arrays = (ds.document_index, ds.sample_index, ds.shuffle_index)
     return {"case": "gpt", "documents": args.documents, "samples": len(ds),
             "seq_length": args.seq_length, "seconds": round(seconds, 3),
+            "cpu_seconds": round(time.process_time() - cpu, 3),
             "output_bytes": sum(a.nbytes for a in arrays), "rss_before": before}
 
 
@@ -103,6 +108,8 @@ def _run(case: str, n: int, k: int, args) -> None:
            "--mean-doc-tokens", str(args.mean_doc_tokens)]
     cmd += (["--samples", str(n), "--datasets", str(k)] if case == "blend"
             else ["--documents", str(n)])
+    if args.reference:
+        cmd.append("--reference")
     stream = None
     if case == "blend" and args.stream:
         stream = tempfile.mkdtemp(prefix="bench_blend_", dir=args.stream)
@@ -123,6 +130,8 @@ def main() -> None:
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--mean-doc-tokens", type=int, default=1000)
     p.add_argument("--stream", default=None, help="blend: write .npy files under this dir")
+    p.add_argument("--reference", action="store_true",
+                   help="blend: time the pure-Python reference loop instead of the helper")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
