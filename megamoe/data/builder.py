@@ -4,6 +4,7 @@ Three ways to name data, as in Megatron-LM:
 - `--data-path "p"` or `"w1 p1 w2 p2"` with `--split "969,30,1"`: every prefix is split
   by *documents* (contiguous ranges, normalised weights); each split blends the prefixes.
 - `--train-data-path / --valid-data-path / --test-data-path`: whole datasets per split.
+- `--data-args-path` / `--per-split-data-args-path`: the same two, read from files.
 - `--mock-data`: synthetic documents (mock_dataset.py), split like a real prefix.
 """
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from megamoe.config import DataConfig
 from megamoe.data.blended_dataset import BlendedDataset, component_sizes
+from megamoe.data.data_args import resolve_data_paths
 from megamoe.data.errors import DataError
 from megamoe.data.gpt_dataset import GPTDataset
 from megamoe.data.index_cache import DEFAULT_TIMEOUT_S
@@ -83,13 +85,13 @@ def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, in
         mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, seq_length, seed)
         return tuple(builder.split_of(mock, i, n, None)
                      for i, n in enumerate(num_samples))
-    if config.data_path:
-        weights, prefixes = parse_data_path(config.data_path)
+    data_path, paths = resolve_data_paths(config)
+    if data_path:
+        weights, prefixes = parse_data_path(data_path)
         split = parse_split(config.split)
         return tuple(builder.blend(weights, prefixes, i, n, split)
                      for i, n in enumerate(num_samples))
-    if config.train_data_path:
-        paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
+    if paths[0]:
         out = []
         for i, (values, n) in enumerate(zip(paths, num_samples)):
             if not values:
