@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,17 +49,18 @@ def _library_name() -> str:
 
 
 def _compile(path: str) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    found = shutil.which("cc") or shutil.which("gcc")
+    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+    if not compiler:
         raise OSError("no C compiler (cc/gcc) on PATH")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tmp_path_for(path)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, _SOURCE], check=True,
+        subprocess.run([*compiler, *_FLAGS, "-o", tmp, _SOURCE], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, path)
     except subprocess.CalledProcessError as e:
-        raise OSError(f"{compiler} failed: {e.stderr.decode(errors='replace')[-300:]}") from e
+        raise OSError(f"{compiler[0]} failed: {e.stderr.decode(errors='replace')[-300:]}") from e
     finally:
         remove_quietly(tmp)
 

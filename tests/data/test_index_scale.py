@@ -170,3 +170,16 @@ def test_cached_gpt_indices_are_range_checked():
                       ((doc.astype(np.float32), si, np.array([1, 0], np.int32), 3), "int32")]:
         with pytest.raises(DataError, match=msg):
             check_gpt_indices(*args, "f.npy")
+
+
+def test_without_a_compiler_the_reference_loop_runs(monkeypatch, tmp_path, capsys):
+    for var in ("MEGAMOE_HELPER_DIR", "HOME"):
+        monkeypatch.setenv(var, str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(blend_native, "_loaded", {})
+    got = build_blending_indices([0.3, 0.7, 0.1], 500)
+    want = reference_blending_indices([0.3, 0.7, 0.1], 500)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "using the slow Python loop" in err
