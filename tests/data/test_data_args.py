@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
 
 from megamoe.config import DataConfig
-from megamoe.data import DataError, build_gpt_datasets, build_tokenizer
+from megamoe.data import BlendedDataset, DataError, build_gpt_datasets, build_tokenizer
 from megamoe.data.data_args import read_per_split_data_args
 from tests.data.test_blended_dataset import _corpus
 from tests.flags import parse_error
@@ -24,8 +25,15 @@ def _tokens(ds):
 def _build(tmp_path, **kw):
     tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
     cfg = DataConfig(split="90,10,0", data_cache_path=str(tmp_path / "cache"), **kw)
-    return [_tokens(d) for d in build_gpt_datasets(cfg, tok, (60, 10, 10), seq_length=8,
-                                                   seed=7)]
+    datasets = build_gpt_datasets(cfg, tok, (60, 10, 10), seq_length=8, seed=7)
+    # DataLoader workers get pickled datasets: cached indices travel as paths, not copies
+    again = pickle.loads(pickle.dumps(datasets))
+    for d in again:
+        if isinstance(d, BlendedDataset):
+            assert isinstance(d.dataset_index, np.memmap)
+    out = [_tokens(d) for d in datasets]
+    assert out == [_tokens(d) for d in again]
+    return out
 
 
 def test_data_args_file_equals_data_path(tmp_path):
