@@ -20,10 +20,9 @@ void megamoe_blend(const double *w, int64_t k, int64_t start, int64_t n,
         double best_err = w[0] * t - (double)counts[0];
         for (int64_t d = 1; d < k; ++d) {
             double err = w[d] * t - (double)counts[d];
-            if (err > best_err) {
-                best = d;
-                best_err = err;
-            }
+            int take = err > best_err; /* branch-free: picks are unpredictable */
+            best = take ? d : best;
+            best_err = take ? err : best_err;
         }
         dataset_index[j] = (int16_t)best;
         sample_index[j] = counts[best]++;
