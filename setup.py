@@ -16,6 +16,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megamoe", "megamoe.*"]),
+    # the blending helper is compiled on first use (megamoe/data/blend_native.py)
+    package_data={"megamoe.data": ["blend_helper.c"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

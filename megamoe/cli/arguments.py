@@ -173,6 +173,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-args-path", default=None,
+                   help="file holding the --data-path words (for very long blends)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='JSON {"train": ..., "valid": ..., "test": ...} of per-split blends')
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)

@@ -174,8 +174,14 @@ def _check_data(args: argparse.Namespace) -> None:
     data flags fit together is DataConfig's own rule.)"""
     if args.dry_run:
         return
-    if not (args.data_path or args.train_data_path or args.mock_data):
-        raise ArgumentError("one of --data-path, --train-data-path or --mock-data is required")
+    if not (args.data_path or args.train_data_path or args.mock_data or args.data_args_path
+            or args.per_split_data_args_path):
+        raise ArgumentError("one of --data-path, --train-data-path, --data-args-path, "
+                            "--per-split-data-args-path or --mock-data is required")
+    for flag in ("--data-args-path", "--per-split-data-args-path"):
+        path = getattr(args, flag_dest(flag))
+        if path is not None and not os.path.isfile(path):
+            raise ArgumentError(f"{flag}: file not found: {path}")
     if args.tokenizer_type is None and not args.mock_data:
         raise ArgumentError("--tokenizer-type is required")
     for flag in ("--tokenizer-model", "--vocab-file", "--merge-file"):
