@@ -29,9 +29,11 @@ POLL_S = 0.5
 
 
 def log(msg: str, always: bool = False) -> None:
+    """Progress on stdout, with the training log (stderr is for warnings and the one
+    line of an error)."""
     if always or os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(f"megamoe.data: {msg}\n")
-        sys.stderr.flush()
+        sys.stdout.write(f"megamoe.data: {msg}\n")
+        sys.stdout.flush()
 
 
 @contextlib.contextmanager

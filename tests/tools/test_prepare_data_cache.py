@@ -24,7 +24,7 @@ def test_prepare_then_run_builds_nothing(tmp_path, capsys):
                          f"--data-cache-path {cache}")
     assert main(shlex.split(flags)) == 0
     out = capsys.readouterr()
-    assert "ready in" in out.out and "built in" in out.err
+    assert "ready in" in out.out and "built in" in out.out
     files = sorted(os.listdir(cache))
     assert sum("BlendedDataset" in f for f in files) == 4  # train and valid, two arrays each
     assert not any(f.endswith(".lock") or ".tmp-" in f for f in files)
@@ -32,7 +32,7 @@ def test_prepare_then_run_builds_nothing(tmp_path, capsys):
     cfg = DataConfig(data_path=["0.6", a, "0.4", b], split="90,10,0",
                      data_cache_path=str(cache))
     assert main(shlex.split(flags)) == 0
-    assert "built in" not in capsys.readouterr().err and sorted(os.listdir(cache)) == files
+    assert "built in" not in capsys.readouterr().out and sorted(os.listdir(cache)) == files
     tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
     train = build_gpt_datasets(cfg, tok, (24, 0, 0), seq_length=32, seed=1234)[0]
     assert len(train) == 24
