@@ -47,7 +47,8 @@ def run_config_from_args(args: argparse.Namespace, vocab_size: int) -> RunConfig
     """Validated namespace (+ the tokenizer's vocabulary size) -> RunConfig."""
     moe = config_from_args(MoEConfig, args) if args.num_experts is not None else None
     model = config_from_args(ModelConfig, args, vocab_size=vocab_size, moe=moe,
-                             moe_layer_pattern=args.moe_layer_pattern if moe else None)
+                             moe_layer_pattern=args.moe_layer_pattern if moe else None,
+                             vocab_padding_tp=args.tensor_model_parallel_size)
     return RunConfig(
         model=model,
         parallel=config_from_args(ParallelConfig, args, world_size=args.world_size),

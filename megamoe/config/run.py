@@ -90,16 +90,15 @@ class RunConfig:
                     f"--context-parallel-size ({cp})")
 
     def _validate_tensor_parallel(self) -> None:
-        """Every tensor-parallel split must be even; the vocabulary padding must not depend
-        on TP (so it is the padding multiple, not the padded size, that TP must divide)."""
+        """Every tensor-parallel split must be even (the padded vocabulary is a multiple of
+        TP by construction, or checked where a checkpoint's padded size is kept)."""
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
         m = self.model
         for name, value in (("--num-attention-heads", m.num_attention_heads),
                             ("--num-query-groups", m.num_query_groups),
-                            ("--ffn-hidden-size", m.ffn_hidden_size),
-                            ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
+                            ("--ffn-hidden-size", m.ffn_hidden_size)):
             require(value % tp == 0,
                     f"{name} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
         require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,

@@ -19,6 +19,7 @@ from megamoe.parallel.failures import explain
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.training.build import build_model
 from megamoe.training.checkpoint.manager import CheckpointManager
+from megamoe.training.checkpoint.vocab_padding import keep_checkpoint_vocab_padding
 from megamoe.training.exits import ExitConditions
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
 from megamoe.training.metrics import MetricsLogger
@@ -61,6 +62,8 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
             print_fn(msg)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    c = run.checkpoint
+    keep_checkpoint_vocab_padding(run.model, c.load, run.parallel.tensor_model_parallel_size, log)
     model = build_model(run, mesh)
     _log_model(run, mesh, model, log)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,

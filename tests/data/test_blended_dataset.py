@@ -83,7 +83,7 @@ def _corpus(path, base, n_docs, eod):
 
 def test_weighted_data_path_blends_and_caches(tmp_path):
     eod = 5000
-    tok = build_tokenizer("NullTokenizer", vocab_size=eod)
+    tok = build_tokenizer("NullTokenizer", vocab_size=eod + 1)
     a = _corpus(tmp_path / "a", 1000, 50, eod)
     b = _corpus(tmp_path / "b", 3000, 50, eod)
     cfg = DataConfig(data_path=["0.8", a, "0.2", b], split="90,10,0")
@@ -100,7 +100,7 @@ def test_weighted_data_path_blends_and_caches(tmp_path):
 
 def test_per_split_data_paths(tmp_path):
     eod = 5000
-    tok = build_tokenizer("NullTokenizer", vocab_size=eod)
+    tok = build_tokenizer("NullTokenizer", vocab_size=eod + 1)
     a = _corpus(tmp_path / "a", 1000, 20, eod)
     b = _corpus(tmp_path / "b", 3000, 20, eod)
     cfg = DataConfig(train_data_path=[a, b], valid_data_path=[b])

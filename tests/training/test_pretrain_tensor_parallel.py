@@ -128,8 +128,6 @@ def _fails(capsys, extra: str, world_size: int) -> str:
      "world size 2 is not divisible by --tensor-model-parallel-size (4)"),
     ("--tensor-model-parallel-size 4 --sequence-parallel", 4,
      "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (4)"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 3", 2,
-     "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 15 "
      "--max-position-embeddings 16", 2,
      "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with "

