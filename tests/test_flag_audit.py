@@ -260,6 +260,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--merge-file": ("--tokenizer-type GPT2BPETokenizer --vocab-file {tmp}/tok "
                      "--merge-file {tmp}/tok", 1, "{tmp}/tok"),
     "--vocab-size": ("--vocab-size 200", 1, 200),
+    "--null-tokenizer-eod-id": ("--null-tokenizer-eod-id 3", 1, 3),
     "--num-workers": ("--num-workers 1", 1, 1),
     "--dataloader-type": ("--dataloader-type cyclic", 1, "cyclic"),
     "--no-data-sharding": ("--no-data-sharding", 1, False),

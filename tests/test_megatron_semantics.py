@@ -47,3 +47,16 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp(tp, vocab, m):
 def test_qwen3_vocab_at_tp4_matches_megatron_checkpoints():
     run = _run("--tensor-model-parallel-size 4 --sequence-parallel", world=4, vocab=151936)
     assert run.model.padded_vocab_size == 152064  # megamoe once padded to 151936
+
+
+def test_null_tokenizer_ids_are_megatrons():
+    """megatron NullTokenizer(vocab_size, eod_id=None): vocab_size ids, eod vocab_size - 1."""
+    from megamoe.data.loaders import tokenizer_for
+    run = _run("--tokenizer-type NullTokenizer --vocab-size 97")
+    tok = tokenizer_for(run.data)
+    assert (tok.vocab_size, tok.eod) == (97, 96)
+    tok = tokenizer_for(_run("--tokenizer-type NullTokenizer --vocab-size 97 "
+                             "--null-tokenizer-eod-id 0").data)
+    assert (tok.vocab_size, tok.eod) == (97, 0)
+    with pytest.raises(SystemExit):
+        _run("--tokenizer-type NullTokenizer --vocab-size 97 --null-tokenizer-pad-id 5")

@@ -191,7 +191,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
                    help="NullTokenizer's EOD id (default: --vocab-size - 1)")
     g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
-                   help="NullTokenizer's pad id: only -1 (no pad token) is supported yet")
+                   help="NullTokenizer's pad id: -1, no pad token (others not supported yet)")
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
                    help="single: samples in order; cyclic: a new random order every epoch")

@@ -48,7 +48,8 @@ def run_config_from_args(args: argparse.Namespace, vocab_size: int) -> RunConfig
     moe = config_from_args(MoEConfig, args) if args.num_experts is not None else None
     model = config_from_args(ModelConfig, args, vocab_size=vocab_size, moe=moe,
                              moe_layer_pattern=args.moe_layer_pattern if moe else None,
-                             vocab_padding_tp=args.tensor_model_parallel_size)
+                             # TP < 1 is named by ParallelConfig's own check
+                             vocab_padding_tp=max(1, args.tensor_model_parallel_size))
     return RunConfig(
         model=model,
         parallel=config_from_args(ParallelConfig, args, world_size=args.world_size),

@@ -37,11 +37,9 @@ class DataConfig:
     vocab_file: Optional[str] = flag("--vocab-file", None)
     merge_file: Optional[str] = flag("--merge-file", None)
     vocab_size: Optional[int] = flag("--vocab-size", None)  # NullTokenizer
-    # Megatron's NullTokenizer ids: --vocab-size tokens, EOD = vocab_size - 1 unless set;
-    # pad -1 means no pad token (another pad id, which Megatron masks out of the loss, is
-    # not built: refused).
+    # Megatron's NullTokenizer ids: --vocab-size tokens, EOD = vocab_size - 1 unless set.
+    # (--null-tokenizer-pad-id other than -1, no pad token, is refused: config/unsupported.)
     null_tokenizer_eod_id: Optional[int] = flag("--null-tokenizer-eod-id", None)
-    null_tokenizer_pad_id: int = flag("--null-tokenizer-pad-id", -1)
     num_workers: int = flag("--num-workers", 0)
     reset_position_ids: bool = flag("--reset-position-ids", False)
     reset_attention_mask: bool = flag("--reset-attention-mask", False)
@@ -80,11 +78,9 @@ class DataConfig:
                     f"--tokenizer-type {kind} needs {needed}")
 
     def _check_null_tokenizer_ids(self) -> None:
-        """The EOD id must be a token of the vocabulary; only pad -1 (none) is built."""
+        """The EOD id must be a token of the vocabulary."""
         eod, v = self.null_tokenizer_eod_id, self.vocab_size
         if eod is not None:
             require(v is None or 0 <= eod < v, f"--null-tokenizer-eod-id must be in "
                                                f"[0, --vocab-size ({v})), got {eod}")
             require(eod >= 0, f"--null-tokenizer-eod-id must be >= 0, got {eod}")
-        require(self.null_tokenizer_pad_id == -1,
-                "not supported yet: --null-tokenizer-pad-id other than -1 (no pad token)")
