@@ -60,3 +60,33 @@ def test_null_tokenizer_ids_are_megatrons():
     assert (tok.vocab_size, tok.eod) == (97, 0)
     with pytest.raises(SystemExit):
         _run("--tokenizer-type NullTokenizer --vocab-size 97 --null-tokenizer-pad-id 5")
+
+
+def megatron_eval_samples(train_iters: int, eval_interval, eval_iters: int, gbs: int) -> int:
+    """megatron/training/training.py get_train_valid_test_num_samples (validation), where
+    eval_interval None stands for what Megatron documents (validation after training only;
+    its code raises TypeError on `train_iters // None`, the deviation README names)."""
+    points = (train_iters // eval_interval if eval_interval else 0) + 1
+    return points * eval_iters * gbs
+
+
+@pytest.mark.parametrize("interval", [None, 1, 3, 1000])
+def test_eval_schedule_default_is_after_training_only(interval):
+    flag = f"--eval-interval {interval}" if interval else ""
+    t = _run(f"--train-iters 7 {flag}").train
+    assert t.eval_interval == interval  # Megatron's default: None
+    runs = t.evaluations_by(t.train_iters) + 1
+    assert runs * 5 * 8 == megatron_eval_samples(7, interval, 5, 8)
+
+
+def test_no_validation_during_training_without_eval_interval():
+    from megamoe.cli.main import pretrain
+    lines: list[str] = []
+    flags = (f"{BASE} --num-experts 2 --micro-batch-size 2 --global-batch-size 2 "
+             "--eval-iters 1 --log-interval 1 --tokenizer-type NullTokenizer --vocab-size 64")
+    state = pretrain(parse_args(shlex.split(flags.replace("--train-iters 4", "--train-iters 2")),
+                                world_size=1), print_fn=lines.append)
+    assert [h.get("valid lm loss") for h in state.history] == [None, None]
+    said = [ln for ln in "\n".join(lines).splitlines() if "loss at iteration" in ln]
+    assert [s.split(" loss at")[0].strip() for s in said] == ["validation", "test"]
+    assert all("iteration 2 " in s for s in said)

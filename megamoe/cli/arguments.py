@@ -217,7 +217,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=None,
                    help="train on this many samples (instead of --train-iters)")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validate every N iterations (default: only after training)")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)

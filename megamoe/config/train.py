@@ -24,7 +24,9 @@ class TrainConfig:
     train_iters: Optional[int] = flag("--train-iters", None)
     train_samples: Optional[int] = flag("--train-samples", None)
     seed: int = flag("--seed", 1234)
-    eval_interval: int = flag("--eval-interval", 1000)
+    # Megatron's default None: no evaluation during training, only the validation and test
+    # evaluations after it (when --eval-iters > 0).
+    eval_interval: Optional[int] = flag("--eval-interval", None)
     eval_iters: int = flag("--eval-iters", 10)
     skip_train: bool = flag("--skip-train", False)
     exit_interval: Optional[int] = flag("--exit-interval", None)
@@ -88,6 +90,10 @@ class TrainConfig:
                 f"--rampup-batch-size: --global-batch-size ({self.global_batch_size}) minus "
                 f"the start batch size ({start}) must be divisible by the batch size "
                 f"increment ({increment})")
+
+    def evaluations_by(self, iteration: int) -> int:
+        """Validation runs during training up to `iteration` (one per --eval-interval)."""
+        return iteration // self.eval_interval if self.eval_interval else 0
 
     def ramp_batch_sizes(self) -> list[int]:
         """Every global batch size of the ramp-up, then the final one."""

@@ -124,7 +124,10 @@ def split_num_samples(run: RunConfig) -> tuple[int, int, int]:
     """Samples the run reads from (train, valid, test): what its dataset indices cover."""
     t = run.train
     gbs = t.global_batch_size
-    eval_runs = t.train_iters // t.eval_interval + 1
+    # one eval_iters window per --eval-interval, plus the one after training (Megatron's
+    # count; without --eval-interval, Megatron's `train_iters // None` raises where its
+    # documentation promises validation after training only: that is what runs here)
+    eval_runs = t.evaluations_by(t.train_iters) + 1
     # as Megatron: --train-samples, or --train-iters global batches (and never fewer
     # than the iterations take: the last step of a ramp-up may pass --train-samples)
     train_samples = max(t.train_samples or 0, t.samples_for_iters(t.train_iters))
@@ -154,7 +157,7 @@ class _Data:
                 wait_timeout_s=60 * run.parallel.distributed_timeout_minutes)
             # validation resumes where the uninterrupted run's would be (one eval_iters
             # window per --eval-interval)
-            valid_consumed = (state.iteration // t.eval_interval) * t.eval_iters * gbs
+            valid_consumed = t.evaluations_by(state.iteration) * t.eval_iters * gbs
             train_iter, valid_iter = (
                 _iterator(run, mesh, ds, consumed, run.data.num_workers)
                 for ds, consumed in ((train_ds, state.consumed_train_samples),
