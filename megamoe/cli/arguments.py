@@ -169,7 +169,8 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="prefixes of .bin/.idx files, optionally weighted: w1 p1 w2 p2")
+                   help="prefixes of .bin/.idx files, weighted (w1 p1 w2 p2) or not (p1 p2: "
+                        "blended by size, each used once, as Megatron)")
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
