@@ -290,6 +290,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--train-iters": ("--train-iters 5", 1, 5),
     "--train-samples": ("--train-samples 48", 1, 48),
     "--rampup-batch-size": ("--train-samples 48 --rampup-batch-size 2 2 16", 1, [2, 2, 16]),
+    "--step-batch-size-schedule": ("--step-batch-size-schedule 0:4,1K:8", 1, "0:4,1K:8"),
     "--lr-warmup-samples": ("--train-samples 48 --lr-warmup-samples 8", 1, 8),
     "--lr-decay-samples": ("--train-samples 48 --lr-decay-samples 40", 1, 40),
     "--lr-wsd-decay-samples": ("--train-samples 48 --lr-decay-style WSD "
@@ -389,6 +390,8 @@ def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
         base = base.replace("--mock-data ", "").replace("--tokenizer-type NullTokenizer ", "")
         base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
         base += "" if re.search(data, extra) else " --mock-data"
+    if "--step-batch-size-schedule" in extra:  # it replaces --global-batch-size
+        base = base.replace("--global-batch-size 8 ", "")
     if MLA in extra:  # MLA has no query groups (as Megatron)
         base = base.replace("--group-query-attention ", "")
     monkeypatch.setenv("WORLD_SIZE", str(world))

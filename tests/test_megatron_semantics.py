@@ -23,8 +23,8 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16
         "--hidden-dropout 0 --attention-dropout 0")
 
 
-def _run(flags: str, world: int = 1, vocab: int = 1000):
-    args = parse_args(shlex.split(f"{BASE} {flags}"), world_size=world)
+def _run(flags: str, world: int = 1, vocab: int = 1000, base: str = BASE):
+    args = parse_args(shlex.split(f"{base} {flags}"), world_size=world)
     return run_config_from_args(args, vocab_size=vocab)
 
 
@@ -90,3 +90,54 @@ def test_no_validation_during_training_without_eval_interval():
     said = [ln for ln in "\n".join(lines).splitlines() if "loss at iteration" in ln]
     assert [s.split(" loss at")[0].strip() for s in said] == ["validation", "test"]
     assert all("iteration 2 " in s for s in said)
+
+
+def test_step_schedule_parses_as_megatron():
+    """_parse_schedule: K/M/B/T suffixes, commas or spaces, sorted, tokens // seq_length."""
+    from megamoe.config.batch_schedule import parse_step_schedule
+    got = parse_step_schedule("250B:1536, 0:768 750B:6144 500B:3072", 4096)
+    assert got == [[0, 768], [250 * 10**9 // 4096, 1536], [500 * 10**9 // 4096, 3072],
+                   [750 * 10**9 // 4096, 6144]]
+    assert parse_step_schedule("0:8 1.5K:16", None) == [[0, 8], [1500, 16]]
+    run = _run('--step-batch-size-schedule "0:4 1M:8"')
+    assert run.train.global_batch_size == 8 and run.train.global_batch_size_at(62499) == 4
+    assert run.train.global_batch_size_at(62500) == 8  # 1M tokens / 16 = 62500 samples
+
+
+@pytest.mark.parametrize("flags, says", [
+    ('"0:4 1M:8" --global-batch-size 8', "cannot specify both --step-batch-size-schedule "
+                                         "and --global-batch-size"),
+    ('"16:4 1M:8"', "the first threshold must be 0"),
+    ('"0:4 8:8"', "thresholds must be strictly increasing"),  # 8 tokens = sample 0 again
+    ('"0:0"', "batch size must be positive"),
+    ('"0-4"', "expected THRESHOLD:BATCH_SIZE"),
+    ('"0:x"', "cannot read"),
+    ('"0:2 1M:8"', "global batch size 2 of the ramp-up must be divisible"),
+    ('"0:4 1M:6"', "final global batch size (6) must be divisible"),
+])
+def test_bad_step_schedule_is_one_line(capsys, flags, says):
+    from tests.flags import parse_error
+    extra = "--micro-batch-size 4" if "1M:" in flags else ""
+    err = parse_error(capsys, f"{BASE} {extra} --step-batch-size-schedule {flags}", 1)
+    assert "--step-batch-size-schedule" in err and says in err, err
+
+
+@pytest.mark.parametrize("ramp", [(2, 2, 20), (2, 2, 24), (4, 4, 8), (1, 1, 3), (16, 8, 300)])
+def test_rampup_runs_as_the_equivalent_step_schedule(ramp):
+    """Every consumed-sample count gets the size Megatron's old RampupBatchsizeNum-
+    MicroBatchesCalculator.update gave; the logged schedule parses back to the same."""
+    from megamoe.config.batch_schedule import parse_step_schedule
+    from megamoe.training.pretrain import rampup_note
+    start, inc, samples = ramp
+    gbs = 8 if start < 8 else 64
+    run = _run(f"--train-samples 400 --global-batch-size {gbs} --micro-batch-size 1 "
+               f"--rampup-batch-size {start} {inc} {samples}",
+               base=BASE.replace("--train-iters 4", ""))
+    per_increment = samples / ((gbs - start) // inc)
+    for consumed in range(2 * samples + 2):
+        old = gbs if consumed > samples else start + int(consumed / per_increment) * inc
+        assert run.train.global_batch_size_at(consumed) == old, consumed
+    note = rampup_note(run)
+    assert note.count("\n") == 0 and "Megatron-LM ignores" in note
+    text = note.split("--step-batch-size-schedule ")[-1].strip('"')
+    assert parse_step_schedule(text, 16) == run.train.batch_size_schedule

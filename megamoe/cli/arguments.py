@@ -213,7 +213,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch size from START by INCREMENT over SAMPLES "
-                        "samples (needs --train-samples)")
+                        "samples (needs --train-samples). Megatron ignores it (deprecated); "
+                        "megamoe runs it as the equivalent --step-batch-size-schedule")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="SCHEDULE",
+                   help='global batch size by tokens consumed, "THRESHOLD:SIZE ..." '
+                        '(K/M/B/T suffixes), e.g. "0:768 250B:1536"; replaces '
+                        "--global-batch-size")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None,
                    help="train on this many samples (instead of --train-iters)")

@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megamoe.config import RunConfig
+from megamoe.config.batch_schedule import schedule_text
 from megamoe.data import DataError, build_gpt_datasets, make_iterator
 from megamoe.model.flops import num_parameters
 from megamoe.moe.stats import describe_choice
@@ -62,6 +63,8 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
             print_fn(msg)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if run.train.rampup_batch_size is not None:
+        log(rampup_note(run))
     c = run.checkpoint
     keep_checkpoint_vocab_padding(run.model, c.load, run.parallel.tensor_model_parallel_size, log)
     model = build_model(run, mesh)
@@ -96,6 +99,14 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
         if logger is not None:
             logger.close()
     return state
+
+
+def rampup_note(run: RunConfig) -> str:
+    """The one line a --rampup-batch-size run logs: Megatron ignores the flag now."""
+    text = schedule_text(run.train.batch_size_schedule, run.model.seq_length)
+    return (f"> --rampup-batch-size: Megatron-LM ignores this flag (deprecated for "
+            f"--step-batch-size-schedule); megamoe runs it as --step-batch-size-schedule "
+            f"\"{text}\"")
 
 
 def _overlap(run: RunConfig, mesh: Mesh) -> Optional[OverlapOptions]:

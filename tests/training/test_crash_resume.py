@@ -145,7 +145,7 @@ def test_sigkill_at_random_times_over_many_saves(tmp_path):
     assert read_tracker(d) == 40 and (not hist or hist[-1]["iteration"] == 40)
 
 
-def _gpt_corpus(prefix: str, eod: int = 97) -> str:
+def _gpt_corpus(prefix: str, eod: int = 96) -> str:  # --vocab-size 97: EOD 96
     rng = np.random.default_rng(0)
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as b:
         for _ in range(200):
