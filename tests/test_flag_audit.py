@@ -25,6 +25,7 @@ import pytest
 
 from megamoe import config as C
 from megamoe.cli.arguments import build_parser, parse_args
+from megamoe.cli.extensions import NegationAction
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.rules import NOT_SUPPORTED_YET
 from tests.training.test_pretrain import ROOT, TINY_MOE
@@ -94,10 +95,16 @@ def config_flags() -> dict[str, tuple[type, dataclasses.Field]]:
             if "flag" in f.metadata}
 
 
+def negation_flags() -> set[str]:
+    """The generated --no-X / --X counterparts of on/off flags (cli/extensions.py); their
+    named test: tests/test_extension_flags.py::test_negations_undo_their_flag."""
+    return {f for f, a in parser_flags().items() if isinstance(a, NegationAction)}
+
+
 def test_every_flag_is_classified():
     classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET) - set(REFUSED_VALUES),
                "cli": set(CLI_READ), "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES),
-               "no-op": set(NO_OP)}
+               "no-op": set(NO_OP), "negation": negation_flags()}
     names = list(classes)
     for i, a in enumerate(names):
         for b in names[i + 1:]:

@@ -205,7 +205,7 @@ def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path, fmt):
 SAMPLE_RUNS = {
     "lr_samples": ("--train-samples 48 --lr-warmup-samples 12 --lr-decay-samples 40 "
                    "--min-lr 1e-4", 3),
-    "rampup": ("--train-samples 40 --rampup-batch-size 2 2 24 --lr-warmup-samples 6", 4),
+    "rampup": ("--train-samples 36 --rampup-batch-size 2 2 24 --lr-warmup-samples 6", 4),
 }
 
 
