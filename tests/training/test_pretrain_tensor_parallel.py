@@ -75,7 +75,12 @@ def test_qk_layernorm_under_tensor_parallelism_matches_single_process(tmp_path, 
                  for d in ("single", "tp"))
     assert want.keys() == got.keys() and any("q_layernorm" in k for k in want)
     for key, t in want.items():
-        torch.testing.assert_close(got[key], t, rtol=1e-5, atol=1e-6, msg=key)
+        g = got[key]
+        if key.endswith(("word_embeddings.weight", "output_layer.weight")):
+            # Megatron's padding: 97 ids to a multiple of 128 x TP; the real rows agree
+            assert (t.shape[0], g.shape[0]) == (128, 256), key
+            t, g = t[:97], g[:97]
+        torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-6, msg=key)
 
 
 SHARED = "--moe-shared-expert-intermediate-size 32"

@@ -44,6 +44,7 @@ def _run(extra: str, world_size: int = 1) -> tuple[TrainState, list[tuple]]:
     base = BASE.replace("--mock-data ", "") if "--data-path" in extra else BASE
     args = parse_args(shlex.split(f"{base} {extra}"), world_size=world_size)
     state = pretrain(args, print_fn=out.append)
+    _run.lines = out  # the console, for the tests that read more than the step lines
     steps = [m.groups() for line in out for m in [LINE.search(line)] if m]
     return state, [(int(i), int(n), int(c), float(lr), int(b)) for i, n, c, lr, b in steps]
 
@@ -104,6 +105,8 @@ def test_rampup_batch_sizes_samples_and_lr_follow_megatron(ramp, sizes):
     assert [s[2] for s in steps] == consumed
     assert [(s[0], s[1]) for s in steps] == [(i + 1, len(want)) for i in range(len(want))]
     assert state.consumed_train_samples == consumed[-1] == sum(sizes)
+    notes = [ln for ln in _run.lines if "--rampup-batch-size" in ln]
+    assert len(notes) == 1 and "Megatron-LM ignores this flag" in notes[0], notes
     lrs = [megatron_lr(c, 10, 60, "linear", max_lr=1e-3, min_lr=0.0) for c in consumed]
     assert [h["lr"] for h in state.history] == pytest.approx(lrs, rel=1e-12, abs=0)
 
