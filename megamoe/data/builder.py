@@ -206,7 +206,8 @@ class _Builder:
                 f"weights (w1 p1 w2 p2) to repeat data, or ask for fewer samples")
         return BlendedDataset([d for _, d in kept], sizes, num_samples,
                               cache_dir=self.cache_dir(kept[0][0]),
-                              descriptions=[d.description for _, d in kept])
+                              descriptions=[d.description for _, d in kept],
+                              wait_timeout_s=self.wait_timeout_s)
 
 
 def _check_vocab(indexed: IndexedDataset, tokenizer) -> None:
