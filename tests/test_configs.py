@@ -49,8 +49,8 @@ def test_preset_parses_or_names_unbuilt_flag(path, capsys):
 def test_preset_has_published_size(name, capsys):
     vocab, params = PUBLISHED[name]
     args = parse_args(["--config", os.path.join(ROOT, "configs", name), "--dry-run",
-                       "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1)],
-                      world_size=1)  # NullTokenizer adds eod: vocab - 1 + 1 = vocab
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)],
+                      world_size=1)  # NullTokenizer: --vocab-size ids (EOD among them)
     pretrain(args, print_fn=print)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # Hugging Face's count has no vocabulary padding; ours pads to a multiple of 128.
@@ -106,7 +106,7 @@ def _model_config(argv: list[str], vocab: int):
     from megamoe.cli.mapping import run_config_from_args
 
     args = parse_args([*argv, "--dry-run", "--tokenizer-type", "NullTokenizer",
-                       "--vocab-size", str(vocab - 1)], world_size=1)
+                       "--vocab-size", str(vocab)], world_size=1)
     return args, run_config_from_args(args, vocab).model
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from megamoe import config as C
 from megamoe.cli.arguments import build_parser, parse_args
+from megamoe.cli.extensions import NegationAction
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.rules import NOT_SUPPORTED_YET
 from tests.training.test_pretrain import ROOT, TINY_MOE
@@ -94,10 +95,16 @@ def config_flags() -> dict[str, tuple[type, dataclasses.Field]]:
             if "flag" in f.metadata}
 
 
+def negation_flags() -> set[str]:
+    """The generated --no-X / --X counterparts of on/off flags (cli/extensions.py); their
+    named test: tests/test_extension_flags.py::test_negations_undo_their_flag."""
+    return {f for f, a in parser_flags().items() if isinstance(a, NegationAction)}
+
+
 def test_every_flag_is_classified():
     classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET) - set(REFUSED_VALUES),
                "cli": set(CLI_READ), "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES),
-               "no-op": set(NO_OP)}
+               "no-op": set(NO_OP), "negation": negation_flags()}
     names = list(classes)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -260,6 +267,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--merge-file": ("--tokenizer-type GPT2BPETokenizer --vocab-file {tmp}/tok "
                      "--merge-file {tmp}/tok", 1, "{tmp}/tok"),
     "--vocab-size": ("--vocab-size 200", 1, 200),
+    "--null-tokenizer-eod-id": ("--null-tokenizer-eod-id 3", 1, 3),
     "--num-workers": ("--num-workers 1", 1, 1),
     "--dataloader-type": ("--dataloader-type cyclic", 1, "cyclic"),
     "--no-data-sharding": ("--no-data-sharding", 1, False),
@@ -289,6 +297,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--train-iters": ("--train-iters 5", 1, 5),
     "--train-samples": ("--train-samples 48", 1, 48),
     "--rampup-batch-size": ("--train-samples 48 --rampup-batch-size 2 2 16", 1, [2, 2, 16]),
+    "--step-batch-size-schedule": ("--step-batch-size-schedule 0:4,1K:8", 1, "0:4,1K:8"),
     "--lr-warmup-samples": ("--train-samples 48 --lr-warmup-samples 8", 1, 8),
     "--lr-decay-samples": ("--train-samples 48 --lr-decay-samples 40", 1, 40),
     "--lr-wsd-decay-samples": ("--train-samples 48 --lr-decay-style WSD "
@@ -388,6 +397,8 @@ def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
         base = base.replace("--mock-data ", "").replace("--tokenizer-type NullTokenizer ", "")
         base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
         base += "" if re.search(data, extra) else " --mock-data"
+    if "--step-batch-size-schedule" in extra:  # it replaces --global-batch-size
+        base = base.replace("--global-batch-size 8 ", "")
     if MLA in extra:  # MLA has no query groups (as Megatron)
         base = base.replace("--group-query-attention ", "")
     monkeypatch.setenv("WORLD_SIZE", str(world))

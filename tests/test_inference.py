@@ -20,12 +20,12 @@ def test_from_checkpoint_any_path_form_and_dtype(tmp_path):
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 2 --save {save} "
                                   "--ckpt-format torch"), world_size=1)
     pretrain(args, print_fn=lambda _m: None)
-    tokens = torch.randint(0, 98, (3, 16), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(0))
     model = megamoe.from_checkpoint(str(save))
     assert not model.training
     with torch.no_grad():
         logits = model(tokens)
-    assert logits.shape == (3, 16, 98)  # NullTokenizer 97 + eod; padding never shows
+    assert logits.shape == (3, 16, 97)  # NullTokenizer: 97 ids; padding never shows
     for path in (save / "iter_0000002", save / "iter_0000002" / "model_optim_rng.pt"):
         with torch.no_grad():
             assert torch.equal(megamoe.from_checkpoint(str(path))(tokens), logits)

@@ -67,6 +67,8 @@ BAD = [
     ("--moe-a2a-overlap-degree", "0", MOE, 1, "must be >= 1"),
     # data
     ("--vocab-size", "0", "", 1, "must be positive"),
+    ("--null-tokenizer-eod-id", "-1", "", 1, "must be >= 0"),
+    ("--null-tokenizer-eod-id", "100", "--vocab-size 100", 1, "must be in [0, --vocab-size"),
     ("--num-workers", "-1", "", 1, "must be >= 0"),
     # training
     ("--micro-batch-size", "0", "", 1, "must be positive"),
@@ -119,7 +121,7 @@ BAD = [
 # Flags whose range another rule covers (not supported yet whatever the value), or that are
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
-    "--rotary-seq-len-interpolation-factor", "--loss-scale",
+    "--rotary-seq-len-interpolation-factor", "--loss-scale", "--null-tokenizer-pad-id",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)
     "--train-samples", "--rampup-batch-size", "--lr-decay-samples", "--lr-warmup-samples",
@@ -154,6 +156,7 @@ GOOD = [
     "--moe-router-bias-update-rate 0",
     f"{MOE} --moe-expert-capacity-factor 0.5",
     "--optimizer sgd --sgd-momentum 0",
+    "--vocab-size 100 --null-tokenizer-eod-id 0", "--vocab-size 100 --null-tokenizer-eod-id 99",
 ]
 
 

@@ -15,8 +15,19 @@ from typing import NoReturn, Optional, Sequence
 
 import yaml
 
+from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.config import ConfigError
+
+FUSION_NO_OPS = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                 "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                 "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
+                 "--no-persist-layer-norm")
+LOGGING_NO_OPS = ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+                  "--log-validation-ppl-to-tensorboard")
+# On/off flags without a negation: accepted no-ops (nothing to undo).
+NOT_NEGATED = FUSION_NO_OPS + LOGGING_NO_OPS + (
+    "--accumulate-allreduce-grads-in-fp32", "--no-create-attention-mask-in-dataloader")
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -70,7 +81,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--qk-layernorm-scope", default="head", choices=["head", "projection"],
-                   help="megamoe extension: head (Megatron's --qk-layernorm, Qwen3) or "
+                   help="head (Megatron's --qk-layernorm, Qwen3) or "
                         "projection (one norm over the whole q and k projections, OLMoE)")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias in the QKV projection only (Qwen2)")
@@ -102,10 +113,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    choices=["local", "transformer_engine"])
     # Megatron flags that only turn off a fused CUDA kernel. megamoe has no fused kernel on
     # these paths, so the unfused math they ask for is what always runs: accepted as-is.
-    for flag in ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-                 "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-                 "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
-                 "--no-persist-layer-norm"):
+    for flag in FUSION_NO_OPS:
         g.add_argument(flag, action="store_true", help="accepted; the unfused path always runs")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="attention through SDPA's flash kernel only (fails if it cannot run)")
@@ -142,10 +150,10 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
     g.add_argument("--moe-capacity-over-tp-gathered-sequence", action="store_true",
-                   help="not a Megatron flag: under TP + SP count capacity over the gathered "
+                   help="under TP + SP count capacity over the gathered "
                         "sequence, not over each TP rank's shard (Megatron's)")
     g.add_argument("--moe-expert-bias-counts-before-capacity", action="store_true",
-                   help="not a Megatron flag: the expert-bias update counts routed "
+                   help="the expert-bias update counts routed "
                         "assignments before capacity drops, not the kept ones (Megatron's)")
     g.add_argument("--moe-token-dropping", action="store_true",
                    help="old spelling of token dropping (use --moe-expert-capacity-factor)")
@@ -169,7 +177,8 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="prefixes of .bin/.idx files, optionally weighted: w1 p1 w2 p2")
+                   help="prefixes of .bin/.idx files, weighted (w1 p1 w2 p2) or not (p1 p2: "
+                        "blended by size, each used once, as Megatron)")
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
@@ -186,7 +195,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: ids 0 .. vocab-size - 1 (EOD = vocab-size - 1)")
+    g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                   help="NullTokenizer's EOD id (default: --vocab-size - 1)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer's pad id: -1, no pad token (others not supported yet)")
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--dataloader-type", default="single", choices=["single", "cyclic"],
                    help="single: samples in order; cyclic: a new random order every epoch")
@@ -207,12 +221,18 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch size from START by INCREMENT over SAMPLES "
-                        "samples (needs --train-samples)")
+                        "samples (needs --train-samples). Megatron ignores it (deprecated); "
+                        "megamoe runs it as the equivalent --step-batch-size-schedule")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="SCHEDULE",
+                   help='global batch size by tokens consumed, "THRESHOLD:SIZE ..." '
+                        '(K/M/B/T suffixes), e.g. "0:768 250B:1536"; replaces '
+                        "--global-batch-size")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None,
                    help="train on this many samples (instead of --train-iters)")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validate every N iterations (default: only after training)")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
@@ -224,7 +244,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="skip steps with a NaN/Inf loss or gradient instead of stopping")
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--compile", action="store_true",
-                   help="megamoe extension: torch.compile each transformer layer")
+                   help="torch.compile each transformer layer")
     g.add_argument("--recompute-activations", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
@@ -331,8 +351,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                     help="log the number of zero gradient elements of each step (num zeros)")
     # These only select which extra scalars go to TensorBoard/W&B; megamoe always writes
     # the timers, memory, validation ppl and learning rate it has.
-    for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-                 "--log-validation-ppl-to-tensorboard"):
+    for flag in LOGGING_NO_OPS:
         lg.add_argument(flag, action="store_true")
 
 
@@ -347,7 +366,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_checkpoint_and_logging_args(parser)
     parser.add_argument("--config", metavar="FILE",
-                        help="YAML preset of flags (configs/); command-line flags override it")
+                        help="YAML preset of flags (configs/); command-line flags override it "
+                             "(--no-X undoes a preset's X: true)")
+    add_negations(parser, skip=NOT_NEGATED)
+    mark_extensions(parser)
     return parser
 
 

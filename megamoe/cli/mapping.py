@@ -26,6 +26,7 @@ from megamoe.config import (
     RunConfig,
     TrainConfig,
 )
+from megamoe.config.batch_schedule import parse_step_schedule
 
 C = TypeVar("C")
 
@@ -43,17 +44,25 @@ def jsonable(args: argparse.Namespace) -> dict:
             if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
+def _step_schedule(args: argparse.Namespace):
+    """--step-batch-size-schedule in samples: pretrain_gpt.py's thresholds count tokens."""
+    text = getattr(args, "step_batch_size_schedule", None)
+    return None if text is None else parse_step_schedule(text, args.seq_length)
+
+
 def run_config_from_args(args: argparse.Namespace, vocab_size: int) -> RunConfig:
     """Validated namespace (+ the tokenizer's vocabulary size) -> RunConfig."""
     moe = config_from_args(MoEConfig, args) if args.num_experts is not None else None
     model = config_from_args(ModelConfig, args, vocab_size=vocab_size, moe=moe,
-                             moe_layer_pattern=args.moe_layer_pattern if moe else None)
+                             moe_layer_pattern=args.moe_layer_pattern if moe else None,
+                             # TP < 1 is named by ParallelConfig's own check
+                             vocab_padding_tp=max(1, args.tensor_model_parallel_size))
     return RunConfig(
         model=model,
         parallel=config_from_args(ParallelConfig, args, world_size=args.world_size),
         data=config_from_args(DataConfig, args),
         optim=config_from_args(OptimizerConfig, args),
-        train=config_from_args(TrainConfig, args),
+        train=config_from_args(TrainConfig, args, batch_size_schedule=_step_schedule(args)),
         checkpoint=config_from_args(CheckpointConfig, args),
         logging=config_from_args(LoggingConfig, args),
         moe_execution=config_from_args(MoEExecutionConfig, args),

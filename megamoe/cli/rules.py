@@ -16,6 +16,7 @@ from typing import Optional
 
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
+from megamoe.config.batch_schedule import parse_step_schedule
 from megamoe.config.fields import flag_dest
 from megamoe.config.unsupported import NOT_SUPPORTED_YET
 from megamoe.data.builder import parse_data_path
@@ -115,6 +116,8 @@ def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                       * args.context_parallel_size)
     args.data_parallel_size = world_size // model_parallel if model_parallel else 0
+    if args.step_batch_size_schedule is not None:
+        _derive_from_step_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.lr_decay_iters is None and args.train_iters:  # (0 / None: nothing decays)
@@ -249,6 +252,20 @@ def _check_required(args: argparse.Namespace) -> None:
         args.train_iters = args.train_iters or 0
     if args.lr is None:  # no update is made: any rate the other LR flags allow
         args.lr = max(0.0, args.min_lr, args.lr_warmup_init)
+
+
+def _derive_from_step_schedule(args: argparse.Namespace) -> None:
+    """Megatron's rules: the schedule replaces --global-batch-size (its last size is the
+    run's), and --rampup-batch-size, which Megatron ignores, cannot join it."""
+    if args.global_batch_size is not None:
+        raise ArgumentError("cannot specify both --step-batch-size-schedule and "
+                            "--global-batch-size")
+    if args.rampup_batch_size is not None:
+        raise ArgumentError("cannot specify both --step-batch-size-schedule and "
+                            "--rampup-batch-size (Megatron ignores the latter)")
+    if args.seq_length is not None and args.seq_length > 0:
+        args.global_batch_size = parse_step_schedule(args.step_batch_size_schedule,
+                                                     args.seq_length)[-1][1]
 
 
 def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,

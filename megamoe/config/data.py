@@ -37,6 +37,9 @@ class DataConfig:
     vocab_file: Optional[str] = flag("--vocab-file", None)
     merge_file: Optional[str] = flag("--merge-file", None)
     vocab_size: Optional[int] = flag("--vocab-size", None)  # NullTokenizer
+    # Megatron's NullTokenizer ids: --vocab-size tokens, EOD = vocab_size - 1 unless set.
+    # (--null-tokenizer-pad-id other than -1, no pad token, is refused: config/unsupported.)
+    null_tokenizer_eod_id: Optional[int] = flag("--null-tokenizer-eod-id", None)
     num_workers: int = flag("--num-workers", 0)
     reset_position_ids: bool = flag("--reset-position-ids", False)
     reset_attention_mask: bool = flag("--reset-attention-mask", False)
@@ -52,6 +55,7 @@ class DataConfig:
     def validate(self) -> None:
         check_positive(self, "vocab_size")
         check_positive(self, "num_workers", allow_zero=True)
+        self._check_null_tokenizer_ids()
         require(self.dataloader_type in DATALOADER_TYPES, f"--dataloader-type must be one of "
                 f"{', '.join(DATALOADER_TYPES)}, got {self.dataloader_type!r}")
         has_paths = bool(self.data_path or self.train_data_path or self.data_args_path
@@ -72,3 +76,11 @@ class DataConfig:
         for needed in TOKENIZER_FILES[kind]:
             require(getattr(self, needed[2:].replace("-", "_")) is not None,
                     f"--tokenizer-type {kind} needs {needed}")
+
+    def _check_null_tokenizer_ids(self) -> None:
+        """The EOD id must be a token of the vocabulary."""
+        eod, v = self.null_tokenizer_eod_id, self.vocab_size
+        if eod is not None:
+            require(v is None or 0 <= eod < v, f"--null-tokenizer-eod-id must be in "
+                                               f"[0, --vocab-size ({v})), got {eod}")
+            require(eod >= 0, f"--null-tokenizer-eod-id must be >= 0, got {eod}")

@@ -40,6 +40,13 @@ class ModelConfig:
     max_position_embeddings: int = flag("--max-position-embeddings", 128)
     vocab_size: int = derived("the tokenizer's vocabulary size", 512)
     make_vocab_size_divisible_by: int = flag("--make-vocab-size-divisible-by", 128)
+    # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP
+    # (vocab_size_with_padding). Checkpoints written before this field existed padded to
+    # the divisor alone: their dicts lack it, so from_dict's default 1 rebuilds them as saved.
+    vocab_padding_tp: int = derived("--tensor-model-parallel-size (Megatron's padding rule)", 1)
+    # Set when a resumed run keeps its checkpoint's padded size (training/vocab_padding.py).
+    padded_vocab_size_from_checkpoint: Optional[int] = derived(
+        "the --load checkpoint's embedding rows, when this run's padding differs", None)
     normalization: str = flag("--normalization", "LayerNorm")
     norm_epsilon: float = flag("--norm-epsilon", 1e-5)
     position_embedding_type: str = flag("--position-embedding-type", "learned_absolute")
@@ -106,7 +113,10 @@ class ModelConfig:
     def validate(self) -> None:
         check_positive(self, "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "seq_length", "num_query_groups", "kv_channels",
-                       "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings")
+                       "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings",
+                       "vocab_padding_tp", "padded_vocab_size_from_checkpoint")
+        require(self.padded_vocab_size >= self.vocab_size,
+                f"padded vocabulary {self.padded_vocab_size} < vocabulary {self.vocab_size}")
         check_positive(self, "mtp_num_layers")
         check_range(self, "mtp_loss_scaling_factor", 0)
         check_range(self, "rotary_base", 0, low_open=True)
@@ -198,11 +208,15 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up for GEMM-friendly shapes; never depends on the layout.
+        """Megatron's vocab_size_with_padding: the vocabulary rounded up to a multiple of
+        --make-vocab-size-divisible-by x TP (so every TP rank's slice is a multiple of the
+        divisor), unless a resumed checkpoint's padded size is kept.
 
         The extra rows are masked out of the softmax, so padding never changes the loss.
         """
-        m = self.make_vocab_size_divisible_by
+        if self.padded_vocab_size_from_checkpoint is not None:
+            return self.padded_vocab_size_from_checkpoint
+        m = self.make_vocab_size_divisible_by * self.vocab_padding_tp
         return ((self.vocab_size + m - 1) // m) * m
 
     def is_moe_layer(self, layer_number: int) -> bool:

@@ -90,16 +90,15 @@ class RunConfig:
                     f"--context-parallel-size ({cp})")
 
     def _validate_tensor_parallel(self) -> None:
-        """Every tensor-parallel split must be even; the vocabulary padding must not depend
-        on TP (so it is the padding multiple, not the padded size, that TP must divide)."""
+        """Every tensor-parallel split must be even (the padded vocabulary is a multiple of
+        TP by construction, or checked where a checkpoint's padded size is kept)."""
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
         m = self.model
         for name, value in (("--num-attention-heads", m.num_attention_heads),
                             ("--num-query-groups", m.num_query_groups),
-                            ("--ffn-hidden-size", m.ffn_hidden_size),
-                            ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)):
+                            ("--ffn-hidden-size", m.ffn_hidden_size)):
             require(value % tp == 0,
                     f"{name} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
         require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,
@@ -112,8 +111,10 @@ class RunConfig:
         p, t = self.parallel, self.train
         self.parallel.layer_ranges(self.model.num_layers)  # raises on a bad split
         dp = p.data_parallel_size
+        final = "--step-batch-size-schedule: final global batch size" \
+            if t.step_batch_size_schedule else "--global-batch-size"
         require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                f"--global-batch-size ({t.global_batch_size}) must be divisible by "
+                f"{final} ({t.global_batch_size}) must be divisible by "
                 f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
         pp = p.pipeline_model_parallel_size
         require(p.num_layers_per_virtual_pipeline_stage is None
@@ -121,14 +122,16 @@ class RunConfig:
                 f"--num-layers-per-virtual-pipeline-stage needs the number of micro-batches "
                 f"({self.num_microbatches}) to be divisible by --pipeline-model-parallel-size "
                 f"({pp})")
+        name = "--step-batch-size-schedule" if t.step_batch_size_schedule else \
+            "--rampup-batch-size"
         for size in t.ramp_batch_sizes()[:-1]:  # Megatron checks each as the ramp reaches it
             require(size % (t.micro_batch_size * dp) == 0,
-                    f"--rampup-batch-size: global batch size {size} of the ramp-up must be "
+                    f"{name}: global batch size {size} of the ramp-up must be "
                     f"divisible by --micro-batch-size ({t.micro_batch_size}) x data-parallel "
                     f"size ({dp})")
             require(p.num_layers_per_virtual_pipeline_stage is None
                     or size // (t.micro_batch_size * dp) % pp == 0,
-                    f"--rampup-batch-size: global batch size {size} of the ramp-up gives "
+                    f"{name}: global batch size {size} of the ramp-up gives "
                     f"{size // (t.micro_batch_size * dp)} micro-batches, not divisible by "
                     f"--pipeline-model-parallel-size ({pp}) as "
                     f"--num-layers-per-virtual-pipeline-stage needs")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megamoe.config.fields import check_positive, check_range, flag, require
+from megamoe.config import batch_schedule as bsched
+from megamoe.config.fields import check_positive, check_range, derived, flag, require
 
 CKPT_FORMATS = ("torch", "torch_dist")
 DEFAULT_TRAIN_ITERS = 10  # a library user's TrainConfig() (the command line needs a length)
@@ -15,16 +16,25 @@ DEFAULT_TRAIN_ITERS = 10  # a library user's TrainConfig() (the command line nee
 class TrainConfig:
     micro_batch_size: int = flag("--micro-batch-size", 1)
     global_batch_size: int = flag("--global-batch-size", 1)
-    # [start batch size, increment, ramp-up samples]: Megatron's batch-size ramp-up
-    # (sample-based training only); global_batch_size is the size after the ramp.
+    # [start batch size, increment, ramp-up samples]: the old Megatron batch-size ramp-up
+    # (sample-based training only; Megatron now ignores it), run as the step schedule it
+    # translates to (config/batch_schedule.py); global_batch_size is the size after it.
     rampup_batch_size: Optional[list[int]] = flag("--rampup-batch-size", None)
+    # Megatron's step schedule "THRESHOLD:BATCH ..." (thresholds in tokens on the command
+    # line); global_batch_size is its last size.
+    step_batch_size_schedule: Optional[str] = flag("--step-batch-size-schedule", None)
+    # [[threshold in samples, global batch size], ...] of either flag; None: constant.
+    batch_size_schedule: Optional[list[list[int]]] = derived(
+        "--step-batch-size-schedule (tokens / --seq-length) or --rampup-batch-size", None)
     # Iteration- or sample-based training, as in Megatron: give one. With --train-samples,
     # train_iters becomes the number of iterations that consume them (Megatron's
     # update_train_iters); it is None only before __post_init__ derives it.
     train_iters: Optional[int] = flag("--train-iters", None)
     train_samples: Optional[int] = flag("--train-samples", None)
     seed: int = flag("--seed", 1234)
-    eval_interval: int = flag("--eval-interval", 1000)
+    # Megatron's default None: no evaluation during training, only the validation and test
+    # evaluations after it (when --eval-iters > 0).
+    eval_interval: Optional[int] = flag("--eval-interval", None)
     eval_iters: int = flag("--eval-iters", 10)
     skip_train: bool = flag("--skip-train", False)
     exit_interval: Optional[int] = flag("--exit-interval", None)
@@ -47,6 +57,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.rampup_batch_size is not None:
             self.rampup_batch_size = [int(v) for v in self.rampup_batch_size]
+        if self.batch_size_schedule is None and self.step_batch_size_schedule is not None:
+            # a library user's schedule: thresholds in samples (no --seq-length here)
+            self.batch_size_schedule = bsched.parse_step_schedule(
+                self.step_batch_size_schedule, None)
+        if self.batch_size_schedule is not None:
+            self.global_batch_size = self.batch_size_schedule[-1][1]
         self.validate()
 
     def validate(self) -> None:
@@ -57,7 +73,13 @@ class TrainConfig:
         require(self.empty_unused_memory_level in (0, 1, 2),
                 f"--empty-unused-memory-level must be 0, 1 or 2, "
                 f"got {self.empty_unused_memory_level}")
+        require(self.rampup_batch_size is None or self.step_batch_size_schedule is None,
+                "cannot specify both --step-batch-size-schedule and --rampup-batch-size")
         self._check_rampup()
+        if self.rampup_batch_size is not None and self.batch_size_schedule is None:
+            start, increment, samples = self.rampup_batch_size
+            self.batch_size_schedule = bsched.rampup_as_step_schedule(
+                start, increment, samples, self.global_batch_size)
         if self.train_iters is None:
             self.train_iters = (self._iters_for_samples() if self.train_samples is not None
                                 else DEFAULT_TRAIN_ITERS)
@@ -89,48 +111,36 @@ class TrainConfig:
                 f"the start batch size ({start}) must be divisible by the batch size "
                 f"increment ({increment})")
 
+    def evaluations_by(self, iteration: int) -> int:
+        """Validation runs during training up to `iteration` (one per --eval-interval)."""
+        return iteration // self.eval_interval if self.eval_interval else 0
+
     def ramp_batch_sizes(self) -> list[int]:
-        """Every global batch size of the ramp-up, then the final one."""
-        if self.rampup_batch_size is None:
+        """Every global batch size of the schedule, the final one last."""
+        if self.batch_size_schedule is None:
             return [self.global_batch_size]
-        start, increment, _ = self.rampup_batch_size
-        return list(range(start, self.global_batch_size + 1, increment))
+        return [bs for _, bs in self.batch_size_schedule]
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """The global batch size of the step that starts after `consumed_samples`
-        (Megatron's RampupBatchsizeNumMicroBatchesCalculator.update): it grows from the
-        start size by one increment every ramp-up samples / increments samples, and is
-        --global-batch-size once more than the ramp-up samples are consumed."""
-        if self.rampup_batch_size is None:
+        (Megatron's StepBatchsizeNumMicroBatchesCalculator.update)."""
+        if self.batch_size_schedule is None:
             return self.global_batch_size
-        start, increment, samples = self.rampup_batch_size
-        if consumed_samples > samples:
-            return self.global_batch_size
-        samples_per_increment = samples / ((self.global_batch_size - start) // increment)
-        return start + int(consumed_samples / samples_per_increment) * increment
+        return bsched.batch_size_at(self.batch_size_schedule, consumed_samples)
 
     def _iters_for_samples(self) -> int:
-        """Megatron's update_train_iters: the iterations of --train-samples, counted step by
-        step through the ramp-up (whose last step may pass --train-samples), then whole
-        global batches (a partial last batch is dropped)."""
-        if self.rampup_batch_size is None:
+        """Megatron's update_train_iters: whole global batches of --train-samples (a
+        partial last batch dropped), or with a schedule the steps until the consumed
+        samples reach --train-samples (the last step may pass it)."""
+        if self.batch_size_schedule is None:
             return self.train_samples // self.global_batch_size
-        iterations = consumed = 0
-        while consumed <= self.rampup_batch_size[2] and consumed <= self.train_samples:
-            consumed += self.global_batch_size_at(consumed)
-            iterations += 1
-        if self.train_samples > consumed:
-            iterations += (self.train_samples - consumed) // self.global_batch_size
-        return iterations
+        return bsched.iterations_for_samples(self.batch_size_schedule, self.train_samples)
 
     def samples_for_iters(self, iterations: int) -> int:
-        """Samples consumed by the first `iterations` steps (ramp-up included)."""
-        consumed = done = 0
-        while done < iterations and self.global_batch_size_at(consumed) != \
-                self.global_batch_size:
-            consumed += self.global_batch_size_at(consumed)
-            done += 1
-        return consumed + (iterations - done) * self.global_batch_size
+        """Samples consumed by the first `iterations` steps (schedule included)."""
+        if self.batch_size_schedule is None:
+            return iterations * self.global_batch_size
+        return bsched.samples_for_iterations(self.batch_size_schedule, iterations)
 
 
 @dataclass

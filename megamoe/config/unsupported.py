@@ -18,6 +18,7 @@ NOT_SUPPORTED_YET = (
     "--loss-scale",
     "--initial-loss-scale",  # fp16's dynamic loss scaler
     "--log-timers-to-tensorboard",  # timers (--timing-log-level) are not built
+    "--null-tokenizer-pad-id",  # a pad id masked out of the loss (Megatron's GPTDataset)
 )
 
 

@@ -3,6 +3,8 @@
 Three ways to name data, as in Megatron-LM:
 - `--data-path "p"` or `"w1 p1 w2 p2"` with `--split "969,30,1"`: every prefix is split
   by *documents* (contiguous ranges, normalised weights); each split blends the prefixes.
+  Unweighted `"p1 p2"` blends by size, as Megatron: each prefix's split used once whole
+  (one epoch), weights = their sample counts, min(requested, sum) samples; more is an error.
 - `--train-data-path / --valid-data-path / --test-data-path`: whole datasets per split.
 - `--data-args-path` / `--per-split-data-args-path`: the same two, read from files.
 - `--mock-data`: synthetic documents (mock_dataset.py), split like a real prefix.
@@ -51,8 +53,9 @@ def split_document_ranges(num_documents: int, weights: Sequence[float]) -> list[
     return [(max(0, bounds[i]), max(0, bounds[i + 1])) for i in range(len(weights))]
 
 
-def parse_data_path(values: Sequence[str]) -> tuple[list[float], list[str]]:
-    """Megatron's "p1 p2" (equal weights) or "w1 p1 w2 p2" -> (weights, prefixes)."""
+def parse_data_path(values: Sequence[str]) -> tuple[Optional[list[float]], list[str]]:
+    """Megatron's "p1 p2" (weights None: blended by size) or "w1 p1 w2 p2" ->
+    (weights, prefixes)."""
     values = list(values)
     if not values:
         raise DataError("empty data path list")
@@ -62,7 +65,7 @@ def parse_data_path(values: Sequence[str]) -> tuple[list[float], list[str]]:
     except ValueError:
         weighted = False
     if not weighted:
-        return [1.0] * len(values), values
+        return None, values
     if len(values) % 2:
         raise DataError(f"data path {' '.join(values)!r}: expected weight/prefix pairs")
     try:
@@ -72,6 +75,14 @@ def parse_data_path(values: Sequence[str]) -> tuple[list[float], list[str]]:
     if any(w < 0 for w in weights):
         raise DataError(f"data path {' '.join(values)!r}: negative weight")
     return weights, values[1::2]
+
+
+def one_epoch_samples(indexed, begin: int, end: int, seq_length: int) -> int:
+    """Samples of one epoch of documents [begin, end): (tokens - 1) // seq_length, as
+    Megatron's GPTDataset with num_samples None (each sample reads one extra token)."""
+    seqs = indexed.document_indices[begin:end + 1]
+    tokens = int(indexed.sequence_lengths[seqs[0]:seqs[-1]].sum(dtype=np.int64))
+    return max(0, (tokens - 1) // seq_length)
 
 
 def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, int, int], *,
@@ -126,8 +137,11 @@ class _Builder:
         return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
 
     def split_of(self, indexed, i: int, num_samples: int, prefix: Optional[str],
-                 split: Optional[list[float]] = None) -> Optional[GPTDataset]:
-        """Split `i` of one dataset, or None when it is empty or not wanted."""
+                 split: Optional[list[float]] = None,
+                 one_epoch: bool = False) -> Optional[GPTDataset]:
+        """Split `i` of one dataset, or None when it is empty or not wanted; `one_epoch`:
+        exactly the samples one pass over its documents gives (Megatron's num_samples
+        None), whatever `num_samples` says."""
         split = parse_split(self.config.split) if split is None else split
         if not num_samples or split[i] == 0:
             return None
@@ -136,6 +150,10 @@ class _Builder:
         if end <= begin:
             return None
         c = self.config
+        if one_epoch:
+            num_samples = one_epoch_samples(indexed, begin, end, self.seq_length)
+            if num_samples == 0:
+                return None
         return GPTDataset(indexed, np.arange(begin, end), num_samples, self.seq_length, self.seed,
                           self.tokenizer.eod, eod_mask_loss=c.eod_mask_loss,
                           reset_position_ids=c.reset_position_ids,
@@ -143,12 +161,14 @@ class _Builder:
                           cache_dir=self.cache_dir(prefix), name=SPLIT_NAMES[i],
                           wait_timeout_s=self.wait_timeout_s)
 
-    def blend(self, weights: list[float], prefixes: list[str], i: int, num_samples: int,
-              split: list[float]):
+    def blend(self, weights: Optional[list[float]], prefixes: list[str], i: int,
+              num_samples: int, split: list[float]):
         if not num_samples or split[i] == 0:
             return None
         if len(prefixes) == 1:
             return self.split_of(self.open(prefixes[0]), i, num_samples, prefixes[0], split)
+        if weights is None:
+            return self.blend_by_size(prefixes, i, num_samples, split)
         sizes = component_sizes(weights, num_samples)
         parts = [self.split_of(self.open(p), i, n, p, split) if n else None
                  for p, n in zip(prefixes, sizes)]
@@ -163,6 +183,30 @@ class _Builder:
         return BlendedDataset([d for _, d, _ in kept], [w for w, _, _ in kept], num_samples,
                               cache_dir=self.cache_dir(prefixes[0]),
                               descriptions=[d.description for _, d, _ in kept],
+                              wait_timeout_s=self.wait_timeout_s)
+
+
+    def blend_by_size(self, prefixes: list[str], i: int, num_samples: int,
+                      split: list[float]) -> Optional[BlendedDataset]:
+        """Megatron's unweighted blend (BlendedMegatronDatasetBuilder, weights None): one
+        epoch of each prefix's split, weighted by its sample count, min(requested, total)
+        samples, so nothing repeats. Megatron then runs out of data mid-run when more are
+        requested; here that is one error naming the sizes before training starts."""
+        parts = [(p, self.split_of(self.open(p), i, 1, p, split, one_epoch=True))
+                 for p in prefixes]
+        kept = [(p, d) for p, d in parts if d is not None and len(d)]
+        if not kept:
+            return None
+        sizes = [len(d) for _, d in kept]
+        if sum(sizes) < num_samples:
+            raise DataError(
+                f"--data-path without weights uses each dataset once (as Megatron): the "
+                f"{SPLIT_NAMES[i]} split holds {sum(sizes)} samples of {self.seq_length} "
+                f"tokens ({', '.join(map(str, sizes))}) but {num_samples} are needed; give "
+                f"weights (w1 p1 w2 p2) to repeat data, or ask for fewer samples")
+        return BlendedDataset([d for _, d in kept], sizes, num_samples,
+                              cache_dir=self.cache_dir(kept[0][0]),
+                              descriptions=[d.description for _, d in kept],
                               wait_timeout_s=self.wait_timeout_s)
 
 

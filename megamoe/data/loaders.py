@@ -17,10 +17,11 @@ def tokenizer_for(config: DataConfig):
     """The tokenizer of --tokenizer-type and its files (--mock-data alone: a null
     tokenizer of --vocab-size, default 1024)."""
     if config.tokenizer_type is None:
-        return build_tokenizer("NullTokenizer", vocab_size=config.vocab_size or 1024)
+        return build_tokenizer("NullTokenizer", vocab_size=config.vocab_size or 1024,
+                               null_eod_id=config.null_tokenizer_eod_id)
     return build_tokenizer(config.tokenizer_type, tokenizer_model=config.tokenizer_model,
                            vocab_file=config.vocab_file, merge_file=config.merge_file,
-                           vocab_size=config.vocab_size)
+                           vocab_size=config.vocab_size, null_eod_id=config.null_tokenizer_eod_id)
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

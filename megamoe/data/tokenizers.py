@@ -162,16 +162,20 @@ class GPT2BPETokenizer:
 
 
 class NullTokenizer:
-    """Megatron's NullTokenizer: text is already space-separated token ids.
-
-    eod = vocab_size (one id past the given vocabulary), so `.vocab_size` = vocab_size + 1.
+    """Megatron's NullTokenizer (megatron/core/tokenizers/text/libraries/null_tokenizer.py):
+    text is already space-separated token ids; `--vocab-size` ids in all, EOD = vocab_size
+    - 1 unless --null-tokenizer-eod-id names another (megamoe once had vocab_size + 1 ids
+    with EOD = vocab_size; Megatron's current count is what runs now).
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None) -> None:
         if vocab_size is None or int(vocab_size) < 1:
             raise DataError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
-        self.eod = int(vocab_size)
-        self.vocab_size = int(vocab_size) + 1
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1 if eod_id is None else int(eod_id)
+        if not 0 <= self.eod < self.vocab_size:
+            raise DataError(f"--null-tokenizer-eod-id must be in [0, --vocab-size "
+                            f"({self.vocab_size})), got {eod_id}")
 
     def tokenize(self, text: str) -> list[int]:
         try:
@@ -185,7 +189,7 @@ class NullTokenizer:
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None):
+                    vocab_size: Optional[int] = None, null_eod_id: Optional[int] = None):
     """The tokenizer for a Megatron `--tokenizer-type` and its files."""
     if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
         path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
@@ -202,7 +206,7 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = Non
         return GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", tokenizer_type),
                                 _require_file(merge_file, "--merge-file", tokenizer_type))
     if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, null_eod_id)
     raise DataError(f"unknown --tokenizer-type {tokenizer_type!r} "
                     f"(expected one of {', '.join(TOKENIZER_TYPES)})")
 

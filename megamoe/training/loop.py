@@ -263,7 +263,8 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
                                 "global_batch_size": gbs}, state.iteration)
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
-        if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:
+        if valid_iter is not None and t.eval_iters > 0 and t.eval_interval \
+                and state.iteration % t.eval_interval == 0:
             optimizer.wait_param_gather()  # (--overlap-param-gather) parameters up to date
             loss = evaluate(run, mesh, model, valid_iter)
             report_validation(state.iteration, loss, logger, mesh, print_fn)

@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megamoe.config import RunConfig
+from megamoe.config.batch_schedule import schedule_text
 from megamoe.data import DataError, build_gpt_datasets, make_iterator
 from megamoe.model.flops import num_parameters
 from megamoe.moe.stats import describe_choice
@@ -19,6 +20,7 @@ from megamoe.parallel.failures import explain
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.training.build import build_model
 from megamoe.training.checkpoint.manager import CheckpointManager
+from megamoe.training.checkpoint.vocab_padding import keep_checkpoint_vocab_padding
 from megamoe.training.exits import ExitConditions
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
 from megamoe.training.metrics import MetricsLogger
@@ -61,6 +63,10 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
             print_fn(msg)
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if run.train.rampup_batch_size is not None:
+        log(rampup_note(run))
+    c = run.checkpoint
+    keep_checkpoint_vocab_padding(run.model, c.load, run.parallel.tensor_model_parallel_size, log)
     model = build_model(run, mesh)
     _log_model(run, mesh, model, log)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
@@ -95,6 +101,14 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
     return state
 
 
+def rampup_note(run: RunConfig) -> str:
+    """The one line a --rampup-batch-size run logs: Megatron ignores the flag now."""
+    text = schedule_text(run.train.batch_size_schedule, run.model.seq_length)
+    return (f"> --rampup-batch-size: Megatron-LM ignores this flag (deprecated for "
+            f"--step-batch-size-schedule); megamoe runs it as --step-batch-size-schedule "
+            f"\"{text}\"")
+
+
 def _overlap(run: RunConfig, mesh: Mesh) -> Optional[OverlapOptions]:
     """--overlap-grad-reduce (--ddp-bucket-size, --overlap-param-gather)."""
     p = run.parallel
@@ -121,7 +135,10 @@ def split_num_samples(run: RunConfig) -> tuple[int, int, int]:
     """Samples the run reads from (train, valid, test): what its dataset indices cover."""
     t = run.train
     gbs = t.global_batch_size
-    eval_runs = t.train_iters // t.eval_interval + 1
+    # one eval_iters window per --eval-interval, plus the one after training (Megatron's
+    # count; without --eval-interval, Megatron's `train_iters // None` raises where its
+    # documentation promises validation after training only: that is what runs here)
+    eval_runs = t.evaluations_by(t.train_iters) + 1
     # as Megatron: --train-samples, or --train-iters global batches (and never fewer
     # than the iterations take: the last step of a ramp-up may pass --train-samples)
     train_samples = max(t.train_samples or 0, t.samples_for_iters(t.train_iters))
@@ -151,7 +168,7 @@ class _Data:
                 wait_timeout_s=60 * run.parallel.distributed_timeout_minutes)
             # validation resumes where the uninterrupted run's would be (one eval_iters
             # window per --eval-interval)
-            valid_consumed = (state.iteration // t.eval_interval) * t.eval_iters * gbs
+            valid_consumed = t.evaluations_by(state.iteration) * t.eval_iters * gbs
             train_iter, valid_iter = (
                 _iterator(run, mesh, ds, consumed, run.data.num_workers)
                 for ds, consumed in ((train_ds, state.consumed_train_samples),

@@ -83,7 +83,7 @@ def _corpus(path, base, n_docs, eod):
 
 def test_weighted_data_path_blends_and_caches(tmp_path):
     eod = 5000
-    tok = build_tokenizer("NullTokenizer", vocab_size=eod)
+    tok = build_tokenizer("NullTokenizer", vocab_size=eod + 1)
     a = _corpus(tmp_path / "a", 1000, 50, eod)
     b = _corpus(tmp_path / "b", 3000, 50, eod)
     cfg = DataConfig(data_path=["0.8", a, "0.2", b], split="90,10,0")
@@ -100,7 +100,7 @@ def test_weighted_data_path_blends_and_caches(tmp_path):
 
 def test_per_split_data_paths(tmp_path):
     eod = 5000
-    tok = build_tokenizer("NullTokenizer", vocab_size=eod)
+    tok = build_tokenizer("NullTokenizer", vocab_size=eod + 1)
     a = _corpus(tmp_path / "a", 1000, 20, eod)
     b = _corpus(tmp_path / "b", 3000, 20, eod)
     cfg = DataConfig(train_data_path=[a, b], valid_data_path=[b])
@@ -110,3 +110,28 @@ def test_per_split_data_paths(tmp_path):
     assert sorted(set(valid.document_index.tolist())) == list(range(20))
     assert all(3000 <= t < 4000 or t == eod for i in range(len(valid))
                for t in valid[i]["tokens"].tolist())
+
+
+def test_unweighted_data_path_blends_by_dataset_size(tmp_path):
+    """Megatron's BlendedMegatronDatasetBuilder with weights None: each prefix's split is
+    one epoch (num_samples None), the weights are their sample counts, the blend holds
+    min(requested, sum of counts) samples, so nothing repeats (not equal weights)."""
+    eod = 5000
+    tok = build_tokenizer("NullTokenizer", vocab_size=eod + 1)
+    a = _corpus(tmp_path / "a", 1000, 10, eod)  # 10 x 16 tokens: (160 - 1) // 8 = 19
+    b = _corpus(tmp_path / "b", 3000, 30, eod)  # 30 x 16 tokens: (480 - 1) // 8 = 59
+    for cfg in (DataConfig(data_path=[a, b], split="100,0,0"),
+                DataConfig(train_data_path=[a, b])):
+        train = build_gpt_datasets(cfg, tok, (60, 0, 0), seq_length=8, seed=1234)[0]
+        assert [len(d) for d in train.datasets] == [19, 59] and len(train) == 60
+        assert train.dataset_index.tolist() == _naive_greedy([19, 59], 60)
+        src = [next(t for t in train[i]["tokens"].tolist() if t != eod) // 1000
+               for i in range(60)]
+        assert (src.count(1), src.count(3)) == (15, 45)  # 60 x 19/78 and 60 x 59/78
+        with pytest.raises(DataError, match="the train split holds 78 samples of 8 tokens "
+                                            r"\(19, 59\) but 79 are needed"):
+            build_gpt_datasets(cfg, tok, (79, 0, 0), seq_length=8, seed=1234)
+    whole = build_gpt_datasets(DataConfig(data_path=[a, b], split="100,0,0"), tok, (78, 0, 0),
+                               seq_length=8, seed=1234)[0]
+    used = {(int(d), int(s)) for d, s in zip(whole.dataset_index, whole.dataset_sample_index)}
+    assert len(used) == 78  # every sample of both datasets exactly once

@@ -23,7 +23,7 @@ def _tokens(ds):
 
 
 def _build(tmp_path, **kw):
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)  # EOD = V - 1
     cfg = DataConfig(split="90,10,0", data_cache_path=str(tmp_path / "cache"), **kw)
     datasets = build_gpt_datasets(cfg, tok, (60, 10, 10), seq_length=8, seed=7)
     # DataLoader workers get pickled datasets: cached indices travel as paths, not copies

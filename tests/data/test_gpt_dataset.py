@@ -18,7 +18,7 @@ from megamoe.data import (
 from megamoe.data.builder import parse_split, split_document_ranges
 from megamoe.data.gpt_dataset import build_sample_index, num_epochs_needed
 
-EOD = 100_000  # NullTokenizer(vocab_size=EOD) has eod == EOD
+EOD = 100_000  # NullTokenizer(vocab_size=EOD + 1) has eod == EOD
 
 
 def _make(tmp_path, lengths, name="corpus", multi=False):
@@ -134,7 +134,7 @@ def build_gpt_datasets(config_and_shape, tok, num_samples):
 
 def test_build_splits_documents_disjointly(tmp_path):
     prefix, docs = _make(tmp_path, [6 + (d % 5) for d in range(40)])
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)
     train, valid, test = build_gpt_datasets(_config(prefix, split="70,20,10"), tok, (30, 8, 4))
     owner = {}
     for name, ds in (("train", train), ("valid", valid), ("test", test)):
@@ -149,7 +149,7 @@ def test_build_splits_documents_disjointly(tmp_path):
 
 def test_deterministic_and_cached(tmp_path):
     prefix, _ = _make(tmp_path, [5 + (d % 7) for d in range(30)])
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)
     cfg = _config(prefix, split="90,10,0")
     a = build_gpt_datasets(cfg, tok, (25, 5, 0))[0]
     cache = tmp_path / "cache"
@@ -178,7 +178,7 @@ def test_explicit_cache_path_and_pickle(tmp_path):
     import pickle
 
     prefix, _ = _make(tmp_path, [8] * 10)
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)
     cfg = _config(prefix, split="1", data_cache_path=str(tmp_path / "elsewhere"))
     ds = build_gpt_datasets(cfg, tok, (6, 0, 0))[0]
     assert len(os.listdir(tmp_path / "elsewhere")) == 4  # 3 indices + description
@@ -188,7 +188,7 @@ def test_explicit_cache_path_and_pickle(tmp_path):
 
 def test_short_split_repeats_and_empty_split_is_an_error(tmp_path):
     prefix, docs = _make(tmp_path, [3, 3])
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)
     ds = build_gpt_datasets(_config(prefix, split="1"), tok, (4, 0, 0))[0]
     assert len(ds) >= 4 and len(ds.document_index) == 2 * num_epochs_needed(6, 8, 4)
     stream = _stream(docs, ds)
@@ -211,7 +211,7 @@ def test_token_ids_beyond_vocab_rejected(tmp_path):
 
 
 def test_regenerated_corpus_invalidates_the_cache(tmp_path):
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)
     prefix, _ = _make(tmp_path, [5, 9, 6, 8] * 3)
     a = build_gpt_datasets(_config(prefix, split="1"), tok, (8, 0, 0))[0]
     prefix, docs = _make(tmp_path, [9, 5, 8, 6] * 3)  # same sizes on disk, other lengths

@@ -62,7 +62,7 @@ def test_compressed_input_and_several_keys(tmp_path, opener, suffix):
         assert ds.num_documents == len(docs) + 1
         assert ds.document_indices[-1] == ds.document_indices[-2]  # empty doc: no sequence
         for i, d in enumerate(docs):
-            assert ds[i].tolist() == [int(x) for x in d[key].split()] + [100]
+            assert ds[i].tolist() == [int(x) for x in d[key].split()] + [99]  # EOD: vocab_size - 1
 
 
 def _expect_one_line_error(p, *needles):

@@ -63,8 +63,15 @@ def test_huggingface_file_and_directory(bpe_files, tmp_path):
 
 
 def test_null_tokenizer():
+    """Megatron's NullTokenizer: --vocab-size ids in all, EOD = vocab_size - 1, or
+    --null-tokenizer-eod-id; an EOD outside the vocabulary is refused."""
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert tok.vocab_size == 101 and tok.eod == 100
+    assert tok.vocab_size == 100 and tok.eod == 99
+    tok = build_tokenizer("NullTokenizer", vocab_size=100, null_eod_id=0)
+    assert tok.vocab_size == 100 and tok.eod == 0
+    for bad in (100, -1):
+        with pytest.raises(DataError, match="--null-tokenizer-eod-id"):
+            build_tokenizer("NullTokenizer", vocab_size=100, null_eod_id=bad)
     assert tok.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"
 

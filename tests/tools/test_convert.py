@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from tests.model.test_hf_parity import randomize_hf_weights  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VOCAB = 98  # NullTokenizer --vocab-size 97 (+ eod)
+VOCAB = 97  # NullTokenizer --vocab-size 97 (EOD 96, as Megatron)
 
 
 def hf_mixtral(path, *, hidden=32, heads=4, kv=2, experts=4, topk=2, ffn=48, layers=2,

@@ -24,7 +24,7 @@ from tools.checkpoint.convert import main as convert
 transformers = pytest.importorskip("transformers")
 from tests.model.test_hf_parity import randomize_hf_weights  # noqa: E402
 
-VOCAB = 98  # NullTokenizer --vocab-size 97 (+ eod): not a multiple of 128
+VOCAB = 98  # NullTokenizer --vocab-size 98 (EOD 97): not a multiple of 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, num_experts_per_tok=3, initializer_range=0.02,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -142,7 +142,7 @@ def test_unmapped_weight_is_an_error(tmp_path, capsys):
     assert "self_attn.extra.weight" in capsys.readouterr().err
 
 
-TRAIN = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 97 --num-workers 0 "
+TRAIN = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 98 --num-workers 0 "
          "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 "
          "--eval-interval 1000 --eval-iters 0 --seed 3 --seq-length 16")
 

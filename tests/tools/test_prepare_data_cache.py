@@ -20,7 +20,7 @@ def test_prepare_then_run_builds_nothing(tmp_path, capsys):
     b = _corpus(tmp_path / "b", 3000, 40, EOD)
     cache = tmp_path / "cache"
     flags = BASE.replace("--mock-data", f"--data-path 0.6 {a} 0.4 {b} --split 90,10,0 "
-                         f"--tokenizer-type NullTokenizer --vocab-size {EOD} "
+                         f"--tokenizer-type NullTokenizer --vocab-size {EOD + 1} "
                          f"--data-cache-path {cache}")
     assert main(shlex.split(flags)) == 0
     out = capsys.readouterr()
@@ -33,7 +33,7 @@ def test_prepare_then_run_builds_nothing(tmp_path, capsys):
                      data_cache_path=str(cache))
     assert main(shlex.split(flags)) == 0
     assert "built in" not in capsys.readouterr().out and sorted(os.listdir(cache)) == files
-    tok = build_tokenizer("NullTokenizer", vocab_size=EOD)
+    tok = build_tokenizer("NullTokenizer", vocab_size=EOD + 1)  # EOD = V - 1
     train = build_gpt_datasets(cfg, tok, (24, 0, 0), seq_length=32, seed=1234)[0]
     assert len(train) == 24
 

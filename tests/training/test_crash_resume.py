@@ -145,7 +145,7 @@ def test_sigkill_at_random_times_over_many_saves(tmp_path):
     assert read_tracker(d) == 40 and (not hist or hist[-1]["iteration"] == 40)
 
 
-def _gpt_corpus(prefix: str, eod: int = 97) -> str:
+def _gpt_corpus(prefix: str, eod: int = 96) -> str:  # --vocab-size 97: EOD 96
     rng = np.random.default_rng(0)
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as b:
         for _ in range(200):
@@ -205,7 +205,7 @@ def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path, fmt):
 SAMPLE_RUNS = {
     "lr_samples": ("--train-samples 48 --lr-warmup-samples 12 --lr-decay-samples 40 "
                    "--min-lr 1e-4", 3),
-    "rampup": ("--train-samples 40 --rampup-batch-size 2 2 24 --lr-warmup-samples 6", 4),
+    "rampup": ("--train-samples 36 --rampup-batch-size 2 2 24 --lr-warmup-samples 6", 4),
 }
 
 

@@ -26,6 +26,7 @@ from megamoe.training.checkpoint import (
     read_dist_tensors,
     save_dist_checkpoint,
 )
+from megamoe.training.checkpoint.vocab_padding import keep_checkpoint_vocab_padding
 from megamoe.training.optim import build_optimizer
 from megamoe.training.schedules.lr import LRScheduler
 from tests.distributed import run_distributed
@@ -60,6 +61,9 @@ def _resave_then_resume(rank: int, world_size: int, layout: str, src: str,
                       world_size=world_size)
     run = run_config_from_args(args, tokenizer_for(config_from_args(DataConfig, args)).vocab_size)
     mesh = init_mesh(run.parallel)
+    # as pretrain does: the checkpoint's padded vocabulary (m x its TP) is kept
+    keep_checkpoint_vocab_padding(run.model, src, run.parallel.tensor_model_parallel_size,
+                                  lambda _m: None)
     model = build_model(run, mesh)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
                                 distributed=run.parallel.use_distributed_optimizer)

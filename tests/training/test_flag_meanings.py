@@ -79,7 +79,9 @@ def _logged(rank: int, world_size: int, extra: str) -> list[tuple[float, float]]
 
 
 @pytest.mark.parametrize("layout,model", [
-    ("--tensor-model-parallel-size 2 --sequence-parallel", ""),
+    # (divisor 64 x TP 2 pads the vocabulary to the single process's 128 rows)
+    ("--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 64",
+     ""),
     ("--expert-model-parallel-size 2 --use-distributed-optimizer", ""),
     ("--pipeline-model-parallel-size 2", "--moe-layer-freq ([0]+[1])"),
 ], ids=["tp2", "ep2_dp2_distopt", "pp2"])

@@ -64,12 +64,14 @@ def test_dry_run_reports_per_rank_memory_of_the_layout():
     from megamoe.cli.mapping import run_config_from_args
     from megamoe.planning.memory import Layout, model_bytes
 
+    layout = ("--tensor-model-parallel-size 2 --sequence-parallel "
+              "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 "
+              "--use-distributed-optimizer --global-batch-size 4")
     single = _dry_run_memory("", 1)
-    split = _dry_run_memory("--tensor-model-parallel-size 2 --sequence-parallel "
-                            "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 "
-                            "--use-distributed-optimizer --global-batch-size 4", 8)
-    cfg = run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1"),
-                                     world_size=1), 98).model
+    split = _dry_run_memory(layout, 8)
+    # (the layout's TP decides the padded vocabulary: 97 ids to a multiple of 128 x 2)
+    cfg = run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {layout}"),
+                                     world_size=8), 97).model
     lay = Layout(tp=2, pp=2, vpp=1, ep=2, etp=2, dp=2, cp=1, distributed_optimizer=True,
                  recompute="none", micro_batch_size=2)
     want = model_bytes(cfg, lay, 4)

@@ -36,6 +36,17 @@ def _assert_same(single: list[dict], parallel: list[dict], keys: tuple[str, ...]
             assert abs(a[k] - b[k]) <= 1e-5 * abs(a[k]), (k, single, parallel)
 
 
+def _assert_same_tensors(want: dict, got: dict) -> None:
+    """The single-process checkpoint's tensors equal the TP=2 one's. The vocabulary is
+    padded as Megatron pads it, 97 ids to a multiple of 128 x TP: the real rows agree."""
+    for key, t in want.items():
+        g = got[key]
+        if key.endswith(("word_embeddings.weight", "output_layer.weight")):
+            assert (t.shape[0], g.shape[0]) == (128, 256), key
+            t, g = t[:97], g[:97]
+        torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("world_size, etp", [
     (2, 2), (2, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
     ids=["tp2_sp", "tp2_sp_etp1", "dp2_x_tp2_sp"])
@@ -74,8 +85,7 @@ def test_qk_layernorm_under_tensor_parallelism_matches_single_process(tmp_path, 
     want, got = (read_dist_tensors(checkpoint_file(str(tmp_path / d)), "model.")
                  for d in ("single", "tp"))
     assert want.keys() == got.keys() and any("q_layernorm" in k for k in want)
-    for key, t in want.items():
-        torch.testing.assert_close(got[key], t, rtol=1e-5, atol=1e-6, msg=key)
+    _assert_same_tensors(want, got)
 
 
 SHARED = "--moe-shared-expert-intermediate-size 32"
@@ -113,8 +123,7 @@ def test_shared_experts_split_over_tp_match_single_process(tmp_path, shared, lay
                  for d in ("single", "tp"))
     assert want.keys() == got.keys() and any("shared_experts.linear_fc2" in k for k in want)
     assert any("shared_experts.gate_weight" in k for k in want) == ("gate" in shared)
-    for key, t in want.items():
-        torch.testing.assert_close(got[key], t, rtol=1e-5, atol=1e-6, msg=key)
+    _assert_same_tensors(want, got)
 
 
 def _fails(capsys, extra: str, world_size: int) -> str:
@@ -128,8 +137,6 @@ def _fails(capsys, extra: str, world_size: int) -> str:
      "world size 2 is not divisible by --tensor-model-parallel-size (4)"),
     ("--tensor-model-parallel-size 4 --sequence-parallel", 4,
      "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (4)"),
-    ("--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 3", 2,
-     "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 15 "
      "--max-position-embeddings 16", 2,
      "--seq-length (15) must be divisible by --tensor-model-parallel-size (2) with "

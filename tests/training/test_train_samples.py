@@ -44,14 +44,18 @@ def _run(extra: str, world_size: int = 1) -> tuple[TrainState, list[tuple]]:
     base = BASE.replace("--mock-data ", "") if "--data-path" in extra else BASE
     args = parse_args(shlex.split(f"{base} {extra}"), world_size=world_size)
     state = pretrain(args, print_fn=out.append)
+    _run.lines = out  # the console, for the tests that read more than the step lines
     steps = [m.groups() for line in out for m in [LINE.search(line)] if m]
     return state, [(int(i), int(n), int(c), float(lr), int(b)) for i, n, c, lr, b in steps]
 
 
 def megatron_rampup(train_samples: int, gbs: int, start: int, increment: int,
                     ramp_samples: int) -> list[int]:
-    """The global batch size of every step Megatron takes for --train-samples with
-    --rampup-batch-size start increment ramp_samples and --global-batch-size gbs."""
+    """The global batch size of every step for --train-samples with --rampup-batch-size
+    start increment ramp_samples and --global-batch-size gbs: the sizes of Megatron's old
+    RampupBatchsizeNumMicroBatchesCalculator, stepped as Megatron now counts the steps of
+    a --step-batch-size-schedule (update_train_iters: until the consumed samples reach
+    --train-samples), which is how megamoe runs the deprecated flag."""
     per_increment = ramp_samples / ((gbs - start) // increment)
 
     def batch(consumed: int) -> int:  # RampupBatchsizeNumMicroBatchesCalculator.update
@@ -59,14 +63,8 @@ def megatron_rampup(train_samples: int, gbs: int, start: int, increment: int,
             return gbs
         return start + int(consumed / per_increment) * increment
 
-    iterations = consumed = 0  # update_train_iters
-    while consumed <= ramp_samples and consumed <= train_samples:
-        consumed += batch(consumed)
-        iterations += 1
-    if train_samples > consumed:
-        iterations += (train_samples - consumed) // gbs
     sizes, consumed = [], 0
-    for _ in range(iterations):
+    while consumed < train_samples:
         sizes.append(batch(consumed))
         consumed += sizes[-1]
     return sizes
@@ -93,7 +91,7 @@ def test_train_samples_stops_at_the_sample_count_with_megatrons_lr():
 
 @pytest.mark.parametrize("ramp,sizes", [
     ("2 2 24", [2, 2, 2, 2, 4, 4, 6, 6, 8, 8, 8, 8]),  # an increment every 24 / 3 = 8
-    ("2 2 20", [2, 2, 2, 2, 4, 4, 6, 8, 8, 8, 8]),  # every 20 / 3 = 6.67 samples
+    ("2 2 20", [2, 2, 2, 2, 4, 4, 6, 8, 8, 8, 8, 8]),  # every 20 / 3 = 6.67 samples
 ])
 def test_rampup_batch_sizes_samples_and_lr_follow_megatron(ramp, sizes):
     """--rampup-batch-size to --global-batch-size 8 with --train-samples 60: every step's
@@ -107,11 +105,13 @@ def test_rampup_batch_sizes_samples_and_lr_follow_megatron(ramp, sizes):
     assert [s[2] for s in steps] == consumed
     assert [(s[0], s[1]) for s in steps] == [(i + 1, len(want)) for i in range(len(want))]
     assert state.consumed_train_samples == consumed[-1] == sum(sizes)
+    notes = [ln for ln in _run.lines if "--rampup-batch-size" in ln]
+    assert len(notes) == 1 and "Megatron-LM ignores this flag" in notes[0], notes
     lrs = [megatron_lr(c, 10, 60, "linear", max_lr=1e-3, min_lr=0.0) for c in consumed]
     assert [h["lr"] for h in state.history] == pytest.approx(lrs, rel=1e-12, abs=0)
 
 
-def _corpus(prefix: str, seed: int, eod: int = 97) -> str:
+def _corpus(prefix: str, seed: int, eod: int = 96) -> str:  # --vocab-size 97: EOD 96
     rng = np.random.default_rng(seed)
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as b:
         for _ in range(100):
@@ -121,15 +121,15 @@ def _corpus(prefix: str, seed: int, eod: int = 97) -> str:
 
 
 def test_rampup_last_step_may_pass_train_samples_as_megatron(tmp_path):
-    """Megatron counts ramp-up steps while consumed <= --train-samples, so its last
-    ramp-up step can take more: 10 samples asked, 6 steps, 14 consumed. The training set
+    """Megatron counts schedule steps while consumed < --train-samples, so the last step
+    can take more: 11 samples asked, 6 steps, 14 consumed. The training set
     holds the samples the steps take, also where a blend of datasets has exactly the size
     asked for."""
-    want = megatron_rampup(10, 8, 2, 2, 30)
+    want = megatron_rampup(11, 8, 2, 2, 30)
     assert want == [2, 2, 2, 2, 2, 4]
     a, b = _corpus(str(tmp_path / "a"), 0), _corpus(str(tmp_path / "b"), 1)
     for data in ("", f"--data-path 0.5 {a} 0.5 {b} --split 100,0,0"):
-        state, steps = _run(f"--train-samples 10 --rampup-batch-size 2 2 30 {data}")
+        state, steps = _run(f"--train-samples 11 --rampup-batch-size 2 2 30 {data}")
         assert [s[4] for s in steps] == want and state.consumed_train_samples == 14
 
 
@@ -240,9 +240,43 @@ def test_train_config_derives_the_iterations_for_library_users():
     t = TrainConfig(global_batch_size=8, micro_batch_size=2, train_samples=60,
                     rampup_batch_size=[2, 2, 20])
     sizes = megatron_rampup(60, 8, 2, 2, 20)
-    assert t.train_iters == len(sizes) == 11
-    assert [t.global_batch_size_at(sum(sizes[:i])) for i in range(11)] == sizes
-    assert t.samples_for_iters(11) == sum(sizes) and t.samples_for_iters(3) == 6
+    assert t.train_iters == len(sizes) == 12
+    assert [t.global_batch_size_at(sum(sizes[:i])) for i in range(12)] == sizes
+    assert t.samples_for_iters(12) == sum(sizes) and t.samples_for_iters(3) == 6
     t.validate()  # validating again keeps the derived length
     with pytest.raises(ConfigError, match="mutually exclusive"):
         TrainConfig(global_batch_size=8, train_samples=60, train_iters=3)
+
+
+def megatron_step_sizes(train_samples: int, schedule: list[tuple[int, int]]) -> list[int]:
+    """Every step's global batch size under Megatron's StepBatchsizeNumMicroBatches-
+    Calculator (thresholds already in samples) for --train-samples (update_train_iters)."""
+    def batch(consumed: int) -> int:
+        size = schedule[0][1]
+        for threshold, bs in schedule:
+            if consumed >= threshold:
+                size = bs
+            else:
+                break
+        return size
+
+    sizes, consumed = [], 0
+    while consumed < train_samples:
+        sizes.append(batch(consumed))
+        consumed += sizes[-1]
+    return sizes
+
+
+def test_step_batch_size_schedule_follows_megatron():
+    """--step-batch-size-schedule thresholds count tokens (pretrain_gpt.py passes
+    --seq-length 16): 0, 64 and 160 tokens are samples 0, 4 and 10."""
+    want = megatron_step_sizes(30, [(0, 2), (4, 4), (10, 8)])
+    assert want == [2, 2, 4, 4, 8, 8, 8]
+    base = BASE.replace("--global-batch-size 8 ", "")
+    args = parse_args(shlex.split(f'{base} --train-samples 30 --step-batch-size-schedule '
+                                  f'"0:2 64:4 160:8" --log-interval 1'), world_size=1)
+    out: list[str] = []
+    state = pretrain(args, print_fn=out.append)
+    steps = [m.groups() for line in out for m in [LINE.search(line)] if m]
+    assert [int(s[4]) for s in steps] == want
+    assert [int(s[2]) for s in steps] == _cumulative(want) and state.iteration == 7

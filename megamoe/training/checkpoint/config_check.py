@@ -20,14 +20,27 @@ _SHAPE_FIELDS = {
 _MOE_SHAPE_FIELDS = {"num_experts": "--num-experts", "ffn_hidden_size": "--moe-ffn-hidden-size"}
 
 
+def saved_padded_vocab_size(saved: dict) -> Optional[int]:
+    """The embedding rows of a checkpoint's model config dict (any megamoe version)."""
+    if "padded_vocab_size" in saved:
+        return int(saved["padded_vocab_size"])
+    if not isinstance(saved.get("vocab_size"), int):
+        return None
+    kept = saved.get("padded_vocab_size_from_checkpoint")
+    if isinstance(kept, int):
+        return kept
+    tp = saved.get("vocab_padding_tp", 1)  # absent: written when padding ignored TP
+    m = saved.get("make_vocab_size_divisible_by", 1) * (tp if isinstance(tp, int) else 1)
+    return -(-saved["vocab_size"] // m) * m
+
+
 def check_model_config(file: str, saved: Optional[dict], config: Any) -> None:
     """Name the first flag whose value differs from the checkpoint's (shape-relevant only)."""
     if not saved or config is None or not hasattr(config, "num_layers"):
         return
     mine = dict(vars(config), padded_vocab_size=config.padded_vocab_size)
-    if "padded_vocab_size" not in saved:
-        m = saved.get("make_vocab_size_divisible_by", 1)
-        saved = dict(saved, padded_vocab_size=-(-saved["vocab_size"] // m) * m)
+    if "padded_vocab_size" not in saved and "vocab_size" in saved:
+        saved = dict(saved, padded_vocab_size=saved_padded_vocab_size(saved))
     all_moe = bool(config.moe) and all(config.moe_layer_pattern or [])
     for name, flag in _SHAPE_FIELDS.items():
         if name == "ffn_hidden_size" and all_moe:
