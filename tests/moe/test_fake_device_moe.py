@@ -9,7 +9,9 @@ Fake tensors have no values, so the dispatch's data-dependent sizes (the permuta
 same model, routing and layout (tests/host_reads.py records and replays them in order).
 Expert-parallel ranks run one at a time in a fresh process on torch's fake process group
 (collectives on fake tensors move nothing), each replaying its own rank's reads from a
-real 2-rank gloo run.
+real 2-rank gloo run; tests/collective_check.py asserts every collective's tensors are on
+the mesh device and contiguous, and the ranks' records show the same collectives and
+dtypes in the same order.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from megamoe.model.gpt_model import GPTModel
 from megamoe.parallel.mesh import Mesh, build_mesh, single_process_mesh
 from megamoe.parallelize import parallelize
 from megamoe.training.materialize import materialize
+from tests.collective_check import CollectiveCheck, same_on_every_rank
 from tests.distributed import run_distributed
 from tests.host_reads import HostReads
 from tests.test_fake_device import ACCEL, DENSE
@@ -106,9 +109,12 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = materialize(model, mesh, seed=1)
         replay = HostReads(log)
-        _step(model, _tokens(rank, ACCEL), replay)
+        with CollectiveCheck(mesh.device) as check:
+            _step(model, _tokens(rank, ACCEL), replay)
         assert replay.log == [], replay.log
         _check_on_device(model)
+    with open(log_path + ".collectives", "wb") as f:
+        pickle.dump(check.log, f)
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall",
@@ -125,3 +131,8 @@ def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert out.returncode == 0, out.stderr[-3000:]
+    issued = [pickle.loads((tmp_path / f"reads{r}.pkl.collectives").read_bytes())
+              for r in range(len(logs))]
+    want = {"alltoall": "c10d::alltoall_base_", "allgather": "c10d::_allgather_base_"}[dispatcher]
+    assert any(name == want for name, _ in issued[0]), issued[0]
+    same_on_every_rank(issued)
