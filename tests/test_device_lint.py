@@ -60,8 +60,9 @@ def module_classes(trees: list[ast.AST]) -> set[str]:
         found |= more
 
 
-def violations(source: str, path: str, modules: set[str] | None = None) -> list[str]:
-    tree = ast.parse(source)
+def violations(source: str, path: str, modules: set[str] | None = None,
+               tree: ast.AST | None = None) -> list[str]:
+    tree = ast.parse(source) if tree is None else tree
     modules = module_classes([tree]) if modules is None else modules
     lines = source.splitlines()
     out = []
@@ -100,9 +101,11 @@ def test_every_tensor_factory_names_its_device():
             if f.endswith(".py"):
                 path = os.path.join(dirpath, f)
                 sources[os.path.relpath(path, ROOT)] = open(path, encoding="utf-8").read()
-    modules = module_classes([ast.parse(s) for s in sources.values()])
+    trees = {path: ast.parse(s) for path, s in sources.items()}
+    modules = module_classes(list(trees.values()))
     assert {"GPTModel", "RMSNorm", "ProjectionRMSNorm", "MoELayer"} <= modules
-    found = [v for path, s in sources.items() for v in violations(s, path, modules)]
+    found = [v for path, s in sources.items()
+             for v in violations(s, path, modules, trees[path])]
     assert found == []
 
 

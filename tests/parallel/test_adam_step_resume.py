@@ -112,3 +112,19 @@ def _init_then_train(which: str, steps: int) -> dict:
     opt = _build(which, model)
     _train(model, opt, range(steps))
     return _snapshot(model, opt)
+
+
+def test_the_apex_stand_in_updates_as_torch_adamw(monkeypatch):
+    """The stand-in's math (apex's multi_tensor_adam, AdamW mode) is torch's AdamW up to
+    fp32 rounding (the two order the same operations differently): a wrong stand-in would
+    make the resume test above prove nothing."""
+    apex_stand_in.install(monkeypatch)
+    a, b = _model(), _model()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opts = (apex_stand_in.FusedAdam(a.parameters(), **kw),
+            torch.optim.AdamW(b.parameters(), foreach=False, **kw))
+    for model, opt in zip((a, b), opts):
+        _train(model, opt, range(4))
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert opts[0].param_groups[0]["step"] == 4 and "step" not in opts[0].state[p]
