@@ -32,6 +32,7 @@ from megamoe.parallel.mesh import Mesh, build_mesh, single_process_mesh
 from megamoe.parallelize import parallelize
 from megamoe.training.materialize import materialize
 from tests.collective_check import CollectiveCheck, same_on_every_rank
+from tests.device_mix import DeviceMix
 from tests.distributed import run_distributed
 from tests.host_reads import HostReads
 from tests.test_fake_device import ACCEL, DENSE
@@ -39,12 +40,18 @@ from tests.test_fake_device import ACCEL, DENSE
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOE = dataclasses.replace(DENSE, moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=48,
                                                aux_loss_coeffs=[1e-2], z_loss_coeff=1e-3))
+# Capacity with padding, the sequence and global balancing losses (the global one's running
+# counts live in router buffers) and the expert bias (its counts and update), at once.
+FEATURES = dataclasses.replace(DENSE, moe=MoEConfig(
+    num_experts=4, topk=2, ffn_hidden_size=48, score_function="sigmoid",
+    load_balancing_types=["seq_aux_loss", "global_aux_loss"], aux_loss_coeffs=[1e-2, 1e-2],
+    capacity_factor=1.0, pad_to_capacity=True, enable_expert_bias=True))
 
 
 def _model(mesh: Mesh, parallel: ParallelConfig, execution: MoEExecutionConfig,
-           dtype: torch.dtype) -> torch.nn.Module:
+           dtype: torch.dtype, config=MOE) -> torch.nn.Module:
     with torch.device("meta"):
-        model = GPTModel(MOE)
+        model = GPTModel(config)
     return parallelize(model, mesh, parallel, execution, seed=1, dtype=dtype)
 
 
@@ -54,7 +61,7 @@ def _tokens(rank: int, device: torch.device) -> torch.Tensor:
 
 
 def _step(model: torch.nn.Module, tokens: torch.Tensor, reads: HostReads) -> None:
-    with reads.active():
+    with reads.active(), DeviceMix():  # (DeviceMix: in-place mixes the fake mode allows)
         model(tokens, labels=tokens).float().mean().backward()
 
 
@@ -63,24 +70,31 @@ def _check_on_device(model: torch.nn.Module) -> None:
         assert p.device == ACCEL and p.grad is not None and p.grad.device == ACCEL, name
 
 
-@pytest.mark.parametrize("grouped, dtype", [(True, torch.bfloat16), (False, torch.bfloat16),
-                                            (False, torch.float32)],
-                         ids=["torch-grouped-bf16", "loop-bf16", "loop-fp32"])
-def test_single_rank_moe_forward_backward_on_the_device(grouped, dtype):
+@pytest.mark.parametrize("grouped, dtype, config", [
+    (True, torch.bfloat16, MOE), (False, torch.bfloat16, MOE), (False, torch.float32, MOE),
+    (True, torch.bfloat16, FEATURES)],
+    ids=["torch-grouped-bf16", "loop-bf16", "loop-fp32", "capacity-pad-seq-global-aux-bias"])
+def test_single_rank_moe_forward_backward_on_the_device(grouped, dtype, config):
     execution = MoEExecutionConfig(grouped_gemm=grouped)
     cpu = single_process_mesh(torch.device("cpu"))
-    real = materialize(_model(cpu, ParallelConfig(), execution, dtype), cpu, seed=1)
+    real = materialize(_model(cpu, ParallelConfig(), execution, dtype, config), cpu, seed=1)
     recorded = HostReads()
     _step(real, _tokens(0, cpu.device), recorded)
-    assert [k for k, _ in recorded.log].count("nonzero") == 2  # one per MoE layer
+    # one per MoE layer; padded to capacity the shapes are static: none
+    assert [k for k, _ in recorded.log].count("nonzero") == (0 if config is FEATURES else 2)
     mesh = single_process_mesh(ACCEL)
-    model = _model(mesh, ParallelConfig(), execution, dtype)
+    model = _model(mesh, ParallelConfig(), execution, dtype, config)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = materialize(model, mesh, seed=1)
         replay = HostReads(recorded.log)
         _step(model, _tokens(0, ACCEL), replay)
         assert replay.log == []  # every recorded read made, none more
         _check_on_device(model)
+        if config is FEATURES:  # the router's running counts, on the device and advanced
+            for router in [m for m in model.modules() if hasattr(m, "expert_bias")]:
+                for buf in (router.expert_bias, router.local_tokens_per_expert,
+                            router.global_tokens_per_expert, router.global_num_tokens):
+                    assert buf.device == ACCEL
 
 
 EP2 = ParallelConfig(world_size=2, expert_model_parallel_size=2)
