@@ -98,11 +98,19 @@ def test_single_rank_moe_forward_backward_on_the_device(grouped, dtype, config):
 
 
 EP2 = ParallelConfig(world_size=2, expert_model_parallel_size=2)
+VARIANTS = {"alltoall": ("alltoall", 1), "allgather": ("allgather", 1),
+            "alltoall-overlap2": ("alltoall", 2)}  # name: (dispatcher, a2a overlap degree)
+
+
+def _execution(variant: str) -> MoEExecutionConfig:
+    dispatcher, overlap = VARIANTS[variant]
+    return MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher,
+                              a2a_overlap_degree=overlap)
 
 
 def _record_rank(rank: int, world_size: int, dispatcher: str) -> list:
     mesh = build_mesh(EP2, "gloo", torch.device("cpu"))
-    execution = MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher)
+    execution = _execution(dispatcher)
     model = materialize(_model(mesh, EP2, execution, torch.bfloat16), mesh, seed=1)
     reads = HostReads()
     _step(model, _tokens(rank, mesh.device), reads)
@@ -118,7 +126,7 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
     with open(log_path, "rb") as f:
         log = pickle.load(f)
     mesh = build_mesh(EP2, "fake", ACCEL)
-    execution = MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher)
+    execution = _execution(dispatcher)
     model = _model(mesh, EP2, execution, torch.bfloat16)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = materialize(model, mesh, seed=1)
@@ -131,11 +139,12 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
         pickle.dump(check.log, f)
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall",
-                                        pytest.param("allgather", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dispatcher", [
+    "alltoall", pytest.param("allgather", marks=pytest.mark.slow),
+    pytest.param("alltoall-overlap2", marks=pytest.mark.slow)])
 def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
     logs = run_distributed(_record_rank, 2, 120, dispatcher)
-    if dispatcher == "alltoall":  # the split sizes: one host copy per MoE layer call
+    if VARIANTS[dispatcher][0] == "alltoall":  # split sizes: one host copy per layer call
         assert all([k for k, _ in log].count("tolist") == 2 for log in logs)
     for rank, log in enumerate(logs):
         path = tmp_path / f"reads{rank}.pkl"
@@ -147,6 +156,7 @@ def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
         assert out.returncode == 0, out.stderr[-3000:]
     issued = [pickle.loads((tmp_path / f"reads{r}.pkl.collectives").read_bytes())
               for r in range(len(logs))]
-    want = {"alltoall": "c10d::alltoall_base_", "allgather": "c10d::_allgather_base_"}[dispatcher]
+    want = {"alltoall": "c10d::alltoall_base_",
+            "allgather": "c10d::_allgather_base_"}[VARIANTS[dispatcher][0]]
     assert any(name == want for name, _ in issued[0]), issued[0]
     same_on_every_rank(issued)
