@@ -1,5 +1,6 @@
 """The MoE layer's path on the accelerator, checked on a CPU machine: router, permutation,
-dispatch (one rank, and EP=2 with the all-to-all and all-gather dispatchers), grouped
+dispatch (one rank; EP=2 with the all-to-all and all-gather dispatchers and the a2a
+overlap; TP=2 + SP with experts split over ETP=2), grouped
 experts, combine and the balancing losses, forward and backward, in a GPT model built and
 materialised on the stand-in accelerator (tests/test_fake_device.py: "meta" under
 FakeTensorMode, where any CPU/device mix fails).
@@ -98,20 +99,26 @@ def test_single_rank_moe_forward_backward_on_the_device(grouped, dtype, config):
 
 
 EP2 = ParallelConfig(world_size=2, expert_model_parallel_size=2)
-VARIANTS = {"alltoall": ("alltoall", 1), "allgather": ("allgather", 1),
-            "alltoall-overlap2": ("alltoall", 2)}  # name: (dispatcher, a2a overlap degree)
+# TP=2 with sequence parallelism, experts split over ETP=2 (EP=1): TP's and ETP's
+# all-gathers and reduce-scatters around the experts.
+TP2_ETP2 = ParallelConfig(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                          expert_tensor_parallel_size=2)
+VARIANTS = {  # name: (dispatcher, a2a overlap degree, layout)
+    "alltoall": ("alltoall", 1, EP2), "allgather": ("allgather", 1, EP2),
+    "alltoall-overlap2": ("alltoall", 2, EP2), "tp2-sp-etp2": ("alltoall", 1, TP2_ETP2)}
 
 
 def _execution(variant: str) -> MoEExecutionConfig:
-    dispatcher, overlap = VARIANTS[variant]
+    dispatcher, overlap, _ = VARIANTS[variant]
     return MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher,
                               a2a_overlap_degree=overlap)
 
 
 def _record_rank(rank: int, world_size: int, dispatcher: str) -> list:
-    mesh = build_mesh(EP2, "gloo", torch.device("cpu"))
+    layout = VARIANTS[dispatcher][2]
+    mesh = build_mesh(layout, "gloo", torch.device("cpu"))
     execution = _execution(dispatcher)
-    model = materialize(_model(mesh, EP2, execution, torch.bfloat16), mesh, seed=1)
+    model = materialize(_model(mesh, layout, execution, torch.bfloat16), mesh, seed=1)
     reads = HostReads()
     _step(model, _tokens(rank, mesh.device), reads)
     return reads.log
@@ -125,9 +132,10 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     with open(log_path, "rb") as f:
         log = pickle.load(f)
-    mesh = build_mesh(EP2, "fake", ACCEL)
+    layout = VARIANTS[dispatcher][2]
+    mesh = build_mesh(layout, "fake", ACCEL)
     execution = _execution(dispatcher)
-    model = _model(mesh, EP2, execution, torch.bfloat16)
+    model = _model(mesh, layout, execution, torch.bfloat16)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = materialize(model, mesh, seed=1)
         replay = HostReads(log)
@@ -141,10 +149,12 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
 
 @pytest.mark.parametrize("dispatcher", [
     "alltoall", pytest.param("allgather", marks=pytest.mark.slow),
-    pytest.param("alltoall-overlap2", marks=pytest.mark.slow)])
+    pytest.param("alltoall-overlap2", marks=pytest.mark.slow),
+    pytest.param("tp2-sp-etp2", marks=pytest.mark.slow)])
 def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
     logs = run_distributed(_record_rank, 2, 120, dispatcher)
-    if VARIANTS[dispatcher][0] == "alltoall":  # split sizes: one host copy per layer call
+    if VARIANTS[dispatcher][2] is EP2 and VARIANTS[dispatcher][0] == "alltoall":
+        # the split sizes: one host copy per MoE layer call
         assert all([k for k, _ in log].count("tolist") == 2 for log in logs)
     for rank, log in enumerate(logs):
         path = tmp_path / f"reads{rank}.pkl"
@@ -156,7 +166,7 @@ def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
         assert out.returncode == 0, out.stderr[-3000:]
     issued = [pickle.loads((tmp_path / f"reads{r}.pkl.collectives").read_bytes())
               for r in range(len(logs))]
-    want = {"alltoall": "c10d::alltoall_base_",
-            "allgather": "c10d::_allgather_base_"}[VARIANTS[dispatcher][0]]
+    want = ("c10d::alltoall_base_" if VARIANTS[dispatcher][:3:2] == ("alltoall", EP2)
+            else "c10d::_allgather_base_")
     assert any(name == want for name, _ in issued[0]), issued[0]
     same_on_every_rank(issued)
