@@ -261,14 +261,15 @@ def _has_biases(experts: nn.Module) -> bool:
     return getattr(experts, "fc1_bias", None) is not None
 
 
-def enable_adaptive_parallelism(model: nn.Module, group: Group, *, measure: bool = True,
-                                device: Optional[torch.device] = None
-                                ) -> list[AdaptiveDispatcher]:
+def enable_adaptive_parallelism(model: nn.Module, group: Group, *, device: torch.device,
+                                measure: bool = True) -> list[AdaptiveDispatcher]:
     """Step 4: every expert-parallel MoE layer of `model` runs each call as ep, dp or tp
     (moe/dispatchers/adaptive.py). With `measure`, the collectives of `group` are timed
     once (the alpha-beta model, logged) and each layer times its modes at the first call
     of every token count and keeps the fastest; otherwise the mode is "ep" unless a caller
-    passes `parallel_mode=` / `adaptive_r=`."""
+    passes `parallel_mode=` / `adaptive_r=`. `device`: the mesh's, where the
+    measurements' and the calibration's tensors are made (required: NCCL takes no host
+    tensor)."""
     costs = CollectiveCosts.measure(group, device) if measure else None
     out = []
     for layer in _moe_layers(model):

@@ -33,6 +33,8 @@ from megamoe.moe.layer import MoELayer  # noqa: E402
 from megamoe.parallelize import enable_adaptive_parallelism, parallelize_moe  # noqa: E402
 from tools.gloo_ranks import run_gloo_ranks  # noqa: E402
 
+CPU = torch.device("cpu")  # gloo ranks on the host: the mesh device here
+
 
 def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
                 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
@@ -59,7 +61,7 @@ def _time_modes(layer: MoELayer, x: torch.Tensor, repeats: int
 
 def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     """Rows of the sweep, identical on every rank; run by gloo_ranks.run_gloo_ranks."""
-    costs = CollectiveCosts.measure(dist.group.WORLD)
+    costs = CollectiveCosts.measure(dist.group.WORLD, CPU)
     rows = []
     for ffn, tokens in itertools.product(args.ffn_hidden_sizes, args.tokens):
         torch.manual_seed(0)
@@ -69,7 +71,8 @@ def _bench_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         parallelize_moe(layer, ep_group=dist.group.WORLD,
                         execution=MoEExecutionConfig(token_dispatcher_type="alltoall",
                                                      grouped_gemm=True))
-        (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
+        (executor,) = enable_adaptive_parallelism(layer, dist.group.WORLD, device=CPU,
+                                                  measure=False)
         executor.costs, executor.calibrate = costs, True  # as measure=True, costs shared
         x = torch.randn(tokens, args.hidden_size,
                         generator=torch.Generator().manual_seed(1 + rank))

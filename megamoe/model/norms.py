@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm chosen by `config.normalization`.
 
-On a GPU, NVIDIA apex's fused kernels run them when apex is importable (the same math:
-statistics in fp32, output in the input's dtype); otherwise, and on the CPU, torch's own
+On a GPU, NVIDIA apex's fused kernels run them when apex's CUDA extension loads
+(apex_kernels.py; the same math: statistics in fp32, output in the input's dtype);
+otherwise, and on the CPU, torch's own
 (`F.rms_norm`, fused on CPU and CUDA; `nn.LayerNorm`). The parameters and checkpoints are
 the same either way.
 """
@@ -13,15 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import ModelConfig
+from megamoe.model.apex_kernels import apex_kernels
 from megamoe.parallel.comm import all_reduce_sum
-
-try:  # NVIDIA apex (built from NVIDIA's repository; PyPI's "apex" is another package)
-    from apex.normalization.fused_layer_norm import (
-        fused_layer_norm_affine,
-        fused_rms_norm_affine,
-    )
-except Exception:  # noqa: BLE001 - absent, another package, or built without CUDA
-    fused_layer_norm_affine = fused_rms_norm_affine = None
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +31,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused_rms_norm_affine is not None:
-            return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
+        fused = apex_kernels().fused_rms_norm_affine if x.is_cuda else None
+        if fused is not None:
+            return fused(x, self.weight, self.weight.shape, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -86,12 +81,12 @@ class ProjectionRMSNorm(RMSNorm):
 
 
 class LayerNorm(nn.LayerNorm):
-    """torch's LayerNorm; apex's fused kernel on a GPU when importable."""
+    """torch's LayerNorm; apex's fused kernel on a GPU when its extension loads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused_layer_norm_affine is not None:
-            return fused_layer_norm_affine(x, self.weight, self.bias, self.normalized_shape,
-                                           self.eps)
+        fused = apex_kernels().fused_layer_norm_affine if x.is_cuda else None
+        if fused is not None:
+            return fused(x, self.weight, self.bias, self.normalized_shape, self.eps)
         return super().forward(x)
 
 

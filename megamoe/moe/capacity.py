@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from megamoe.parallel.checkpointing import replay_once
+
 DROP_POLICIES = ("probs", "position")
 
 
@@ -60,7 +62,7 @@ def apply_capacity(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, capacit
     map_STE = routing_map_TE.view(num_shards, -1, num_experts)
     if drop_policy == "probs":
         ranked_STE = probs_TE.detach().view_as(map_STE).masked_fill(~map_STE, float("-inf"))
-        idx_SCE = ranked_STE.topk(capacity, dim=1).indices
+        idx_SCE = replay_once(lambda: ranked_STE.topk(capacity, dim=1).indices)  # (as routing)
         within_STE = torch.zeros_like(map_STE).scatter(1, idx_SCE, True)
     else:
         position_STE = map_STE.to(torch.int32).cumsum(dim=1)  # 1-based slot per expert

@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,14 +44,14 @@ class CollectiveCosts:
     copy: LinkCost
 
     @classmethod
-    def measure(cls, group, device: Optional[torch.device] = None,
+    def measure(cls, group, device: torch.device,
                 sizes: tuple[int, int] = (1 << 14, 1 << 21), repeats: int = 5
                 ) -> CollectiveCosts:
         """Time each collective at two sizes (bytes, fp32) on `group`, with tensors on
-        `device` (the mesh's; CPU by default); the fit is all-reduced with MAX so that every
-        rank holds identical numbers. On a GPU a collective returns before it runs: the
-        device is synchronised before the clock is read."""
-        device = device or torch.device("cpu")
+        `device`: the mesh's, and required (a CPU default would hand NCCL host tensors);
+        the fit is all-reduced with MAX so that every rank holds identical numbers. On a
+        GPU a collective returns before it runs: the device is synchronised before the
+        clock is read."""
         world = dist.get_world_size(group)
 
         def reverse(x: torch.Tensor) -> torch.Tensor:

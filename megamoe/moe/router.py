@@ -50,11 +50,14 @@ def _select(scores_TE: torch.Tensor, topk: int, num_groups: Optional[int],
             group_topk: Optional[int], expert_bias: Optional[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(unbiased selected scores [T, k], indices [T, k]); the bias only steers selection."""
-    sel_TE = scores_TE if expert_bias is None else scores_TE + expert_bias.to(scores_TE.dtype)
-    if num_groups is not None and group_topk is not None:
-        idx_Tk = _group_limited_topk(sel_TE, topk, num_groups, group_topk)
-    else:
-        idx_Tk = sel_TE.topk(topk, dim=-1).indices
+    def choose() -> torch.Tensor:
+        sel_TE = scores_TE.detach() if expert_bias is None else (
+            scores_TE.detach() + expert_bias.to(scores_TE.dtype))
+        if num_groups is not None and group_topk is not None:
+            return _group_limited_topk(sel_TE, topk, num_groups, group_topk)
+        return sel_TE.topk(topk, dim=-1).indices
+
+    idx_Tk = replay_once(choose)  # a recompute replay reuses the forward's choice
     return scores_TE.gather(1, idx_Tk), idx_Tk
 
 
@@ -113,10 +116,10 @@ def sinkhorn_routing(logits_TE: torch.Tensor, topk: int, training: bool
     weights are always the raw scores (sigmoid for k = 1, softmax otherwise), masked."""
     scores_TE = torch.sigmoid(logits_TE) if topk == 1 else torch.softmax(logits_TE, dim=-1)
     if training:
-        with torch.no_grad():
-            idx_Tk = sinkhorn(logits_TE.detach().to(torch.float32)).topk(topk, dim=1).indices
+        idx_Tk = replay_once(lambda: sinkhorn(logits_TE.detach().to(torch.float32))
+                             .topk(topk, dim=1).indices)
     else:
-        idx_Tk = scores_TE.topk(topk, dim=1).indices
+        idx_Tk = scores_TE.detach().topk(topk, dim=1).indices
     routing_map_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter(1, idx_Tk, True)
     return scores_TE * routing_map_TE, routing_map_TE
 
@@ -133,7 +136,7 @@ def expert_choice_routing(logits_TE: torch.Tensor, capacity: int
     """Expert choice (Zhou et al. 2022): each expert takes its `capacity` highest-scoring
     tokens; a token may get 0..E experts; combine weight = its softmax score."""
     scores_TE = torch.softmax(logits_TE, dim=-1)
-    idx_CE = scores_TE.detach().topk(capacity, dim=0).indices
+    idx_CE = replay_once(lambda: scores_TE.detach().topk(capacity, dim=0).indices)
     routing_map_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter(0, idx_CE, True)
     return scores_TE * routing_map_TE, routing_map_TE
 

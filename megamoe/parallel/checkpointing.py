@@ -9,6 +9,11 @@
   result depends on state the forward advances (global_aux_loss's running counts and their
   all-reduce) wraps it in `replay_once`, which hands the replay the original result
   instead of running it again;
+- routing decisions (the router's top-k, sinkhorn and expert-choice selections, the
+  capacity drops) are `replay_once` results too: the replay recomputes the probabilities
+  from its own logits but at the forward's choices, so a logit that differs in its last
+  bit (another kernel, another reduction order) cannot send a token to another expert in
+  the replay (other dispatch sizes, other all-to-all splits than the forward's);
 - recomputation never stops early, so a replayed all-to-all runs on every rank of its group
   (torch's early stop could end the replay at a rank-dependent point).
 Checkpoints do not nest: inside a checkpointed region (or its replay) a checkpoint or an

@@ -19,6 +19,8 @@ from megamoe.moe.losses import MoELossTracker, set_aux_loss_backward_scale
 from megamoe.parallelize import enable_adaptive_parallelism, parallelize_moe
 from tests.distributed import run_distributed
 
+CPU = torch.device("cpu")  # gloo ranks on the host: the mesh device here
+
 E, H, FF, T = 4, 8, 8, 12
 
 
@@ -29,7 +31,7 @@ def _layer(dispatcher: str, world: int) -> MoELayer:
     full = MoELayer(cfg, H, init_method_std=0.3, grouped_gemm=True)
     layer = parallelize_moe(copy.deepcopy(full), ep_group=dist.group.WORLD,
                             execution=MoEExecutionConfig(token_dispatcher_type=dispatcher))
-    enable_adaptive_parallelism(layer, dist.group.WORLD, measure=False)
+    enable_adaptive_parallelism(layer, dist.group.WORLD, device=CPU, measure=False)
     return layer
 
 
@@ -106,7 +108,8 @@ def _switching_worker(rank: int, world: int) -> bool:
     assert fixed_losses[-1] < fixed_losses[0]  # it trains
     # Calibration times every mode on the layer's own weights without touching its state.
     calibrated = _layer("alltoall", world)
-    (executor,) = enable_adaptive_parallelism(calibrated, dist.group.WORLD, measure=True)
+    (executor,) = enable_adaptive_parallelism(calibrated, dist.group.WORLD, device=CPU,
+                                               measure=True)
     before = [p.detach().clone() for p in calibrated.parameters()]
     mode = executor.choose(calibrated.experts, T, H, E)
     assert set(executor.timings[T]) == {"ep", "dp", "tp"} and mode in executor.timings[T]
@@ -239,7 +242,7 @@ def _untouched_worker(rank: int, world: int, dtype_name: str, distributed: bool)
     group = dist.group.WORLD
     opt = (DistributedOptimizer(layer, cfg, tp_group=None, dp_group=None, ep_group=group)
            if distributed else MixedPrecisionOptimizer(layer, cfg))
-    (executor,) = enable_adaptive_parallelism(layer, group, measure=True)
+    (executor,) = enable_adaptive_parallelism(layer, group, device=CPU, measure=True)
     executor._choice[T] = "ep"  # the real calls below must not calibrate themselves
     for step in range(2):  # a step, then gradients accumulated and not yet applied
         opt.zero_grad()

@@ -8,11 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from megamoe.config import OptimizerConfig
-
-try:  # NVIDIA apex (built from NVIDIA's repository; PyPI's "apex" is another package)
-    from apex.optimizers import FusedAdam as _ApexFusedAdam
-except Exception:  # noqa: BLE001 - absent, another package, or built without CUDA
-    _ApexFusedAdam = None
+from megamoe.model.apex_kernels import apex_kernels
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -31,9 +27,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
                           ) -> torch.optim.Optimizer:
     """The optimizer that updates the fp32 main parameters (--optimizer). Adam runs fused:
-    on GPU main parameters NVIDIA apex's FusedAdam (AdamW mode) when apex is importable,
-    else torch's fused AdamW, which also has a CPU kernel (16x faster there than the
-    per-parameter loop, which reads each step count on the host). Same update rule
+    on GPU main parameters NVIDIA apex's FusedAdam (AdamW mode) when its CUDA extension
+    loads (model/apex_kernels.py), else torch's fused AdamW, which also has a CPU kernel
+    (16x faster there than the per-parameter loop, which reads each step count on the
+    host). Same update rule
     everywhere (the kernels differ from the loop by rounding only)."""
     if config.optimizer != "adam":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
@@ -41,8 +38,9 @@ def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                   eps=config.adam_eps, weight_decay=config.weight_decay)
     on_gpu = _on_gpu(groups)
-    if on_gpu and _ApexFusedAdam is not None:
-        return _ApexFusedAdam(groups, adam_w_mode=True, **kwargs)
+    apex_adam = apex_kernels().fused_adam if on_gpu else None
+    if apex_adam is not None:
+        return apex_adam(groups, adam_w_mode=True, **kwargs)
     on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, fused=True if on_gpu or on_cpu else None, **kwargs)
 
@@ -51,31 +49,43 @@ def _on_gpu(groups: list[dict]) -> bool:
     return all(p.is_cuda for g in groups for p in g["params"])
 
 
+def counts_per_group(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` keeps its step count per parameter group, as apex's optimizers
+    do (FusedAdam: group["step"], an int that every step() advances and the kernel's bias
+    correction reads; no per-parameter "step"), rather than per parameter as torch's."""
+    return type(optimizer).__module__.split(".")[0] == "apex"
+
+
 def step_count(optimizer: torch.optim.Optimizer, state: dict) -> Optional[torch.Tensor]:
     """How many updates `optimizer` made, as a host fp32 scalar (checkpoints keep it in
     their common file, which must load on any machine): torch keeps it per parameter
-    (state["step"], on the parameter's device when fused), apex's FusedAdam per group
-    (group["step"], an int); None before the first."""
+    (state["step"], on the parameter's device when fused), apex per group; None before
+    the first. Only the counter the optimizer advances is read: a per-group optimizer's
+    state may hold a stale "step" (one written by an older load)."""
+    if counts_per_group(optimizer):
+        steps = [int(g["step"]) for g in optimizer.param_groups if "step" in g]
+        return torch.tensor(float(max(steps)), device="cpu") if steps else None  # a counter
     if "step" in state:
         return state["step"].detach().to(device="cpu", dtype=torch.float32)  # host copy
-    step = optimizer.param_groups[0].get("step") if optimizer.param_groups else None
-    return None if step is None else torch.tensor(float(step), device="cpu")  # a counter
+    return None
 
 
-def restored_step(optimizer: torch.optim.Optimizer, step: torch.Tensor,
-                  param: torch.Tensor) -> torch.Tensor:
-    """A saved step count as `optimizer` keeps it for `param` (torch's own load rule): fp32
-    on the parameter's device for a fused or capturable group, else a host scalar."""
+def restored_step(optimizer: torch.optim.Optimizer, step: Optional[torch.Tensor],
+                  param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A saved step count as `optimizer` keeps it in `param`'s state (torch's own load
+    rule): fp32 on the parameter's device for a fused or capturable group, else a host
+    scalar; nothing for a per-group counter (set_step_count) or before the first step."""
+    if step is None or counts_per_group(optimizer):
+        return {}
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     if group.get("fused") or group.get("capturable"):  # (a copy per parameter: the kernels
-        return step.to(device=param.device, dtype=torch.float32, copy=True)  # add in place)
-    return step.clone()
+        return {"step": step.to(device=param.device, dtype=torch.float32, copy=True)}
+    return {"step": step.clone()}  # (add in place)
 
 
 def set_step_count(optimizer: torch.optim.Optimizer, step: Optional[torch.Tensor]) -> None:
-    """The inverse of step_count for an optimizer that counts per group (apex)."""
-    if step is not None and _ApexFusedAdam is not None and isinstance(optimizer,
-                                                                      _ApexFusedAdam):
+    """The per-group half of restored_step, for an optimizer that counts per group."""
+    if step is not None and counts_per_group(optimizer):
         for group in optimizer.param_groups:
             group["step"] = int(step)
 

@@ -364,8 +364,7 @@ class DistributedOptimizer:
             if tensors:
                 set_step_count(self.optimizer, step)
                 self.optimizer.state[piece.main] = (
-                    {"step": restored_step(self.optimizer, step, piece.main)}
-                    if step is not None else {}) | tensors
+                    restored_step(self.optimizer, step, piece.main) | tensors)
         for buf in self.buffers:
             buf.all_gather_params()
 

@@ -239,8 +239,7 @@ class MixedPrecisionOptimizer:
             tensors = {k: v.detach().clone() for k, v in st.items() if k != "main"}
             if tensors:
                 set_step_count(self.optimizer, step)
-                self.optimizer.state[main] = ({"step": restored_step(self.optimizer, step, main)}
-                                              if step is not None else {}) | tensors
+                self.optimizer.state[main] = restored_step(self.optimizer, step, main) | tensors
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
