@@ -64,6 +64,7 @@ from megamoe.training.checkpoint.safe_load import (
     read_dcp_metadata,
 )
 from megamoe.training.checkpoint.sharded_state import Entry, model_entries
+from megamoe.training.checkpoint.snapshot import snapshot
 
 FORMAT_VERSION = 1
 
@@ -259,8 +260,9 @@ class AsyncDistSaver:
         self.finalize()
         state, optim_common = _tensor_state(model, optimizer, mesh, self.world, save_optim,
                                             copy=True)
-        common = _common(iteration, consumed_samples, args, model_config, scheduler,
-                         optim_common, save_rng, mesh, self.rank, self.world, None)
+        # written by finalize(), after later steps: this iteration's values (snapshot.py)
+        common = snapshot(_common(iteration, consumed_samples, args, model_config, scheduler,
+                                  optim_common, save_rng, mesh, self.rank, self.world, None))
         tmp = _prepare(root, iteration, self.rank, self.world)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
                                 no_dist=self.world == 1, async_stager=_AlreadyStaged())

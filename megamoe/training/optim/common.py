@@ -57,7 +57,8 @@ def step_count(optimizer: torch.optim.Optimizer, state: dict) -> Optional[torch.
     (state["step"], on the parameter's device when fused), apex's FusedAdam per group
     (group["step"], an int); None before the first."""
     if "step" in state:
-        return state["step"].detach().to(device="cpu", dtype=torch.float32)  # host copy
+        # copy=True: `.to` of a host fp32 tensor returns the live counter itself
+        return state["step"].detach().to(device="cpu", dtype=torch.float32, copy=True)
     step = optimizer.param_groups[0].get("step") if optimizer.param_groups else None
     return None if step is None else torch.tensor(float(step), device="cpu")  # a counter
 
