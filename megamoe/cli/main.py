@@ -20,6 +20,7 @@ from megamoe.parallel.failures import DistributedFailure
 from megamoe.planning.dry_run import dry_run
 from megamoe.training import pretrain as training
 from megamoe.training.checkpoint import CheckpointError
+from megamoe.training.exits import UnsavedExit
 from megamoe.training.loop import TrainState
 from megamoe.training.nonfinite import NonFiniteError
 
@@ -54,6 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except USER_ERRORS as e:
         sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
         return 1
+    except UnsavedExit as e:  # a signal, and its checkpoint failed: 128 + the signal
+        sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
+        return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("pretrain_gpt.py: interrupted\n")
         return 130

@@ -43,9 +43,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the shards
 # Test hook for the crash tests: "PHASE:ITERATION:MARKER" makes the writer create MARKER and
-# sleep when the save of ITERATION reaches PHASE, so a test can SIGKILL it at a known point
-# of the publish protocol.
+# sleep when the save of ITERATION ("*": any) reaches PHASE, so a test can SIGKILL it (or
+# signal it) at a known point of the publish protocol; PAUSE_SECONDS_ENV: for how long
+# (default an hour).
 PAUSE_ENV = "MEGAMOE_CKPT_TEST_PAUSE"
+PAUSE_SECONDS_ENV = "MEGAMOE_CKPT_TEST_PAUSE_SECONDS"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -55,9 +57,9 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def pause_point(phase: str, iteration: int) -> None:
     spec = os.environ.get(PAUSE_ENV, "").split(":", 2)
-    if len(spec) == 3 and spec[0] == phase and spec[1] == str(iteration):
+    if len(spec) == 3 and spec[0] == phase and spec[1] in ("*", str(iteration)):
         open(spec[2], "w").close()
-        time.sleep(3600)
+        time.sleep(float(os.environ.get(PAUSE_SECONDS_ENV, "3600")))
 
 
 def fsync_dir(path: str) -> None:
