@@ -107,6 +107,8 @@ BAD = [
     # checkpointing and logging
     ("--save-interval", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
     ("--ckpt-keep-last", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
+    ("--ckpt-step", "0", "--load /tmp/megamoe-never-written", 1, "must be positive"),
+    ("--ckpt-step", "3", "", 1, "needs --load"),
     ("--log-interval", "0", "", 1, "must be positive"),
     ("--tensorboard-log-interval", "0", "", 1, "must be positive"),
     ("--peak-tflops", "-1", "", 1, "must be positive"),

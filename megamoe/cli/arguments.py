@@ -288,6 +288,12 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="write checkpoints on a background thread (training keeps going)")
     c.add_argument("--ckpt-keep-last", type=int, default=None, metavar="N",
                    help="keep only the newest N checkpoints under --save (default: all)")
+    c.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="load iteration N of --load (iter_N) instead of the one "
+                        "latest_checkpointed_iteration.txt names")
+    c.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="if --load holds no checkpoint, exit instead of starting from "
+                        "random weights")
 
     lg = parser.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=100)
