@@ -37,6 +37,7 @@ from megamoe.training.checkpoint.single_file import (
     load_checkpoint,
     write_checkpoint,
 )
+from megamoe.training.nonfinite import check_params_before_save
 
 
 class CheckpointManager:
@@ -56,8 +57,12 @@ class CheckpointManager:
             self.writer = AsyncCheckpointWriter()
 
     def save(self, iteration: int, consumed_samples: int) -> None:
-        """Write iteration `iteration` under --save (every rank calls it)."""
+        """Write iteration `iteration` under --save (every rank calls it); NonFiniteError
+        instead when a parameter holds NaN/Inf (with the NaN check on)."""
         c = self.config
+        if self.run.train.check_for_nan_in_loss_and_grad:
+            check_params_before_save(self.model.parameters(), iteration, self.mesh.rank,
+                                     self.mesh.world_size, self.mesh.device)
         if self.dist_format:
             save_fn = self.writer.save if self.writer is not None else save_dist_checkpoint
             save_fn(c.save, iteration, self.model, self.optimizer, self.scheduler, self.mesh,
