@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.config_check import check_model_config
+from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.publish import (
     COMMON,
     agree,
@@ -287,7 +288,7 @@ def read_common(ckpt_dir: str) -> dict:
         raise CheckpointError(f"{ckpt_dir}: missing {COMMON}") from None
     if not isinstance(common, dict) or common.get("format") != "torch_dist":
         raise CheckpointError(f"{path}: not a megamoe torch_dist checkpoint")
-    return common
+    return check_fields(path, common, dist=True)
 
 
 def read_metadata(ckpt_dir: str) -> dict[str, Any]:

@@ -219,10 +219,11 @@ def _read_int(path: str) -> Optional[int]:
     anything else (a link that cannot be trusted ends the chain: nothing is pruned)."""
     try:
         with open(path, "rb") as f:
-            text = f.read(32).decode("ascii").strip()
+            raw = f.read(64)
+        text = raw.decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if len(raw) < 64 and text.isdigit() else None
 
 
 def _tracker_or_none(root: str) -> Optional[int]:
@@ -298,11 +299,10 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+    value = _read_int(path)  # (the content is never quoted: the file may be a symlink)
+    if value is None:
+        raise CheckpointError(f"{path}: expected an iteration number")
+    return value
 
 
 def _in_dir(path: str) -> Optional[str]:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megamoe.training.checkpoint.config_check import check_model_config
+from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.publish import (
     FILENAME,
     checkpoint_file,
@@ -120,6 +121,7 @@ def read_single_file(file: str) -> dict:
     state = load_torch_file(file)  # refuses anything but megamoe's own types (safe_load.py)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{file}: not a megamoe checkpoint (no model weights)")
+    check_fields(file, state)
     state["_file"] = file
     return state
 
