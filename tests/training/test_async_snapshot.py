@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from megamoe.training.checkpoint import (
+    PAUSE_ENV,
     iteration_dir,
     read_checkpoint,
     read_common,
     read_dist_tensors,
 )
+from megamoe.training.checkpoint.publish import PAUSE_SECONDS_ENV
 from tests.training.test_crash_resume import _run
 
 # dropout on, so the restored RNG states decide the resumed losses
@@ -54,11 +56,17 @@ def _state(path: str, fmt: str) -> dict:
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", pytest.param("torch", marks=pytest.mark.slow)])
-def test_resume_from_every_async_checkpoint_matches_the_straight_run(tmp_path, fmt):
+def test_resume_from_every_async_checkpoint_matches_the_straight_run(tmp_path, monkeypatch,
+                                                                     fmt):
     f = f"{RUN} --ckpt-format {fmt}"
     sync, bg = tmp_path / "sync", tmp_path / "async"
     straight = _run(f"{f} --save {sync}")
+    # iteration 1's write waits (torch: on the writer thread) while iteration 2 trains:
+    # whatever it had not copied would be written with iteration 2's values
+    monkeypatch.setenv(PAUSE_ENV, f"before_write:1:{tmp_path / 'paused'}")
+    monkeypatch.setenv(PAUSE_SECONDS_ENV, "0.5")
     assert _run(f"{f} --async-save --save {bg}") == straight
+    monkeypatch.delenv(PAUSE_ENV)
     for k in (1, 2, 3):  # every async checkpoint but the last (written at finalize)
         a, b = _state(iteration_dir(str(sync), k), fmt), _state(iteration_dir(str(bg), k), fmt)
         assert b["iteration"] == k and b["consumed_train_samples"] == 8 * k
