@@ -23,14 +23,18 @@ def _fail(path: str, field: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{path}: field {field!r} {problem}")
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _count(path: str, state: dict, field: str) -> None:
-    value = state.get(field)
     if field not in state:
         raise _fail(path, field, "is missing")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        what = f"{value}" if isinstance(value, int) and not isinstance(value, bool) \
-            else type(value).__name__
-        raise _fail(path, field, f"must be a non-negative integer, found {what}")
+    value = state[field]
+    if not _is_count(value):
+        found = value if isinstance(value, int) and not isinstance(value, bool) \
+            else type(value).__name__  # a negative number, or only the type
+        raise _fail(path, field, f"must be a non-negative integer, found {found}")
 
 
 def _scheduler(path: str, sched: Any) -> None:
@@ -38,8 +42,7 @@ def _scheduler(path: str, sched: Any) -> None:
         return
     if not isinstance(sched, dict):
         raise _fail(path, "scheduler", f"must be a dict, found {type(sched).__name__}")
-    num = sched.get("num_steps")
-    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+    if not _is_count(sched.get("num_steps")):
         raise _fail(path, "scheduler.num_steps", "must be a non-negative integer")
     if not isinstance(sched.get("unit", ""), str):
         raise _fail(path, "scheduler.unit", "must be a string")
