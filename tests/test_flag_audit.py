@@ -322,6 +322,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--async-save": ("--save {tmp}/ck --async-save", 1, True),
     "--ckpt-keep-last": ("--save {tmp}/ck --ckpt-keep-last 2", 1, 2),
     "--ckpt-format": ("--ckpt-format torch", 1, "torch"),
+    "--ckpt-step": ("--load {tmp}/ck --ckpt-step 3", 1, 3),
+    "--exit-on-missing-checkpoint": ("--exit-on-missing-checkpoint", 1, True),
     "--log-interval": ("--log-interval 7", 1, 7),
     "--tensorboard-dir": ("--tensorboard-dir {tmp}/tb", 1, "{tmp}/tb"),
     "--tensorboard-log-interval": ("--tensorboard-log-interval 5", 1, 5),

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from megamoe.cli.arguments import build_parser, parse_args
+from megamoe.cli.arguments import build_parser, finite_float, parse_args
 from tests.flags import parse_error
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -109,6 +109,14 @@ BAD = [
     # checkpointing and logging
     ("--save-interval", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
     ("--ckpt-keep-last", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
+    ("--ckpt-step", "0", "--load /tmp/megamoe-never-written", 1, "must be positive"),
+    # every float flag is finite (a bad example of each kind)
+    ("--lr", "inf", "", 1, "must be a finite number"),
+    ("--min-lr", "nan", "", 1, "must be a finite number"),
+    ("--clip-grad", "Infinity", "", 1, "must be a finite number"),
+    ("--moe-aux-loss-coeff", "-inf", MOE, 1, "must be a finite number"),
+    ("--moe-z-loss-coeff", "nan", MOE, 1, "must be a finite number"),
+    ("--ckpt-step", "3", "", 1, "needs --load"),
     ("--log-interval", "0", "", 1, "must be positive"),
     ("--tensorboard-log-interval", "0", "", 1, "must be positive"),
     ("--peak-tflops", "-1", "", 1, "must be positive"),
@@ -137,9 +145,19 @@ def test_out_of_range_value_is_one_line_naming_the_flag(capsys, flag, value, ext
     assert flag in err and says in err, err
 
 
+def test_every_float_flag_is_finite(capsys):
+    """inf / nan of every float flag: one line naming the flag, exit 2."""
+    floats = [a.option_strings[0] for a in build_parser()._actions if a.type is finite_float]
+    assert len(floats) > 25
+    for flag in floats:
+        for bad in ("inf", "-inf", "nan"):
+            err = parse_error(capsys, f"{BASE} {MOE} {flag}={bad}", 1)
+            assert flag in err and "must be a finite number" in err, err
+
+
 def test_every_numeric_flag_has_a_range_case():
     numeric = {a.option_strings[0] for a in build_parser()._actions
-               if a.type in (int, float)}
+               if a.type in (int, finite_float)}
     missing = numeric - {f for f, *_ in BAD} - COVERED_ELSEWHERE
     assert not missing, f"numeric flags without a bad-value case: {sorted(missing)}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -56,6 +57,19 @@ def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
+def finite_float(text: str) -> float:
+    """The type of every float flag: a number, and a finite one. An Inf or NaN learning
+    rate, clip value or loss coefficient would train (and checkpoint) Inf/NaN weights, and
+    NaN passes every range comparison."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=None)
@@ -73,11 +87,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-position-embedding", dest="add_position_embedding",
                    action="store_false",
                    help="no learned absolute position embedding (implied by rope)")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=finite_float, default=10000.0)
+    g.add_argument("--rotary-percent", type=finite_float, default=1.0)
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=finite_float, default=1e-5)
     g.add_argument("--apply-layernorm-1p", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--qk-layernorm-scope", default="head", choices=["head", "projection"],
@@ -96,18 +110,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--v-head-dim", type=int, default=128)
     g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
                    help="MLA's rotary embedding (default yarn)")
-    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN factor")
-    g.add_argument("--mscale", type=float, default=1.0)
-    g.add_argument("--mscale-all-dim", type=float, default=0.0)
+    g.add_argument("--rotary-scaling-factor", type=finite_float, default=1.0, help="YaRN factor")
+    g.add_argument("--mscale", type=finite_float, default=1.0)
+    g.add_argument("--mscale-all-dim", type=finite_float, default=0.0)
     g.add_argument("--mtp-num-layers", type=int, default=None,
                    help="multi-token prediction depths (DeepSeek-V3 MTP modules)")
-    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+    g.add_argument("--mtp-loss-scaling-factor", type=finite_float, default=0.1,
                    help="the MTP loss weight, shared by the depths")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=finite_float, default=0.1)
+    g.add_argument("--attention-dropout", type=finite_float, default=0.1)
+    g.add_argument("--init-method-std", type=finite_float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", default="local",
                    choices=["local", "transformer_engine"])
@@ -133,20 +147,20 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-score-function", default="softmax",
                    choices=["softmax", "sigmoid"])
     g.add_argument("--moe-router-pre-softmax", action="store_true")
-    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-topk-scaling-factor", type=finite_float, default=None)
     g.add_argument("--moe-router-num-groups", type=int, default=None)
     g.add_argument("--moe-router-group-topk", type=int, default=None)
     g.add_argument("--moe-router-dtype", default=None, choices=["fp32", "fp64"],
                    help="router math dtype (megamoe always computes the router in >= fp32)")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
-    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-bias-update-rate", type=finite_float, default=1e-3)
     g.add_argument("--moe-router-force-load-balancing", action="store_true")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"],
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
-    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
-    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
-    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-aux-loss-coeff", type=finite_float, nargs="+", default=[0.0])
+    g.add_argument("--moe-z-loss-coeff", type=finite_float, default=None)
+    g.add_argument("--moe-input-jitter-eps", type=finite_float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=finite_float, default=None)
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
     g.add_argument("--moe-capacity-over-tp-gathered-sequence", action="store_true",
@@ -236,7 +250,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--skip-train", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-duration-in-mins", type=finite_float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, finish the step, save a checkpoint and exit 0")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
@@ -252,13 +266,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-modules", nargs="*", default=None)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--loss-scale", type=finite_float, default=None)
+    g.add_argument("--initial-loss-scale", type=finite_float, default=2.0**32)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="accepted; with --bf16 gradients always accumulate in fp32")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default: nccl on CUDA, gloo otherwise")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=finite_float, default=10.0)
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
@@ -272,8 +286,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 
     o = parser.add_argument_group("optimizer and learning rate")
     o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    o.add_argument("--lr", type=float, default=None)
-    o.add_argument("--min-lr", type=float, default=0.0)
+    o.add_argument("--lr", type=finite_float, default=None)
+    o.add_argument("--min-lr", type=finite_float, default=0.0)
     o.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     o.add_argument("--lr-decay-iters", type=int, default=None)
@@ -282,19 +296,19 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--lr-warmup-iters", type=int, default=0)
     o.add_argument("--lr-warmup-samples", type=int, default=0,
                    help="with --train-samples")
-    o.add_argument("--lr-warmup-fraction", type=float, default=None)
-    o.add_argument("--lr-warmup-init", type=float, default=0.0)
+    o.add_argument("--lr-warmup-fraction", type=finite_float, default=None)
+    o.add_argument("--lr-warmup-init", type=finite_float, default=0.0)
     o.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     o.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                    help="with --train-samples")
     o.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    o.add_argument("--weight-decay", type=float, default=0.01)
-    o.add_argument("--adam-beta1", type=float, default=0.9)
-    o.add_argument("--adam-beta2", type=float, default=0.999)
-    o.add_argument("--adam-eps", type=float, default=1e-8)
-    o.add_argument("--sgd-momentum", type=float, default=0.9)
-    o.add_argument("--clip-grad", type=float, default=1.0)
+    o.add_argument("--weight-decay", type=finite_float, default=0.01)
+    o.add_argument("--adam-beta1", type=finite_float, default=0.9)
+    o.add_argument("--adam-beta2", type=finite_float, default=0.999)
+    o.add_argument("--adam-eps", type=finite_float, default=1e-8)
+    o.add_argument("--sgd-momentum", type=finite_float, default=0.9)
+    o.add_argument("--clip-grad", type=finite_float, default=1.0)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -331,6 +345,12 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="write checkpoints on a background thread (training keeps going)")
     c.add_argument("--ckpt-keep-last", type=int, default=None, metavar="N",
                    help="keep only the newest N checkpoints under --save (default: all)")
+    c.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="load iteration N of --load (iter_N) instead of the one "
+                        "latest_checkpointed_iteration.txt names")
+    c.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="if --load holds no checkpoint, exit instead of starting from "
+                        "random weights")
 
     lg = parser.add_argument_group("logging")
     lg.add_argument("--log-interval", type=int, default=100)
@@ -340,7 +360,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     lg.add_argument("--wandb-exp-name", default=None)
     lg.add_argument("--wandb-save-dir", default=None)
     lg.add_argument("--log-throughput", action="store_true")
-    lg.add_argument("--peak-tflops", type=float, default=None,
+    lg.add_argument("--peak-tflops", type=finite_float, default=None,
                     help="peak TFLOP/s of one device, for MFU (default: the bf16 dense peak of a "
                          "known GPU; no MFU on a CPU)")
     lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],

@@ -22,6 +22,7 @@ from megamoe.planning.dry_run import dry_run
 from megamoe.planning.fits import check_fits
 from megamoe.training import pretrain as training
 from megamoe.training.checkpoint import CheckpointError
+from megamoe.training.exits import UnsavedExit
 from megamoe.training.log_targets import LogTargetError, check_log_targets
 from megamoe.training.loop import TrainState
 from megamoe.training.nonfinite import NonFiniteError
@@ -59,6 +60,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except USER_ERRORS as e:
         sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
         return 1
+    except UnsavedExit as e:  # a signal, and its checkpoint failed: 128 + the signal
+        sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
+        return e.exit_code
     except ConfigError as e:  # flags that validate one by one but cannot run together here
         sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
         return 2

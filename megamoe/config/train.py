@@ -156,12 +156,15 @@ class CheckpointConfig:
     async_save: bool = flag("--async-save", False)
     ckpt_keep_last: Optional[int] = flag("--ckpt-keep-last", None)  # None = keep all
     ckpt_format: str = flag("--ckpt-format", "torch_dist")  # loading detects the format
+    ckpt_step: Optional[int] = flag("--ckpt-step", None)  # load iter_N of --load
+    exit_on_missing_checkpoint: bool = flag("--exit-on-missing-checkpoint", False)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        check_positive(self, "save_interval", "ckpt_keep_last")
+        check_positive(self, "save_interval", "ckpt_keep_last", "ckpt_step")
+        require(self.ckpt_step is None or self.load is not None, "--ckpt-step needs --load")
         require(self.ckpt_format in CKPT_FORMATS,
                 f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, "
                 f"got {self.ckpt_format!r}")

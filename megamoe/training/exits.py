@@ -10,6 +10,13 @@ came a step later would otherwise run one more step alone and hang in its collec
 Then the run saves a checkpoint (when --save is set) and ends with exit code 0, skipping
 the final evaluation, so the scheduler's resubmission resumes from exactly that step.
 --exit-interval needs no agreement: every rank counts the same iterations.
+
+The handler stays installed until the run's last checkpoint is published (the exit save,
+the final evaluation, the wait for a background --async-save): a second SIGTERM there is
+deferred like the first, never kills the write half-way. A signal that came after the
+training loop ends the run with exit code 0 once the checkpoint is published; only when
+that checkpoint could not be made does the run end with 128 + the signal, saying so
+(UnsavedExit).
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ import torch.distributed as dist
 
 from megamoe.config.train import TrainConfig
 from megamoe.parallel.mesh import Mesh
+
+
+class UnsavedExit(RuntimeError):
+    """A signal asked the run to stop and its checkpoint could not be made: the message
+    says why; the process exits with 128 + the signal (as a process killed by it)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 class ExitConditions:
@@ -50,6 +66,11 @@ class ExitConditions:
 
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = True  # acted on after the current step, on every rank
+
+    def unsaved(self, error: Exception) -> UnsavedExit:
+        """The exit for a received signal whose checkpoint failed (`error`)."""
+        return UnsavedExit(f"received SIGTERM (--exit-signal-handler) and no checkpoint could "
+                           f"be saved: {error}", signal.SIGTERM)
 
     def reason(self, iteration: int) -> Optional[str]:
         """Why the run stops after `iteration` (None: it goes on). The same answer on every

@@ -14,16 +14,40 @@ With --no-check-for-nan-in-loss-and-grad a non-finite step is skipped instead (t
 optimizer's non-finite grad norm rule; counted in the log line's skipped and nan
 iterations). As in Megatron, --fp16 with dynamic loss scaling turns the check off:
 overflowing gradients are the loss scaler's signal there (cli/rules.py).
+
+With the check on, the parameters are also checked after the update on the iterations
+that save (check_params_before_save): no checkpoint is ever written holding NaN/Inf weights.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 OFF_FLAG = "--no-check-for-nan-in-loss-and-grad"
+
+
+@torch.no_grad()
+def check_params_before_save(params: Iterable[torch.Tensor], iteration: int, rank: int,
+                             world_size: int, device: torch.device) -> None:
+    """Before a checkpoint is written (every rank calls it): NonFiniteError on every rank
+    if any rank's parameters hold a NaN/Inf after the update, so no checkpoint ever holds
+    them (an update can overflow even when the loss and the gradients it came from were
+    finite). Elementwise isfinite, not a norm, which would overflow on large finite
+    weights. Its one host read is on saving iterations only."""
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for p in params:
+        bad |= ~torch.isfinite(p.detach()).all().to(device)
+    first = torch.where(bad, rank, world_size).float().reshape(1)
+    if world_size > 1:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    found = int(first.item())
+    if found < world_size:
+        raise NonFiniteError(f"iteration {iteration}: NaN/Inf in the parameters after the "
+                             f"update on rank {found}; no checkpoint written ({OFF_FLAG} "
+                             "saves them anyway)")
 
 
 class NonFiniteError(RuntimeError):

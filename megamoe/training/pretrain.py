@@ -20,6 +20,7 @@ from megamoe.parallel.failures import explain
 from megamoe.parallel.mesh import Mesh, destroy_mesh, init_mesh
 from megamoe.training.build import build_model
 from megamoe.training.checkpoint.manager import CheckpointManager
+from megamoe.training.checkpoint.safe_load import CheckpointError
 from megamoe.training.checkpoint.vocab_padding import keep_checkpoint_vocab_padding
 from megamoe.training.exits import ExitConditions
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
@@ -84,11 +85,26 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
     if mesh.is_logging_rank and (lg.tensorboard_dir or lg.wandb_project):
         logger = MetricsLogger(lg.tensorboard_dir, lg.wandb_project, lg.wandb_exp_name,
                                lg.wandb_save_dir, config_dict=run.command_line)
+    with ExitConditions(run.train, mesh, started) as exits:  # until the last save is out
+        try:
+            return _train_evaluate_publish(run, mesh, model, optimizer, scheduler, data,
+                                           logger, state, checkpoints, print_fn, exits, log)
+        except CheckpointError as e:
+            if exits.signal_received:  # preempted, and nothing to resume from: say so
+                raise exits.unsaved(e) from None
+            raise
+
+
+def _train_evaluate_publish(run: RunConfig, mesh: Mesh, model, optimizer, scheduler,
+                            data: _Data, logger, state: TrainState,
+                            checkpoints: CheckpointManager, print_fn: Log,
+                            exits: ExitConditions, log: Log) -> TrainState:
+    """Training, the final evaluation, and the wait until the last checkpoint is
+    published; the caller keeps the SIGTERM handler installed throughout (exits.py)."""
     start = time.time()
     try:
-        with ExitConditions(run.train, mesh, started) as exits:
-            state = _train(run, mesh, model, optimizer, scheduler, data, logger, state,
-                           checkpoints, print_fn, exits)
+        state = _train(run, mesh, model, optimizer, scheduler, data, logger, state,
+                       checkpoints, print_fn, exits)
         if state.exit_reason is not None:  # as Megatron: saved, no final evaluation
             log(f"> exiting after iteration {state.iteration}: {state.exit_reason}")
             return state
@@ -98,6 +114,9 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
         checkpoints.finalize()  # the last save is complete before pretrain() returns
         if logger is not None:
             logger.close()
+    if exits.signal_received:
+        log(f"> received SIGTERM after training: the checkpoint of iteration "
+            f"{state.iteration} is published; exiting")
     return state
 
 

@@ -110,8 +110,9 @@ def test_keep_last_n_retention(tmp_path):
 
 
 def test_retention_never_deletes_the_checkpoint_the_pointer_names(tmp_path):
-    """A crash after publishing iter 5 but before the pointer moved: iter 3 is still the
-    newest complete checkpoint, and keep-last 1 must keep it (as well as the newest dir)."""
+    """Newer complete directories the pointer chain does not reach (written into another
+    root and moved in, or published by a save killed before the pointer moved): iter 3,
+    the pointer's, is kept by keep-last 1, and so is every directory outside the chain."""
     from megamoe.training.checkpoint import list_checkpoints, prune_checkpoints
 
     model, opt, sched = _setup()
@@ -120,8 +121,8 @@ def test_retention_never_deletes_the_checkpoint_the_pointer_names(tmp_path):
     for it in (4, 5):
         save_checkpoint(str(tmp_path / "other"), it, model, opt, sched, 8, {})
         os.replace(iteration_dir(str(tmp_path / "other"), it), iteration_dir(str(tmp_path), it))
-    assert prune_checkpoints(str(tmp_path), keep_last=1) == [1, 2, 4]
-    assert list_checkpoints(str(tmp_path)) == [3, 5]
+    assert prune_checkpoints(str(tmp_path), keep_last=1) == [1, 2]
+    assert list_checkpoints(str(tmp_path)) == [3, 4, 5]
     assert load_checkpoint(str(tmp_path), *_setup(seed=2)) == (3, 8)
 
 

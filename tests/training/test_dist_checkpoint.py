@@ -23,6 +23,7 @@ from megamoe.training.build import build_model
 from megamoe.training.checkpoint import (
     checkpoint_file,
     load_dist_checkpoint,
+    read_common,
     read_dist_tensors,
     save_dist_checkpoint,
 )
@@ -180,7 +181,7 @@ def test_torch_dist_from_checkpoint_path_forms_and_bf16_resume(tmp_path):
 
 def test_wrong_shape_names_the_tensor(tmp_path):
     """Without a saved model config to compare flags with, DCP's own index catches it."""
-    from megamoe.training.checkpoint import CheckpointError, read_common
+    from megamoe.training.checkpoint import CheckpointError
 
     save = tmp_path / "run"
     _losses(f"--train-iters 1 --save {save}", 1)
@@ -206,6 +207,14 @@ def test_async_save_on_data_parallel_ranks_matches_blocking(tmp_path):
         assert a.keys() == b.keys()
         for k, v in a.items():
             assert torch.equal(v, b[k]), (it, k)
+        # the common state is this iteration's too (async saves publish it later)
+        ca, cb = (read_common(str(tmp_path / d / f"iter_000000{it}"))
+                  for d in ("sync", "async"))
+        assert torch.equal(ca["optimizer"]["step"], cb["optimizer"]["step"]), it
+        assert float(cb["optimizer"]["step"]) == it and ca["scheduler"] == cb["scheduler"]
+        assert ca["consumed_train_samples"] == cb["consumed_train_samples"]
+        for ra, rb in zip(ca["rng"], cb["rng"], strict=True):
+            assert torch.equal(ra["torch"], rb["torch"]), it
 
 
 @pytest.mark.slow

@@ -206,3 +206,53 @@ def test_the_check_adds_no_host_sync_to_a_step():
             train_step(run, mesh, model, optimizer, scheduler, data, 2)
         totals[flags] = counter.total
     assert totals[""] == totals[OFF], totals
+
+
+def _inf_after_update(monkeypatch, at: int) -> None:
+    """The `at`-th optimizer update leaves +Inf in one weight (an update that overflowed;
+    the loss and the gradients it came from were finite)."""
+    from megamoe.training.optim.mixed_precision import MixedPrecisionOptimizer
+
+    update, calls = MixedPrecisionOptimizer.clip_and_update, []
+
+    def overflowing(self, grads, norm):
+        update(self, grads, norm)
+        calls.append(1)
+        if len(calls) == at:
+            with torch.no_grad():
+                self.model_params[0].view(-1)[0] = float("inf")
+
+    monkeypatch.setattr(MixedPrecisionOptimizer, "clip_and_update", overflowing)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_no_checkpoint_holds_inf_weights(tmp_path, monkeypatch, capsys, fmt):
+    """Inf weights after the update of a saving iteration: one line, nothing written for
+    it, the previous checkpoint stays the last; --no-check-... writes them (opt-out)."""
+    _inf_after_update(monkeypatch, at=2)
+    save = tmp_path / "save"
+    code = main(shlex.split(f"{TINY_MOE} --train-iters 4 --save-interval 1 --save {save} "
+                            f"--ckpt-format {fmt}"))
+    err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True)
+                  if not line.startswith("megamoe.data: "))  # (data layer's progress lines)
+    _one_line(code, err,
+              ["iteration 2:", "NaN/Inf in the parameters after the update on rank 0", OFF])
+    assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]
+    _inf_after_update(monkeypatch, at=2)
+    off = tmp_path / "off"
+    assert main(shlex.split(f"{TINY_MOE} --train-iters 2 --save-interval 1 --save {off} "
+                            f"--ckpt-format {fmt} {OFF}")) == 0
+    assert not all(torch.isfinite(v).all() for v in read_checkpoint(str(off))["model"].values())
+
+
+def test_parameter_check_runs_on_saving_iterations_only(tmp_path, monkeypatch):
+    """Its host read happens at saves only: the other steps keep their one sync."""
+    from megamoe.training.checkpoint import manager
+
+    seen, check = [], manager.check_params_before_save
+    monkeypatch.setattr(manager, "check_params_before_save",
+                        lambda params, it, *a: (seen.append(it), check(params, it, *a)))
+    pretrain(parse_args(shlex.split(f"{TINY_MOE} --train-iters 5 --save-interval 2 "
+                                    f"--save {tmp_path / 's'}"), world_size=1),
+             print_fn=lambda _m: None)
+    assert seen == [2, 4, 5]

@@ -19,7 +19,8 @@ import time
 import pytest
 import torch
 
-from megamoe.training.checkpoint import read_tracker
+from megamoe.training.checkpoint import PAUSE_ENV, TRACKER, read_tracker
+from megamoe.training.checkpoint.publish import PAUSE_SECONDS_ENV
 from tests.training.test_crash_resume import _run
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
@@ -99,6 +100,38 @@ def test_exit_interval_saves_and_skips_the_final_evaluation(tmp_path):
     assert read_tracker(str(save)) == 3
 
 
+def _wait_for_file(p: subprocess.Popen, path: str, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        if p.poll() is not None or time.time() > deadline:
+            p.kill()
+            raise AssertionError(f"the save never reached the pause ({path}): rc {p.poll()}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode,phase", [
+    ("--async-save", "after_write"),  # the wait for the background write, after the loop
+    pytest.param("", "before_write", marks=pytest.mark.slow)])  # the blocking exit save
+def test_second_sigterm_during_the_exit_save_is_deferred(tmp_path, mode, phase):
+    """A second SIGTERM while the exit checkpoint is written (the background write being
+    published, or the blocking save) is deferred like the first: the checkpoint is
+    published, the run exits 0 and leaves no temporary directory."""
+    save, marker = tmp_path / "ck", str(tmp_path / "paused")
+    p = _start([sys.executable, "pretrain_gpt.py"],
+               f"{LONG} --exit-signal-handler --save {save} --save-interval 1000 {mode}",
+               env={PAUSE_ENV: f"{phase}:*:{marker}", PAUSE_SECONDS_ENV: "1"})
+    lines = _wait_for_line(p, "iteration        3/")
+    p.send_signal(signal.SIGTERM)
+    _wait_for_file(p, marker)  # the exit save is under way
+    p.send_signal(signal.SIGTERM)
+    rc, log = _finish(p, lines)
+    assert rc == 0, log[-3000:]
+    stop, why = _exited_at(log)
+    assert "SIGTERM" in why and read_tracker(str(save)) == stop
+    assert sorted(os.listdir(save)) == \
+        sorted([TRACKER, f"iter_{stop:07d}"])
+
+
 def _torchrun(extra: str) -> subprocess.Popen:
     return _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", "2", "pretrain_gpt.py"], extra)
@@ -152,3 +185,26 @@ def test_exit_duration_is_agreed_across_ranks(tmp_path):
     assert rc == 0, log[-3000:]
     assert _exited_at(log) == (1, "ran past --exit-duration-in-mins 30")
     assert read_tracker(str(save)) == 1
+
+
+def test_sigterm_whose_checkpoint_fails_exits_128_plus_the_signal(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Preempted, and the exit checkpoint cannot be written: one line that says so and
+    exit code 143 (128 + SIGTERM), never 0 as if the run could be resumed from it."""
+    from megamoe.cli.main import main
+    from megamoe.training.checkpoint import CheckpointError
+    from megamoe.training.checkpoint.manager import CheckpointManager
+
+    def failing_save(self, iteration, consumed):
+        os.kill(os.getpid(), signal.SIGTERM)  # the preemption arrives during the save
+        raise CheckpointError(f"saving checkpoint iteration {iteration} failed: disk full")
+
+    monkeypatch.setattr(CheckpointManager, "save", failing_save)
+    code = main(shlex.split(f"{TINY_MOE} --train-iters 3 --exit-signal-handler "
+                            f"--save {tmp_path / 'ck'} --save-interval 2"))
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if not line.startswith("megamoe.data: ")]  # (the data layer's progress lines)
+    assert code == 128 + signal.SIGTERM, err
+    assert len(err) == 1 and "received SIGTERM" in err[0] and "no checkpoint" in err[0]
+    assert "iteration 2 failed: disk full" in err[0]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was restored

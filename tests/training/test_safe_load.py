@@ -136,3 +136,96 @@ def test_dcp_byte_items_are_never_unpickled(tmp_path):
 
     assert list(read_dist_tensors(ckpt)) == ["w"]  # tensors only, the pickle is not read
     assert not os.path.exists(marker)
+
+
+def _edit_torch_file(path: str, edit) -> None:
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own test file
+    edit(state)
+    torch.save(state, path)
+
+
+def _pop(key):
+    return lambda s: s.pop(key)
+
+
+def _set(key, value):
+    return lambda s: s.__setitem__(key, value)
+
+
+# (format, field named in the message, the edit)
+BAD_FIELDS = [
+    ("torch_dist", "'iteration'", _set("iteration", "abc")),
+    ("torch_dist", "'iteration'", _set("iteration", -3)),
+    ("torch_dist", "'iteration'", _pop("iteration")),
+    ("torch_dist", "'consumed_train_samples'", _set("consumed_train_samples", -8)),
+    ("torch_dist", "'scheduler'", _set("scheduler", "cosine")),
+    ("torch_dist", "'scheduler.num_steps'", _set("scheduler", {"num_steps": 1.5})),
+    ("torch_dist", "'rng'", _set("rng", [])),
+    ("torch_dist", "'rng[0].numpy'", lambda s: s["rng"][0].__setitem__("numpy", (1, 2))),
+    ("torch_dist", "'optimizer.step'", lambda s: s["optimizer"].__setitem__(
+        "step", torch.tensor(float("nan")))),
+    ("torch", "'iteration'", _set("iteration", True)),
+    ("torch", "'consumed_train_samples'", _pop("consumed_train_samples")),
+    ("torch", "'rng.torch'", lambda s: s["rng"].__setitem__("torch", torch.zeros(3))),
+]
+
+
+def test_bad_fields_are_one_line_naming_the_file_and_field(checkpoints, tmp_path, capsys):
+    """common.pt / the single file with a field of the wrong type or range: one line
+    naming the file and the field (not its content), exit 1, before anything loads."""
+    from megamoe.cli.main import main
+
+    for i, (fmt, field, edit) in enumerate(BAD_FIELDS):
+        root = str(tmp_path / str(i))
+        shutil.copytree(checkpoints[fmt], root)
+        name = "common.pt" if fmt == "torch_dist" else "model_optim_rng.pt"
+        target = os.path.join(root, "iter_0000001", name)
+        _edit_torch_file(target, edit)
+        capsys.readouterr()
+        code = main(shlex.split(f"{TINY_MOE} --train-iters 2 --load {root}"))
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, (field, err)
+        assert target in err and f"field {field}" in err and "abc" not in err, (field, err)
+
+
+def test_dcp_storage_entries_stay_inside_the_checkpoint(checkpoints, tmp_path):
+    """A .metadata entry naming ../x, an absolute path, or a shard that is a symlink out
+    of the directory is refused before any file is read."""
+    from megamoe.training.checkpoint import read_dist_tensors
+
+    for i, rename in enumerate(["../outside.distcp", "/tmp/outside.distcp", "link.distcp"]):
+        root = str(tmp_path / str(i))
+        shutil.copytree(checkpoints["torch_dist"], root)
+        it = os.path.join(root, "iter_0000001")
+        shard = next(f for f in os.listdir(it) if f.endswith(".distcp"))
+        shutil.copy(os.path.join(it, shard), tmp_path / "outside.distcp")
+        if rename == "link.distcp":
+            os.symlink(tmp_path / "outside.distcp", os.path.join(it, rename))
+        with open(os.path.join(it, ".metadata"), "rb") as f:
+            metadata = pickle.load(f)  # our own test file
+        for info in metadata.storage_data.values():
+            if info.relative_path == shard:
+                info.relative_path = rename
+        with open(os.path.join(it, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
+        with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+            read_dist_tensors(it)
+
+
+def test_a_pointer_symlink_is_not_quoted(checkpoints, tmp_path, capsys):
+    """latest_checkpointed_iteration.txt made a symlink to another file: the error names
+    the pointer, never prints what the other file holds."""
+    from megamoe.cli.main import main
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-TOKEN-1234\n")
+    root = str(tmp_path / "ck")
+    shutil.copytree(checkpoints["torch_dist"], root)
+    pointer = os.path.join(root, "latest_checkpointed_iteration.txt")
+    os.remove(pointer)
+    os.symlink(secret, pointer)
+    capsys.readouterr()
+    code = main(shlex.split(f"{TINY_MOE} --train-iters 2 --load {root}"))
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and pointer in err, err
+    assert "SECRET" not in err

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.config_check import check_model_config
+from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.publish import (
     COMMON,
     agree,
@@ -64,6 +65,7 @@ from megamoe.training.checkpoint.safe_load import (
     read_dcp_metadata,
 )
 from megamoe.training.checkpoint.sharded_state import Entry, model_entries
+from megamoe.training.checkpoint.snapshot import snapshot
 
 FORMAT_VERSION = 1
 
@@ -259,8 +261,9 @@ class AsyncDistSaver:
         self.finalize()
         state, optim_common = _tensor_state(model, optimizer, mesh, self.world, save_optim,
                                             copy=True)
-        common = _common(iteration, consumed_samples, args, model_config, scheduler,
-                         optim_common, save_rng, mesh, self.rank, self.world, None)
+        # written by finalize(), after later steps: this iteration's values (snapshot.py)
+        common = snapshot(_common(iteration, consumed_samples, args, model_config, scheduler,
+                                  optim_common, save_rng, mesh, self.rank, self.world, None))
         tmp = _prepare(root, iteration, self.rank, self.world)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
                                 no_dist=self.world == 1, async_stager=_AlreadyStaged())
@@ -285,7 +288,7 @@ def read_common(ckpt_dir: str) -> dict:
         raise CheckpointError(f"{ckpt_dir}: missing {COMMON}") from None
     if not isinstance(common, dict) or common.get("format") != "torch_dist":
         raise CheckpointError(f"{path}: not a megamoe torch_dist checkpoint")
-    return common
+    return check_fields(path, common, dist=True)
 
 
 def read_metadata(ckpt_dir: str) -> dict[str, Any]:

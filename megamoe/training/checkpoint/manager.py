@@ -9,7 +9,7 @@ Retention (--ckpt-keep-last) and the publish protocol are publish.py's.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -21,7 +21,14 @@ from megamoe.training.checkpoint.dist import (
     load_dist_checkpoint,
     save_dist_checkpoint,
 )
-from megamoe.training.checkpoint.publish import agree, checkpoint_file, is_dist_checkpoint
+from megamoe.training.checkpoint.publish import (
+    TRACKER,
+    agree,
+    checkpoint_file,
+    is_dist_checkpoint,
+    iteration_dir,
+    list_checkpoints,
+)
 from megamoe.training.checkpoint.rng_state import reseed
 from megamoe.training.checkpoint.safe_load import CheckpointError
 from megamoe.training.checkpoint.single_file import (
@@ -30,6 +37,7 @@ from megamoe.training.checkpoint.single_file import (
     load_checkpoint,
     write_checkpoint,
 )
+from megamoe.training.nonfinite import check_params_before_save
 
 
 class CheckpointManager:
@@ -49,8 +57,12 @@ class CheckpointManager:
             self.writer = AsyncCheckpointWriter()
 
     def save(self, iteration: int, consumed_samples: int) -> None:
-        """Write iteration `iteration` under --save (every rank calls it)."""
+        """Write iteration `iteration` under --save (every rank calls it); NonFiniteError
+        instead when a parameter holds NaN/Inf (with the NaN check on)."""
         c = self.config
+        if self.run.train.check_for_nan_in_loss_and_grad:
+            check_params_before_save(self.model.parameters(), iteration, self.mesh.rank,
+                                     self.mesh.world_size, self.mesh.device)
         if self.dist_format:
             save_fn = self.writer.save if self.writer is not None else save_dist_checkpoint
             save_fn(c.save, iteration, self.model, self.optimizer, self.scheduler, self.mesh,
@@ -104,8 +116,11 @@ class CheckpointManager:
         c = self.config
         if c.load is None:
             return 0, 0
-        found = checkpoint_file(c.load) if os.path.exists(c.load) else None
+        found = self._find()
         if found is None:
+            if c.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--load {c.load}: no checkpoint found "
+                                      "(--exit-on-missing-checkpoint)")
             if c.load != c.save:
                 raise CheckpointError(f"--load {c.load}: no checkpoint found")
             return 0, 0
@@ -115,6 +130,27 @@ class CheckpointManager:
             self._log(f"> loaded checkpoint from {c.load} at iteration {iteration}")
         return iteration, consumed
 
+    def _find(self) -> Optional[str]:
+        """What --load (with --ckpt-step: its iter_N) names; None where it holds no
+        checkpoint. A directory with complete `iter_*` checkpoints but no pointer file is
+        refused rather than trained from scratch (and then pruned by --ckpt-keep-last):
+        Megatron warns and starts from random weights there; README, deviations."""
+        c = self.config
+        if c.ckpt_step is not None:
+            path = iteration_dir(c.load, c.ckpt_step)
+            found = checkpoint_file(path) if os.path.isdir(path) else None
+            if found is None:
+                raise CheckpointError(f"--ckpt-step {c.ckpt_step}: {path} holds no checkpoint")
+            return found
+        found = checkpoint_file(c.load) if os.path.exists(c.load) else None
+        complete = list_checkpoints(c.load) if found is None else []
+        if complete:
+            raise CheckpointError(
+                f"--load {c.load}: no {TRACKER} but complete checkpoints up to "
+                f"iter_{complete[-1]:07d}; to resume from it pass --ckpt-step {complete[-1]} "
+                "(megamoe does not start from scratch over trained checkpoints)")
+        return found
+
     def _load_single_file(self, found: str) -> tuple[int, int]:
         mesh, c = self.mesh, self.config
         sharded = mesh.tp_size > 1 or mesh.pp_size > 1 or mesh.ep_size > 1 or (
@@ -123,7 +159,7 @@ class CheckpointManager:
             raise CheckpointError(f"{found}: a single-file (--ckpt-format torch) checkpoint "
                                   "loads only without tensor/pipeline/expert parallelism and "
                                   "the distributed optimizer; save it with torch_dist")
-        return load_checkpoint(c.load, self.model, self.optimizer, self.scheduler,
+        return load_checkpoint(found, self.model, self.optimizer, self.scheduler,
                                load_optim=not c.no_load_optim, load_rng=not c.no_load_rng,
                                finetune=c.finetune)
 

@@ -13,7 +13,11 @@ loadable and the pointer valid):
      back to that copy while `iter_N` is missing)
   3. replace the pointer file by rename
   4. retention (--ckpt-keep-last): rename old `iter_M` to `iter_M.del.PID`, then delete;
-     never the one the pointer names
+     never the one the pointer names, and only checkpoints of the pointer chain
+Pointer chain: each published `iter_N` holds LINK, the iteration the pointer named before
+it was published. Retention walks the chain from the pointer and prunes only what it
+reaches: `iter_*` directories another program (or an earlier run whose pointer was lost)
+wrote are never deleted.
 Leftovers of a killed save (`*.tmp.*`, `*.old.*`, `*.del.*`) are cleaned by the next save.
 Loading detects the format from the directory's contents, whatever --ckpt-format says.
 
@@ -41,11 +45,14 @@ from megamoe.training.checkpoint.safe_load import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+LINK = "megamoe_previous_iteration.txt"  # in iter_N: the pointer's iteration before N
 COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the shards
 # Test hook for the crash tests: "PHASE:ITERATION:MARKER" makes the writer create MARKER and
-# sleep when the save of ITERATION reaches PHASE, so a test can SIGKILL it at a known point
-# of the publish protocol.
+# sleep when the save of ITERATION ("*": any) reaches PHASE, so a test can SIGKILL it (or
+# signal it) at a known point of the publish protocol; PAUSE_SECONDS_ENV: for how long
+# (default an hour).
 PAUSE_ENV = "MEGAMOE_CKPT_TEST_PAUSE"
+PAUSE_SECONDS_ENV = "MEGAMOE_CKPT_TEST_PAUSE_SECONDS"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -55,9 +62,9 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def pause_point(phase: str, iteration: int) -> None:
     spec = os.environ.get(PAUSE_ENV, "").split(":", 2)
-    if len(spec) == 3 and spec[0] == phase and spec[1] == str(iteration):
+    if len(spec) == 3 and spec[0] == phase and spec[1] in ("*", str(iteration)):
         open(spec[2], "w").close()
-        time.sleep(3600)
+        time.sleep(float(os.environ.get(PAUSE_SECONDS_ENV, "3600")))
 
 
 def fsync_dir(path: str) -> None:
@@ -194,18 +201,52 @@ def _is_checkpoint_dir(path: str) -> bool:
         os.path.join(path, COMMON))
 
 
+def pointer_chain(root: str) -> list[int]:
+    """The published iterations reached from the pointer through each checkpoint's LINK,
+    ascending: the checkpoints megamoe's saves into `root` wrote, one after another. The
+    walk stops at a missing directory, a missing or unreadable link, or a cycle (a run
+    resumed from an older --ckpt-step re-saves iterations)."""
+    it = _tracker_or_none(root)
+    chain: list[int] = []
+    while it is not None and it not in chain and _is_checkpoint_dir(iteration_dir(root, it)):
+        chain.append(it)
+        it = _read_int(os.path.join(iteration_dir(root, it), LINK))
+    return sorted(chain)
+
+
+def _read_int(path: str) -> Optional[int]:
+    """A non-negative integer from a small text file this module wrote; None if absent or
+    anything else (a link that cannot be trusted ends the chain: nothing is pruned)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64)
+        text = raw.decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if len(raw) < 64 and text.isdigit() else None
+
+
+def _tracker_or_none(root: str) -> Optional[int]:
+    try:
+        return read_tracker(root)
+    except CheckpointError:
+        return None
+
+
 def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[int]:
-    """Delete all but the newest `keep_last` checkpoints, never the one the pointer names.
+    """Delete all but the newest `keep_last` checkpoints of the pointer chain, never the
+    one the pointer names, never one outside the chain.
 
     Each victim is first renamed out of the `iter_N` namespace, so a crash mid-delete never
     leaves a half-deleted directory that looks like a checkpoint. Returns deleted iterations.
     """
-    keep = set(list_checkpoints(root)[-keep_last:])
+    chain = pointer_chain(root)
+    keep = set(chain[-keep_last:])
     latest = read_tracker(root)
     if latest is not None:
         keep.add(latest)
     deleted = []
-    for it in list_checkpoints(root):
+    for it in chain:
         if it in keep:
             continue
         doomed = f"{iteration_dir(root, it)}.del.{os.getpid()}"
@@ -229,6 +270,13 @@ def publish_tmp(root: str, iteration: int, tmp: str, keep_last: Optional[int] = 
     """Steps 2-4: publish the complete `tmp` as iteration `iteration`, then the pointer,
     then retention. Returns the published directory."""
     final = iteration_dir(root, iteration)
+    previous = _tracker_or_none(root)
+    if previous is not None:  # the pointer chain's link (retention prunes only the chain)
+        with open(os.path.join(tmp, LINK), "w", encoding="ascii") as f:
+            f.write(f"{previous}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
     if os.path.exists(final):  # re-saving an iteration: swap, never leave it unreadable
         old = f"{final}.old.{os.getpid()}"
         os.replace(final, old)
@@ -251,11 +299,10 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+    value = _read_int(path)  # (the content is never quoted: the file may be a symlink)
+    if value is None:
+        raise CheckpointError(f"{path}: expected an iteration number")
+    return value
 
 
 def _in_dir(path: str) -> Optional[str]:

@@ -110,6 +110,34 @@ def read_dcp_metadata(path: str) -> dcp_metadata.Metadata:
     return metadata
 
 
+def confined_storage(ckpt_dir: str, storage_data: Any) -> None:
+    """Each `.metadata` storage entry names a file DCP wrote into `ckpt_dir` itself (a
+    plain file name, resolving inside the directory) at a non-negative offset and length:
+    a crafted `../x` or absolute path, or a file that is a symlink out of the directory,
+    would make the load read another file. CheckpointError naming `.metadata` otherwise
+    (the offending name is not quoted)."""
+    where = os.path.join(ckpt_dir, ".metadata")
+    if not isinstance(storage_data, dict):
+        raise CheckpointError(f"{where}: storage entries must be a dict")
+    root = os.path.realpath(ckpt_dir)
+    checked: set[str] = set()
+    for info in storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(rel, str) and all(isinstance(v, int) and not isinstance(v, bool)
+                                             and v >= 0 for v in (offset, length))):
+            raise CheckpointError(f"{where}: a storage entry is not a file name, offset "
+                                  "and length")
+        if rel in checked:
+            continue
+        inside = os.path.realpath(os.path.join(root, rel))
+        if (os.path.basename(rel) != rel or rel in ("", ".", "..") or os.path.isabs(rel)
+                or os.path.dirname(inside) != root):
+            raise CheckpointError(f"{where}: a storage entry names a file outside the "
+                                  "checkpoint directory; refused")
+        checked.add(rel)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's FileSystemReader whose `.metadata` goes through `read_dcp_metadata`. (Tensor
     items are read by DCP with torch.load(weights_only=True) already.)"""
@@ -122,6 +150,13 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: dcp_metadata.Metadata, *args: Any,
+                              **kwargs: Any) -> None:
+        """(Every rank, before any data is read.) The storage entries `read_data` will
+        open stay inside the checkpoint directory (confined_storage)."""
+        confined_storage(str(self.path), metadata.storage_data)
+        super().set_up_storage_reader(metadata, *args, **kwargs)
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):

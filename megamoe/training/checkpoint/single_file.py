@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from megamoe.training.checkpoint.config_check import check_model_config
+from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.publish import (
     FILENAME,
     checkpoint_file,
@@ -26,6 +27,7 @@ from megamoe.training.checkpoint.publish import (
 )
 from megamoe.training.checkpoint.rng_state import rng_state, set_rng_state
 from megamoe.training.checkpoint.safe_load import CheckpointError, load_torch_file
+from megamoe.training.checkpoint.snapshot import snapshot
 
 
 def build_state(iteration: int, model: torch.nn.Module, optimizer, scheduler,
@@ -74,17 +76,6 @@ def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer
     return write_checkpoint(root, iteration, state, keep_last)
 
 
-def _snapshot(obj: Any) -> Any:
-    """Deep copy of every tensor, so training can go on mutating the originals."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_snapshot(v) for v in obj)
-    return obj
-
-
 class AsyncCheckpointWriter:
     """--async-save: snapshot the state on the caller's thread (a memory copy), then
     serialise, fsync and publish it on a background thread while training continues.
@@ -100,11 +91,11 @@ class AsyncCheckpointWriter:
     def save(self, root: str, iteration: int, state: dict,
              keep_last: Optional[int] = None) -> None:
         self.finalize()
-        snapshot = _snapshot(state)
+        state = snapshot(state)  # this iteration's values, whatever training does next
 
         def run() -> None:
             try:
-                write_checkpoint(root, iteration, snapshot, keep_last)
+                write_checkpoint(root, iteration, state, keep_last)
             except BaseException as e:  # surfaced by finalize() on the training thread
                 self._error = e
 
@@ -130,6 +121,7 @@ def read_single_file(file: str) -> dict:
     state = load_torch_file(file)  # refuses anything but megamoe's own types (safe_load.py)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{file}: not a megamoe checkpoint (no model weights)")
+    check_fields(file, state)
     state["_file"] = file
     return state
 

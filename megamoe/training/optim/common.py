@@ -66,7 +66,8 @@ def step_count(optimizer: torch.optim.Optimizer, state: dict) -> Optional[torch.
         steps = [int(g["step"]) for g in optimizer.param_groups if "step" in g]
         return torch.tensor(float(max(steps)), device="cpu") if steps else None  # a counter
     if "step" in state:
-        return state["step"].detach().to(device="cpu", dtype=torch.float32)  # host copy
+        # copy=True: `.to` of a host fp32 tensor returns the live counter itself
+        return state["step"].detach().to(device="cpu", dtype=torch.float32, copy=True)
     return None
 
 

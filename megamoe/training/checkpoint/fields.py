@@ -1,0 +1,111 @@
+"""The non-tensor fields a checkpoint file carries (iteration, data position, scheduler,
+optimizer step, RNG states), checked for type and range before anything uses them.
+
+A checkpoint may come from elsewhere and be damaged or edited: a field of the wrong type
+would otherwise surface as a traceback deep in the load (int("abc"), a KeyError, numpy
+refusing a state) or, worse, load: a negative iteration or sample count resumes the data
+and the schedule somewhere no run has been. Each problem is one CheckpointError naming
+the file and the field; no message quotes the field's content (only its type).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from megamoe.training.checkpoint.safe_load import CheckpointError
+
+
+def _fail(path: str, field: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"{path}: field {field!r} {problem}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _count(path: str, state: dict, field: str) -> None:
+    if field not in state:
+        raise _fail(path, field, "is missing")
+    value = state[field]
+    if not _is_count(value):
+        found = value if isinstance(value, int) and not isinstance(value, bool) \
+            else type(value).__name__  # a negative number, or only the type
+        raise _fail(path, field, f"must be a non-negative integer, found {found}")
+
+
+def _scheduler(path: str, sched: Any) -> None:
+    if sched is None:
+        return
+    if not isinstance(sched, dict):
+        raise _fail(path, "scheduler", f"must be a dict, found {type(sched).__name__}")
+    if not _is_count(sched.get("num_steps")):
+        raise _fail(path, "scheduler.num_steps", "must be a non-negative integer")
+    if not isinstance(sched.get("unit", ""), str):
+        raise _fail(path, "scheduler.unit", "must be a string")
+
+
+def _rng(path: str, field: str, rng: Any) -> None:
+    """One process's RNG states as rng_state.py saves them."""
+    if not isinstance(rng, dict) or not {"python", "numpy", "torch"} <= rng.keys():
+        raise _fail(path, field, "must be a dict of python, numpy and torch RNG states")
+    py = rng["python"]
+    if not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple)
+            and all(isinstance(x, int) for x in py[1])):
+        raise _fail(path, f"{field}.python", "is not a Python random state")
+    npy = rng["numpy"]
+    if not (isinstance(npy, tuple) and len(npy) == 5 and isinstance(npy[0], str)
+            and isinstance(npy[1], np.ndarray) and npy[1].dtype == np.uint32
+            and npy[1].shape == (624,)):
+        raise _fail(path, f"{field}.numpy", "is not a numpy MT19937 state")
+    for key in ("torch", "cuda"):
+        t = rng.get(key)
+        if key in rng and not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                               and t.dim() == 1):
+            raise _fail(path, f"{field}.{key}", "is not a torch generator state "
+                        "(a 1-D uint8 tensor)")
+
+
+def _step(path: str, optim: Any) -> None:
+    if optim is None:
+        return
+    if not isinstance(optim, dict) or not isinstance(optim.get("names"), list) or not all(
+            isinstance(n, str) for n in optim["names"]):
+        raise _fail(path, "optimizer", "must hold the state names (a list of strings)")
+    step = optim.get("step")
+    if step is None:
+        return
+    ok = isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()
+    value = float(step) if ok else math.nan
+    if not (ok and math.isfinite(value) and value >= 0 and value == int(value)):
+        raise _fail(path, "optimizer.step", "must be a non-negative whole number "
+                    "(a 1-element float tensor)")
+
+
+def check_fields(path: str, state: Any, dist: bool = False) -> dict:
+    """`state` (a single file's, or with `dist` common.pt's: one RNG state per saved rank,
+    the optimizer's step) with checked fields; CheckpointError naming `path` and the
+    field."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a megamoe checkpoint ({type(state).__name__})")
+    _count(path, state, "iteration")
+    _count(path, state, "consumed_train_samples")
+    _scheduler(path, state.get("scheduler"))
+    rng = state.get("rng")
+    if not dist:
+        if rng is not None:
+            _rng(path, "rng", rng)
+        return state
+    _count(path, state, "world_size")
+    if rng is not None:
+        if not isinstance(rng, list) or len(rng) != state["world_size"]:
+            raise _fail(path, "rng", "must hold one RNG state per saved rank")
+        for i, r in enumerate(rng):
+            _rng(path, f"rng[{i}]", r)
+    if not isinstance(state.get("layout", {}), dict):
+        raise _fail(path, "layout", "must be a dict")
+    _step(path, state.get("optimizer"))
+    return state
