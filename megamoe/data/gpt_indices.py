@@ -18,6 +18,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from megamoe.data.errors import DataError
+
 CHUNK = 1 << 20  # entries per step: temporaries stay ~30 MB
 
 
@@ -177,7 +179,6 @@ def check_gpt_indices(document_index: np.ndarray, sample_index: np.ndarray,
     """Cached indices are untrusted: integer dtypes, shapes, and every entry in range
     (sequence ids, document-index positions, sample ids), so a corrupt or foreign file
     fails here with its name rather than as a wild read later."""
-    from megamoe.data.errors import DataError
 
     def bad(what: str) -> DataError:
         return DataError(f"{source}: {what}; delete the cache directory to rebuild it")
