@@ -14,6 +14,7 @@ from typing import NoReturn, Optional, Sequence
 
 import yaml
 
+from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.config import ConfigError
 
@@ -172,6 +173,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read .bin files with positioned reads instead of memory-mapping them")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
                    help="accepted; megamoe never materialises attention masks (causal SDPA)")
 
@@ -281,9 +284,11 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-save-optim", action="store_true")
     c.add_argument("--no-save-rng", action="store_true")
     c.add_argument("--finetune", action="store_true")
-    c.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
+    c.add_argument("--ckpt-format", default="torch_dist",
+                   choices=["torch", "torch_dist", "fsdp_dtensor"],
                    help="torch_dist: sharded (DCP), loads into any parallel layout; torch: "
-                        "one file written by rank 0 (single-process / data-parallel only)")
+                        "one file written by rank 0 (single-process / data-parallel only); "
+                        "fsdp_dtensor (Megatron-FSDP's): not supported yet")
     c.add_argument("--async-save", action="store_true",
                    help="write checkpoints on a background thread (training keeps going)")
     c.add_argument("--ckpt-keep-last", type=int, default=None, metavar="N",
@@ -301,15 +306,17 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                     help="peak TFLOP/s of one device, for MFU (default: the bf16 dense peak of a "
                          "known GPU; no MFU on a CPU)")
     lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
-                    help="only 0: Megatron's timers (levels 1, 2) are not supported yet")
+                    help="Megatron's timers: 0 iteration time; 1 also forward-backward, "
+                         "optimizer and their parts; 2 is not supported yet")
+    lg.add_argument("--log-timers-to-tensorboard", action="store_true",
+                    help="write the timers of --timing-log-level to TensorBoard")
     lg.add_argument("--log-params-norm", action="store_true",
                     help="log the L2 norm of all parameters after each step (params norm)")
     lg.add_argument("--log-num-zeros-in-grad", action="store_true",
                     help="log the number of zero gradient elements of each step (num zeros)")
     # These only select which extra scalars go to TensorBoard/W&B; megamoe always writes
     # the timers, memory, validation ppl and learning rate it has.
-    for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-                 "--log-validation-ppl-to-tensorboard"):
+    for flag in ("--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard"):
         lg.add_argument(flag, action="store_true")
 
 
@@ -323,6 +330,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_training_args(parser)
     _add_parallel_args(parser)
     _add_checkpoint_and_logging_args(parser)
+    add_runtime_args(parser)
+    add_equivalent_args(parser)
+    add_refused_args(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="YAML preset of flags (configs/); command-line flags override it")
     return parser

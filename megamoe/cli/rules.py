@@ -14,6 +14,7 @@ import ast
 import os
 from typing import Optional
 
+from megamoe.cli.compat_args import derive_compat
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
 from megamoe.config.fields import flag_dest
@@ -71,6 +72,7 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron's derived defaults (they depend on other flags)."""
     args.world_size = world_size
+    derive_compat(args)
     if args.num_attention_heads < 1:  # (the defaults below divide by it)
         raise ArgumentError(f"--num-attention-heads must be positive, got "
                             f"{args.num_attention_heads}")
@@ -183,8 +185,10 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
         value, default = getattr(args, dest), parser.get_default(dest)
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    if args.transformer_impl == "transformer_engine":
-        raise ArgumentError("not supported yet: --transformer-impl transformer_engine")
+    if args.ckpt_format == "fsdp_dtensor":
+        raise ArgumentError("not supported yet: --ckpt-format fsdp_dtensor")
+    # --transformer-impl transformer_engine passes here (--dry-run and the planner size
+    # the same layers); a run that builds the model refuses it (cli/main.py).
 
 
 def _check_required(args: argparse.Namespace) -> None:
@@ -214,8 +218,8 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
     _derive_defaults(args, env_world_size() if world_size is None else world_size)
     _check_required(args)
+    _check_not_supported(args, parser)  # (before the configs, which know no fsdp_dtensor)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)
     _check_data(args)
-    _check_not_supported(args, parser)
     return args
