@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 
+from megamoe.config.model import ATTENTION_BACKENDS
+from megamoe.config.train import STRICTNESS
+
 # flag -> what runs in megamoe instead (the line the run prints).
 EQUIVALENTS = {
     "--moe-permute-fusion": "the token permutation runs as megamoe's sort-based permute "
@@ -33,9 +36,6 @@ EQUIVALENTS = {
                                         "dispatch)",
 }
 FLEX_BACKENDS = ("deepep", "hybridep")
-STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
-              "raise_all", "return_unexpected", "return_all", "ignore_all")
-ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:

@@ -14,8 +14,8 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from megamoe.cli.arguments import parse_args
-from megamoe.cli.rules import ArgumentError
 from megamoe.cli.mapping import config_from_args, run_config_from_args
+from megamoe.cli.rules import ArgumentError
 from megamoe.config import DataConfig
 from megamoe.data import DataError, tokenizer_for
 from megamoe.parallel.failures import DistributedFailure

@@ -179,14 +179,29 @@ def _check_data(args: argparse.Namespace) -> None:
                     raise ArgumentError(f"{flag}: file not found: {prefix + suffix}")
 
 
+def _check_fsdp(args: argparse.Namespace) -> None:
+    """Megatron-FSDP (the DeepSeek-V3 script's FSDP branch) is not built."""
+    if args.use_megatron_fsdp:
+        raise ArgumentError("not supported yet: --use-megatron-fsdp")
+    if args.ckpt_format == "fsdp_dtensor":
+        raise ArgumentError("not supported yet: --ckpt-format fsdp_dtensor")
+
+
+def _has_cuda() -> bool:
+    import torch  # (the command line imports torch only for this rule)
+
+    return torch.cuda.is_available()
+
+
 def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag in NOT_SUPPORTED_YET:
         dest = flag_dest(flag)
         value, default = getattr(args, dest), parser.get_default(dest)
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    if args.ckpt_format == "fsdp_dtensor":
-        raise ArgumentError("not supported yet: --ckpt-format fsdp_dtensor")
+    if args.attention_backend == "fused" and not args.dry_run and not _has_cuda():
+        raise ArgumentError("--attention-backend fused needs a CUDA device (cuDNN / "
+                            "memory-efficient SDPA kernels): use flash, unfused or auto")
     # --transformer-impl transformer_engine passes here (--dry-run and the planner size
     # the same layers); a run that builds the model refuses it (cli/main.py).
 
@@ -201,6 +216,8 @@ def _check_required(args: argparse.Namespace) -> None:
         raise ArgumentError("one of --train-iters or --train-samples is required")
     if training and args.lr is None:
         raise ArgumentError("--lr is required")
+    if args.logging_level is not None and args.logging_level < 0:
+        raise ArgumentError(f"--logging-level must be >= 0, got {args.logging_level}")
     if args.train_iters is not None and args.train_iters < 0:
         raise ArgumentError(f"--train-iters must be >= 0, got {args.train_iters}")
     if args.train_samples is None:  # with --train-samples the iterations are derived
@@ -218,8 +235,9 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
     _derive_defaults(args, env_world_size() if world_size is None else world_size)
     _check_required(args)
-    _check_not_supported(args, parser)  # (before the configs, which know no fsdp_dtensor)
+    _check_fsdp(args)  # (before the configs, which know no fsdp_dtensor format)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)
     _check_data(args)
+    _check_not_supported(args, parser)
     return args

@@ -43,6 +43,11 @@ class TrainConfig:
     calculate_per_token_loss: bool = flag("--calculate-per-token-loss", False)
     # megamoe's extension (not a Megatron flag): torch.compile each transformer layer.
     compile: bool = flag("--compile", False)
+    # Megatron's --manual-gc: the automatic collector off, collections at fixed points
+    # (training/manual_gc.py).
+    manual_gc: bool = flag("--manual-gc", False)
+    manual_gc_interval: int = flag("--manual-gc-interval", 0)
+    manual_gc_eval: bool = flag("--no-manual-gc-eval", True, dest="manual_gc_eval")
 
     def __post_init__(self) -> None:
         if self.rampup_batch_size is not None:
@@ -52,7 +57,7 @@ class TrainConfig:
     def validate(self) -> None:
         check_positive(self, "micro_batch_size", "global_batch_size", "eval_interval",
                        "exit_interval", "train_samples", "exit_duration_in_mins")
-        check_positive(self, "eval_iters", allow_zero=True)
+        check_positive(self, "eval_iters", "manual_gc_interval", allow_zero=True)
         check_range(self, "seed", 0, 2**32, high_open=True)  # numpy's seed range
         require(self.empty_unused_memory_level in (0, 1, 2),
                 f"--empty-unused-memory-level must be 0, 1 or 2, "
@@ -133,6 +138,10 @@ class TrainConfig:
         return consumed + (iterations - done) * self.global_batch_size
 
 
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "return_unexpected", "return_all", "ignore_all")
+
+
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = flag("--save", None)
@@ -146,12 +155,19 @@ class CheckpointConfig:
     async_save: bool = flag("--async-save", False)
     ckpt_keep_last: Optional[int] = flag("--ckpt-keep-last", None)  # None = keep all
     ckpt_format: str = flag("--ckpt-format", "torch_dist")  # loading detects the format
+    # Megatron's: a torch_dist checkpoint loads under --ckpt-format torch only with it
+    # (torch_dist always detects the format, as Megatron's loader).
+    auto_detect_ckpt_format: bool = flag("--auto-detect-ckpt-format", False)
+    # Megatron's StrictHandling for torch_dist loads (training/checkpoint/strictness.py).
+    dist_ckpt_strictness: str = flag("--dist-ckpt-strictness", "assume_ok_unexpected")
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         check_positive(self, "save_interval", "ckpt_keep_last")
+        require(self.dist_ckpt_strictness in STRICTNESS, f"--dist-ckpt-strictness must be one "
+                f"of {', '.join(STRICTNESS)}, got {self.dist_ckpt_strictness!r}")
         require(self.ckpt_format in CKPT_FORMATS,
                 f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, "
                 f"got {self.ckpt_format!r}")
@@ -171,7 +187,10 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = flag("--wandb-save-dir", None)
     log_throughput: bool = flag("--log-throughput", False)
     peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: GPU table
+    # Megatron's timers (training/timers.py): 0 iteration time; 1 also forward-backward
+    # and optimizer; --log-timers-to-tensorboard writes them to TensorBoard/W&B.
     timing_log_level: int = flag("--timing-log-level", 0)
+    log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False)
     # Megatron's "params norm: X" / "num zeros: N" in the log line (and TensorBoard), each
     # computed only when asked for: every parameter / gradient element counted once.
     log_params_norm: bool = flag("--log-params-norm", False)
@@ -182,5 +201,7 @@ class LoggingConfig:
 
     def validate(self) -> None:
         check_positive(self, "log_interval", "tensorboard_log_interval", "peak_tflops")
-        # Megatron's timers (levels 1 and 2) are not built: only 0 means what it says.
-        require(self.timing_log_level == 0, "not supported yet: --timing-log-level > 0")
+        # Megatron's level-2 timers (per micro-batch compute and p2p) are not built.
+        require(self.timing_log_level in (0, 1),
+                "not supported yet: --timing-log-level 2" if self.timing_log_level == 2 else
+                f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")

@@ -233,7 +233,7 @@ class IndexedDataset:
         """Tokens [start, start + length) of the .bin: a view of the map, or (no mmap) one
         positioned read that opens the file each time (safe across forked workers)."""
         if self._bin_map is not None:
-            return self._read(start, length)
+            return self._bin_map[start:start + length]
         out = np.empty(length, dtype=self.dtype)
         with open(self._bin_path, "rb", buffering=0) as f:
             f.seek(start * self.dtype.itemsize)
