@@ -304,3 +304,35 @@ def test_dist_ckpt_strictness(saved_dist, caplog):
     with caplog.at_level(logging.WARNING, logger="megamoe.checkpoint"):
         _, common = _load(ckpt, "--qk-layernorm", "return_all")
     assert common["key_mismatch"]["unexpected"] == unexpected and not caplog.records
+
+
+# --- timers -------------------------------------------------------------------------------------
+
+def test_timers_to_tensorboard(tmp_path):
+    """--timing-log-level 1: Megatron's "(min, max) time across ranks (ms)" block with the
+    forward-backward and optimizer timers; --log-timers-to-tensorboard writes
+    {name}-time and iteration-time (seconds per iteration, Megatron's Timers.write)."""
+    from tests.training.test_logging import _events
+
+    lines: list[str] = []
+    tb = tmp_path / "tb"
+    pretrain(_args(f"--train-iters 4 --log-interval 2 --timing-log-level 1 "
+                   f"--log-timers-to-tensorboard --tensorboard-dir {tb}"), print_fn=lines.append)
+    blocks = [s for s in lines if s.startswith("(min, max) time across ranks (ms):")]
+    assert len(blocks) == 2 and "forward-backward" in blocks[0] and "optimizer" in blocks[0]
+    acc = _events(str(tb))
+    scalars = acc.Tags()["scalars"]
+    for name in ("forward-backward-time", "optimizer-time", "iteration-time"):
+        assert name in scalars, name
+        assert [e.step for e in acc.Scalars(name)] == [2, 4]
+    for step in range(2):
+        it = acc.Scalars("iteration-time")[step].value
+        parts = sum(acc.Scalars(n)[step].value for n in ("forward-backward-time",
+                                                         "optimizer-time"))
+        assert 0 < parts <= it * 1.05  # (parts of the iteration; 5%: clock reads apart)
+    quiet = tmp_path / "quiet"
+    lines.clear()
+    pretrain(_args(f"--train-iters 2 --log-interval 2 --tensorboard-dir {quiet}"),
+             print_fn=lines.append)
+    assert "forward-backward-time" not in _events(str(quiet)).Tags()["scalars"]
+    assert not [s for s in lines if s.startswith("(min, max)")]
