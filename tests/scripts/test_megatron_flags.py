@@ -178,6 +178,30 @@ def test_no_mmap_bin_files_reads_the_same_tokens(tmp_path):
     assert mapped.max_token_id() == read.max_token_id()
     again = pickle.loads(pickle.dumps(read))
     assert again._bin_map is None and np.array_equal(again[2], mapped[2])
+    # the flag reaches the datasets a run builds: the same samples, no map of the .bin
+    from megamoe.config import DataConfig
+    from megamoe.data.builder import build_gpt_datasets
+    from megamoe.data.tokenizers import NullTokenizer
+
+    maps: list[str] = []
+    real_memmap = np.memmap
+
+    def memmap(path, *a, **k):
+        maps.append(str(path))
+        return real_memmap(path, *a, **k)
+
+    samples = {}
+    for flag in (True, False):
+        config = DataConfig(data_path=[prefix], split="100,0,0", mmap_bin_files=flag,
+                            tokenizer_type="NullTokenizer", vocab_size=60001)
+        maps.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(np, "memmap", memmap)
+            train, _, _ = build_gpt_datasets(config, NullTokenizer(60001), (3, 0, 0),
+                                             seq_length=4, seed=1)
+            samples[flag] = [train[i]["tokens"].tolist() for i in range(3)]
+        assert any(p.endswith(".bin") for p in maps) == flag
+    assert samples[True] == samples[False]
 
 
 # --- forced load balancing ----------------------------------------------------------------------
