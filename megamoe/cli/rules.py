@@ -14,6 +14,8 @@ import ast
 import os
 from typing import Optional
 
+import torch
+
 from megamoe.cli.compat_args import derive_compat
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
@@ -187,19 +189,13 @@ def _check_fsdp(args: argparse.Namespace) -> None:
         raise ArgumentError("not supported yet: --ckpt-format fsdp_dtensor")
 
 
-def _has_cuda() -> bool:
-    import torch  # (the command line imports torch only for this rule)
-
-    return torch.cuda.is_available()
-
-
 def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag in NOT_SUPPORTED_YET:
         dest = flag_dest(flag)
         value, default = getattr(args, dest), parser.get_default(dest)
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    if args.attention_backend == "fused" and not args.dry_run and not _has_cuda():
+    if args.attention_backend == "fused" and not args.dry_run and not torch.cuda.is_available():
         raise ArgumentError("--attention-backend fused needs a CUDA device (cuDNN / "
                             "memory-efficient SDPA kernels): use flash, unfused or auto")
     # --transformer-impl transformer_engine passes here (--dry-run and the planner size
