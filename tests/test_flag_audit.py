@@ -285,6 +285,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--lr": ("--lr 0.25", 1, 0.25),
     "--min-lr": ("--min-lr 1e-5", 1, 1e-5),
     "--weight-decay": ("--weight-decay 0.3", 1, 0.3),
+    "--weight-decay-incr-style": ("--weight-decay-incr-style cosine --start-weight-decay 0 "
+                                  "--end-weight-decay 0.1", 1, "cosine"),
+    "--start-weight-decay": ("--weight-decay-incr-style linear --start-weight-decay 0.02 "
+                             "--end-weight-decay 0.1", 1, 0.02),
+    "--end-weight-decay": ("--weight-decay-incr-style linear --start-weight-decay 0.02 "
+                           "--end-weight-decay 0.1", 1, 0.1),
     "--adam-beta1": ("--adam-beta1 0.8", 1, 0.8),
     "--adam-beta2": ("--adam-beta2 0.95", 1, 0.95),
     "--adam-eps": ("--adam-eps 1e-5", 1, 1e-5),

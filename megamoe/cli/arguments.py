@@ -250,6 +250,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
     o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"],
+                   help="weight decay from --start-weight-decay to --end-weight-decay over "
+                        "the run (constant: --weight-decay)")
+    o.add_argument("--start-weight-decay", type=float, default=None)
+    o.add_argument("--end-weight-decay", type=float, default=None)
     o.add_argument("--adam-beta1", type=float, default=0.9)
     o.add_argument("--adam-beta2", type=float, default=0.999)
     o.add_argument("--adam-eps", type=float, default=1e-8)
