@@ -370,6 +370,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--dist-ckpt-strictness": ("--dist-ckpt-strictness log_all", 1, "log_all"),
     "--moe-router-force-load-balancing": ("--moe-router-force-load-balancing", 1, True),
     "--timing-log-level": ("--timing-log-level 1", 1, 1),
+    "--profile": ("--profile --use-pytorch-profiler --tensorboard-dir {tmp}/tb", 1, True),
+    "--use-pytorch-profiler": ("--profile --use-pytorch-profiler --tensorboard-dir {tmp}/tb",
+                               1, True),
+    "--profile-step-start": ("--profile-step-start 3", 1, 3),
+    "--profile-step-end": ("--profile-step-end 4", 1, 4),
+    "--profile-ranks": ("--profile-ranks 1 2", 1, [1, 2]),
     "--log-timers-to-tensorboard": ("--log-timers-to-tensorboard", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "

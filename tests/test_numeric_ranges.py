@@ -112,6 +112,9 @@ BAD = [
     ("--peak-tflops", "-1", "", 1, "must be positive"),
     ("--timing-log-level", "2", "", 1, "not supported yet"),
     ("--logging-level", "-1", "", 1, "must be >= 0"),
+    ("--profile-step-start", "-1", "", 1, "must be >= 0"),
+    ("--profile-step-end", "10", "--profile-step-start 10", 1, "must be greater than"),
+    ("--profile-ranks", "-1", "", 1, "must be >= 0"),
     ("--start-weight-decay", "-0.1",
      "--weight-decay-incr-style linear --end-weight-decay 0.1", 1, "must be >= 0"),
     ("--end-weight-decay", "-0.1",
@@ -126,7 +129,7 @@ BAD = [
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
-    "--padded-vocab-size", "--profile-ranks", "--profile-step-end", "--profile-step-start",
+    "--padded-vocab-size",
     "--rotary-seq-len-interpolation-factor", "--loss-scale",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)

@@ -6,7 +6,7 @@
   (`declared_equivalents`). Only the flags in EQUIVALENTS may be answered like this.
 * deprecated spellings Megatron still accepts: mapped to the current flag, as Megatron's
   validate_args does.
-* features megamoe does not have (Megatron-FSDP, nsys/torch profiling ranges, TE's
+* features megamoe does not have (Megatron-FSDP, TE's
   userbuffer TP overlap, a fixed padded vocabulary, tokenizers that run their own Python
   code (megamoe reads tokenizer.json only)): parsed so that a script reaches the
   one "not supported yet: --flag" line (config/unsupported.py) instead of argparse's
@@ -63,6 +63,14 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                    help="torch_dist load: what to do with model keys the checkpoint lacks "
                         "(unexpected) and checkpoint keys the model does not ask for "
                         "(missing)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations (--profile-step-start, --profile-step-end]: nsys "
+                        "capture range (CUDA), or torch.profiler with --use-pytorch-profiler")
+    g.add_argument("--use-pytorch-profiler", action="store_true")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="*", default=[0],
+                   help="ranks that profile (none given: all)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="deprecated spelling of --position-embedding-type rope")
 
@@ -86,7 +94,7 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
     """Parsed only to be refused with "not supported yet" (config/unsupported.py)."""
     g = parser.add_argument_group("not supported yet")
     for flag in ("--use-megatron-fsdp", "--fsdp-double-buffer", "--use-nccl-ub",
-                 "--profile", "--use-pytorch-profiler", "--tp-comm-overlap",
+                 "--tp-comm-overlap",
                  "--trust-remote-code"):
         g.add_argument(flag, action="store_true", help="not supported yet")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
@@ -94,9 +102,6 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-FSDP's sharding: not supported yet")
     for flag in ("--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"):
         g.add_argument(flag, default=None, choices=["fp32", "bf16"], help="not supported yet")
-    g.add_argument("--profile-step-start", type=int, default=10, help="with --profile")
-    g.add_argument("--profile-step-end", type=int, default=12, help="with --profile")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="with --profile")
     g.add_argument("--padded-vocab-size", type=int, default=None, help="not supported yet")
     g.add_argument("--init-model-with-meta-device", action="store_true",
                    help="accepted: megamoe always builds the model on the meta device")

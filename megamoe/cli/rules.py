@@ -195,6 +195,10 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
         value, default = getattr(args, dest), parser.get_default(dest)
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
+    if (args.profile and not args.use_pytorch_profiler and not args.dry_run
+            and not torch.cuda.is_available()):
+        raise ArgumentError("--profile without --use-pytorch-profiler is an nsys capture range "
+                            "(cudaProfilerStart): it needs CUDA")
     if args.attention_backend == "fused" and not args.dry_run and not torch.cuda.is_available():
         raise ArgumentError("--attention-backend fused needs a CUDA device (cuDNN / "
                             "memory-efficient SDPA kernels): use flash, unfused or auto")

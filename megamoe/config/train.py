@@ -191,6 +191,12 @@ class LoggingConfig:
     # and optimizer; --log-timers-to-tensorboard writes them to TensorBoard/W&B.
     timing_log_level: int = flag("--timing-log-level", 0)
     log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False)
+    # Megatron's profiling range (training/profiling.py).
+    profile: bool = flag("--profile", False)
+    use_pytorch_profiler: bool = flag("--use-pytorch-profiler", False)
+    profile_step_start: int = flag("--profile-step-start", 10)
+    profile_step_end: int = flag("--profile-step-end", 12)
+    profile_ranks: list[int] = flag("--profile-ranks", default_factory=lambda: [0])
     # Megatron's "params norm: X" / "num zeros: N" in the log line (and TensorBoard), each
     # computed only when asked for: every parameter / gradient element counted once.
     log_params_norm: bool = flag("--log-params-norm", False)
@@ -201,6 +207,14 @@ class LoggingConfig:
 
     def validate(self) -> None:
         check_positive(self, "log_interval", "tensorboard_log_interval", "peak_tflops")
+        check_positive(self, "profile_step_start", allow_zero=True)
+        require(self.profile_step_end > self.profile_step_start,
+                f"--profile-step-end ({self.profile_step_end}) must be greater than "
+                f"--profile-step-start ({self.profile_step_start})")
+        require(all(r >= 0 for r in self.profile_ranks),
+                f"--profile-ranks must be >= 0, got {self.profile_ranks}")
+        require(not (self.profile and self.use_pytorch_profiler) or self.tensorboard_dir,
+                "--use-pytorch-profiler writes its trace next to --tensorboard-dir: give it")
         # Megatron's level-2 timers (per micro-batch compute and p2p) are not built.
         require(self.timing_log_level in (0, 1),
                 "not supported yet: --timing-log-level 2" if self.timing_log_level == 2 else

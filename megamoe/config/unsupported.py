@@ -23,12 +23,6 @@ NOT_SUPPORTED_YET = (
     "--use-nccl-ub",
     "--megatron-fsdp-grad-comm-dtype",
     "--megatron-fsdp-main-grads-dtype",
-    # nsys / torch.profiler ranges
-    "--profile",
-    "--use-pytorch-profiler",
-    "--profile-step-start",
-    "--profile-step-end",
-    "--profile-ranks",
     "--tp-comm-overlap",  # Transformer Engine's userbuffer overlap
     "--padded-vocab-size",
     "--trust-remote-code",  # a tokenizer's own Python code (megamoe reads tokenizer.json)

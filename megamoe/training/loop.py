@@ -29,6 +29,7 @@ from megamoe.training.metrics import (
     moe_layer_numbers,
 )
 from megamoe.training.nonfinite import NonFiniteCheck
+from megamoe.training.profiling import Profiler
 from megamoe.training.schedules import Batch, forward_backward
 from megamoe.training.timers import Timers, format_timers, tensorboard_scalars
 
@@ -261,19 +262,20 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     interval = _Interval(run, mesh, observer, print_fn)
     batch_size, saved_at = t.global_batch_size_at(state.consumed_train_samples), state.iteration
-    with ManualGC(t) as collector:
+    with ManualGC(t) as collector, Profiler(run.logging, mesh.rank) as profiler:
         _train_loop(run, mesh, model, optimizer, scheduler, train_iter, valid_iter, logger,
-                    state, save_fn, print_fn, exits, observer, interval, collector,
-                    batch_size, saved_at)
+                    state, save_fn, print_fn, exits, observer, interval,
+                    (collector, profiler), batch_size, saved_at)
     optimizer.wait_param_gather()  # whatever runs next reads the trained parameters
     return state
 
 
 def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_iter,
                 valid_iter, logger, state: TrainState, save_fn, print_fn, exits,
-                observer: TrainingObserver, interval: _Interval, collector: ManualGC,
-                batch_size: int, saved_at: int) -> None:
+                observer: TrainingObserver, interval: _Interval,
+                hooks: tuple[ManualGC, Profiler], batch_size: int, saved_at: int) -> None:
     t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
+    collector, profiler = hooks
     while state.iteration < t.train_iters:
         gbs = t.global_batch_size_at(state.consumed_train_samples)
         if gbs != batch_size and save_fn is not None and saved_at != state.iteration:
@@ -281,6 +283,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
             save_fn(state)
         batch_size = gbs
         step_start = time.time()
+        profiler.before_step(state.iteration)
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
                              state.iteration + 1, gbs, interval.timers)
         if t.compile and not state.history and mesh.is_logging_rank:  # compile time apart
@@ -296,6 +299,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
                                 "consumed_samples": state.consumed_train_samples,
                                 "global_batch_size": gbs}, state.iteration)
         collector.after_step(state.iteration)
+        profiler.after_step(state.iteration)
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
         if valid_iter is not None and t.eval_iters > 0 and state.iteration % t.eval_interval == 0:

@@ -97,7 +97,7 @@ def test_fsdp_and_profiling_are_refused(capsys):
                          ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor"),
                          ("--data-parallel-sharding-strategy optim_grads_params",
                           "--data-parallel-sharding-strategy"),
-                         ("--profile", "--profile"), ("--tp-comm-overlap", "--tp-comm-overlap"),
+                         ("--tp-comm-overlap", "--tp-comm-overlap"),
                          ("--timing-log-level 2", "--timing-log-level 2")):
         err = parse_error(capsys, f"{TINY_MOE} --train-iters 1 {flags}", 1)
         assert f"not supported yet: {named}" in err, err
@@ -360,3 +360,31 @@ def test_timers_to_tensorboard(tmp_path):
              print_fn=lines.append)
     assert "forward-backward-time" not in _events(str(quiet)).Tags()["scalars"]
     assert not [s for s in lines if s.startswith("(min, max)")]
+
+
+# --- profiling ----------------------------------------------------------------------------------
+
+def test_profile_without_pytorch_profiler_needs_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the nsys range is allowed")
+    err = parse_error(capsys, f"{TINY_MOE} --train-iters 1 --profile", 1)
+    assert "needs CUDA" in err
+    _args("--train-iters 1 --profile --dry-run")
+
+
+@pytest.mark.slow
+def test_pytorch_profiler_range(tmp_path):
+    """--profile --use-pytorch-profiler: Megatron's schedule records iterations
+    (start, end] (end - start profiler steps) and writes the trace next to the TensorBoard
+    directory."""
+    import gzip
+    import json
+
+    tb = tmp_path / "tb"
+    pretrain(_args(f"--train-iters 3 --profile --use-pytorch-profiler --profile-step-start 1 "
+                   f"--profile-step-end 2 --tensorboard-dir {tb}"), print_fn=lambda _: None)
+    trace = tmp_path / "torch_profile" / "rank-0.json.gz"
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert len(steps) == 1, steps

@@ -42,7 +42,6 @@ RL_ONLY = {"--inference-max-seq-length": 1, "--inference-max-requests": 1,
 # modelopt's launchers pass the tokenizer and the output directory apart from the conf.
 TOKENIZER = ["--tokenizer-model", "/cluster/tokenizer", "--save", "{tmp}/ckpt"]
 FSDP = '[ "${USE_MEGATRON_FSDP}" = 1 ]'
-PROFILE = '[ "${PROFILE}" = 1 ]'
 # name -> (world size of the script's layout, vocabulary the tokenizer would give, extra
 # flags, {condition that must be true (None: always): (expected refusal, the flags
 # whose removal, with their values, must then let the dry run pass)}).
@@ -50,9 +49,8 @@ SCRIPTS = {
     # 8 GPUs per node; TP1 PP4 EP8 needs ETP x EP x PP = 32 ranks: 4 nodes.
     "mixtral_8x7b": (32, 32000, [], {}),
     # TP1 EP8, one node of 8 (GBS 2048 = MBS 4 x DP 8 x 64 micro-batches). The FSDP branch
-    # is refused before the profiling one (both are Megatron features megamoe lacks).
-    "deepseek_v3": (8, 129280, [], {FSDP: ("not supported yet: --use-megatron-fsdp", ()),
-                                    PROFILE: ("not supported yet: --profile", ())}),
+    # is refused (Megatron-FSDP is not built); the profiling branch (an nsys range) passes.
+    "deepseek_v3": (8, 129280, [], {FSDP: ("not supported yet: --use-megatron-fsdp", ())}),
     # TP4 EP2 without --sequence-parallel: megamoe refuses the layout (Megatron warns);
     # no flag of the script is refused.
     "qwen3_30b_a3b_rl": (8, 151936, RUN + ["--global-batch-size", "16"], {None: (
