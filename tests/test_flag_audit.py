@@ -374,7 +374,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--use-pytorch-profiler": ("--profile --use-pytorch-profiler --tensorboard-dir {tmp}/tb",
                                1, True),
     "--profile-step-start": ("--profile-step-start 3", 1, 3),
-    "--profile-step-end": ("--profile-step-end 4", 1, 4),
+    "--profile-step-end": ("--profile-step-start 2 --profile-step-end 4", 1, 4),
     "--profile-ranks": ("--profile-ranks 1 2", 1, [1, 2]),
     "--log-timers-to-tensorboard": ("--log-timers-to-tensorboard", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),

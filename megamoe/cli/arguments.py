@@ -230,6 +230,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true",
                    help="validate flags, print model size, and exit before training")
 
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("optimizer and learning rate")
     o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     o.add_argument("--lr", type=float, default=None)
@@ -334,6 +337,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_moe_args(parser)
     _add_data_args(parser)
     _add_training_args(parser)
+    _add_optimizer_args(parser)
     _add_parallel_args(parser)
     _add_checkpoint_and_logging_args(parser)
     add_runtime_args(parser)
