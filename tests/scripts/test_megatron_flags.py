@@ -388,3 +388,35 @@ def test_pytorch_profiler_range(tmp_path):
         events = json.load(f)["traceEvents"]
     steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
     assert len(steps) == 1, steps
+
+
+def _timers_worker(rank: int, world_size: int) -> list[str]:
+    import time
+
+    import megamoe.training.loop as loop
+
+    real = loop.forward_backward
+    if rank == 0:  # rank 0's forward-backward is 0.3 s slower: min and max differ
+        def slow(*a, **k):
+            time.sleep(0.3)
+            return real(*a, **k)
+        loop.forward_backward = slow
+    lines: list[str] = []
+    pretrain(_args("--train-iters 2 --log-interval 2 --timing-log-level 1", world_size),
+             print_fn=lines.append)
+    return [s for s in lines if s.startswith("(min, max)")]
+
+
+@pytest.mark.slow
+def test_timers_min_max_over_ranks():
+    """DP=2 over gloo: the logging rank (the last) prints the min and max over both ranks,
+    and they come from different ranks (rank 0 sleeps 0.3 s per forward-backward)."""
+    import re
+
+    from tests.distributed import run_distributed
+
+    blocks = run_distributed(_timers_worker, 2, 300)
+    assert blocks[0] == [] and len(blocks[1]) == 1
+    line = next(s for s in blocks[1][0].splitlines() if "forward-backward" in s)
+    lo, hi = map(float, re.findall(r"\(([\d.]+), ([\d.]+)\)", line)[0])
+    assert hi - lo > 250 and lo < hi, line
