@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+from megamoe.config import ConfigError
 from megamoe.config.model import ATTENTION_BACKENDS
 from megamoe.config.train import STRICTNESS
 
@@ -113,6 +114,9 @@ def derive_compat(args: argparse.Namespace) -> None:
     run prints."""
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        raise ConfigError("--cross-entropy-fusion-impl te: Transformer Engine's cross entropy "
+                          "fusion is disabled in Megatron-LM (stability); use native")
     lines = [f"{flag}: {EQUIVALENTS[flag]}" for flag in EQUIVALENTS
              if " " not in flag and getattr(args, flag[2:].replace("-", "_"), False)]
     if args.moe_token_dispatcher_type == "flex":
