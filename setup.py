@@ -16,6 +16,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megamoe", "megamoe.*"]),
+    # the blending helper is compiled on first use (megamoe/data/blend_native.py)
+    package_data={"megamoe.data": ["blend_helper.c"]},
     install_requires=[
         "torch>=2.4",
         "numpy",
@@ -29,9 +31,16 @@ setup(
         "test": ["pytest", "pytest-timeout", "ruff", "tensorboard", "matplotlib",
                  "transformers>=4.46"],
         "logging": ["tensorboard", "wandb", "matplotlib"],  # matplotlib: expert-load heatmap
-        # CUDA clusters only: never install these on a CPU-only machine (they build against
-        # a CUDA torch). NVIDIA apex is installed from NVIDIA's repository, not PyPI.
-        "gpu": ["transformer-engine[pytorch]", "grouped_gemm"],
+        # CUDA clusters only: never install it on a CPU-only machine (it builds against a
+        # CUDA torch). Only what megamoe imports: grouped_gemm (the CUTLASS expert GEMMs);
+        # Transformer Engine is not used (--transformer-impl transformer_engine is refused).
+        # NVIDIA apex is installed from NVIDIA's repository, not PyPI.
+        "gpu": ["grouped_gemm"],
+        # tools/checkpoint/convert.py megamoe-to-hf writes config.json through transformers
+        # (hf-to-megamoe needs only safetensors, which is also a base requirement).
+        "hf": ["transformers>=4.46", "safetensors"],
+        # the documentation site: mkdocs build --strict over docs/ (mkdocs.yml)
+        "docs": ["mkdocs-material", "mkdocstrings[python]"],
         # No "bench" extra on purpose: DeepSpeed, the peer in tools/bench_dispatch.py, must be
         # installed with DS_BUILD_OPS=0, --no-build-isolation and --no-deps (else pip may
         # replace the CPU torch): scripts/install_bench_peers.sh. Never a runtime dependency.

@@ -105,6 +105,34 @@ def test_files_must_exist(capsys, tmp_path):
     assert "--tokenizer-type GPT2BPETokenizer needs --vocab-file" in err
 
 
+def test_unknown_flag_names_the_closest_known_one(capsys):
+    err = fails(capsys, "--hiden-size 5")
+    assert err.endswith("unrecognized arguments: --hiden-size 5 (did you mean --hidden-size?)\n")
+    err = fails(capsys, "--moe-router-topk=2 --num-expert 8 --zzz")
+    assert "(did you mean --num-expert -> --num-experts?)" in err  # --moe-router-topk=2 is known
+    assert "did you mean" not in fails(capsys, "--no-such-flag")
+
+
+def test_data_path_with_the_bin_suffix_names_the_prefix(capsys, tmp_path):
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"c_text_document{suffix}").write_bytes(b"")
+    base = BASE.replace("--mock-data", "--tokenizer-type NullTokenizer --vocab-size 100")
+    err = fails(capsys, f"--data-path {tmp_path}/c_text_document.bin", base=base)
+    assert err.endswith(f"file not found: {tmp_path}/c_text_document.bin.bin (give the prefix "
+                        f"without .bin/.idx: {tmp_path}/c_text_document)\n")
+    assert "give the prefix" not in fails(capsys, f"--data-path {tmp_path}/nope", base=base)
+
+
+def test_load_of_a_hugging_face_folder_names_the_converter(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    err = fails(capsys, f"--load {tmp_path}")
+    assert f"--load {tmp_path}: a Hugging Face model" in err
+    assert f"python tools/checkpoint/convert.py hf-to-megamoe --input {tmp_path}" in err
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")  # a megamoe checkpoint
+    assert parse(f"--load {tmp_path}").load == str(tmp_path)
+
+
 @pytest.mark.parametrize("flag", [
     "--expert-tensor-parallel-size 2",
     "--use-megatron-fsdp", "--fp16",

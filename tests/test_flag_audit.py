@@ -263,6 +263,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
                           ["{tmp}/a"]),
     "--test-data-path": ("--train-data-path {tmp}/a --test-data-path {tmp}/a", 1,
                          ["{tmp}/a"]),
+    "--data-args-path": ("--data-args-path {tmp}/tok", 1, "{tmp}/tok"),
+    "--per-split-data-args-path": ("--per-split-data-args-path {tmp}/tok", 1, "{tmp}/tok"),
     "--mock-data": ("", 1, True),
     "--split": ("--split 90,5,5", 1, "90,5,5"),
     "--data-cache-path": ("--data-cache-path {tmp}/cache", 1, "{tmp}/cache"),
@@ -420,10 +422,11 @@ def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
     sub = lambda v: v.replace("{tmp}", tmp) if isinstance(v, str) else v
     expected = [sub(e) for e in expected] if isinstance(expected, list) else sub(expected)
     base = TINY_MOE
-    if re.search(r"--(data-path|train-data-path|tokenizer-type|tokenizer-model)", extra):
+    data = r"--(data-path|train-data-path|data-args-path|per-split-data-args-path)"
+    if re.search(data + "|--(tokenizer-type|tokenizer-model)", extra):
         base = base.replace("--mock-data ", "").replace("--tokenizer-type NullTokenizer ", "")
         base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
-        base += "" if "data-path" in extra else " --mock-data"
+        base += "" if re.search(data, extra) else " --mock-data"
     if MLA in extra:  # MLA has no query groups (as Megatron)
         base = base.replace("--group-query-attention ", "")
     monkeypatch.setenv("WORLD_SIZE", str(world))

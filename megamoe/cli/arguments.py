@@ -9,6 +9,7 @@ one line before any rank starts work.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -25,6 +26,24 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        args, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}"
+                       f"{did_you_mean(unknown, self._option_string_actions)}")
+        return args
+
+
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """' (did you mean --hidden-size?)' for the unknown flags close to a known one."""
+    flags = [w.split("=", 1)[0] for w in unknown if w.startswith("--")]
+    hints = []
+    for word in flags:
+        close = difflib.get_close_matches(word, known, n=1, cutoff=0.8)
+        if close:
+            hints.append(f"{word} -> {close[0]}" if len(flags) > 1 else close[0])
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +174,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-args-path", default=None,
+                   help="file holding the --data-path words (for very long blends)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='JSON {"train": ..., "valid": ..., "test": ...} of per-split blends')
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)
@@ -357,6 +380,12 @@ def config_file_to_argv(path: str) -> list[str]:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ArgumentError(f"--config: file not found: {path}") from None
+    except IsADirectoryError:
+        raise ArgumentError(f"--config: {path} is a directory, not a YAML file") from None
+    except UnicodeDecodeError:
+        raise ArgumentError(f"--config: {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise ArgumentError(f"--config: cannot read {path} ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ArgumentError(
             f"--config: {path} is not valid YAML ({e.__class__.__name__})") from None
@@ -400,6 +429,19 @@ def expand_config_file(argv: list[str]) -> list[str]:
     return preset + rest
 
 
+def check_int_bounds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every integer flag fits an int64: counts, sizes and ids become tensor shapes, numpy
+    indices and checkpoint fields, where a larger Python int overflows or allocates
+    without end ("--train-iters 100000000000000000000000000")."""
+    for action in parser._actions:
+        if action.type is not int:
+            continue
+        value = getattr(args, action.dest, None)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and not -2**63 <= v < 2**63:
+                raise ArgumentError(f"{action.option_strings[0]} must be below 2**63, got {v}")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,
                prog: str = "pretrain_gpt.py") -> argparse.Namespace:
     """Parse and validate; on any bad input print one line and exit with code 2.
@@ -415,6 +457,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int
         parser.error(str(e))
     args = parser.parse_args(argv)
     try:
+        check_int_bounds(args, parser)
         finalize_args(args, parser, world_size=world_size)
     except ConfigError as e:  # ArgumentError included
         parser.error(str(e))

@@ -17,16 +17,19 @@ from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import config_from_args, run_config_from_args
 from megamoe.cli.rules import ArgumentError
 from megamoe.config import DataConfig
+from megamoe.config.fields import ConfigError
 from megamoe.data import DataError, tokenizer_for
 from megamoe.parallel.failures import DistributedFailure
 from megamoe.planning.dry_run import dry_run
+from megamoe.planning.fits import check_fits
 from megamoe.training import pretrain as training
 from megamoe.training.checkpoint import CheckpointError
+from megamoe.training.log_targets import LogTargetError, check_log_targets
 from megamoe.training.loop import TrainState
 from megamoe.training.nonfinite import NonFiniteError
 
 USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure,
-               NonFiniteError)
+               NonFiniteError, LogTargetError)
 
 
 def _dry_run_vocab_size(data: DataConfig) -> int:
@@ -61,8 +64,10 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
         dry_run(run_config_from_args(args, _dry_run_vocab_size(data)), print_fn)
         return TrainState()
     tokenizer = tokenizer_for(data)
-    return training.pretrain(run_config_from_args(args, tokenizer.vocab_size), tokenizer,
-                             print_fn)
+    run = run_config_from_args(args, tokenizer.vocab_size)
+    check_fits(run, print_fn)  # before any process group, data index or allocation
+    check_log_targets(run.logging)
+    return training.pretrain(run, tokenizer, print_fn)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,6 +87,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except USER_ERRORS as e:
         sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
         return 1
+    except ConfigError as e:  # flags that validate one by one but cannot run together here
+        sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("pretrain_gpt.py: interrupted\n")
         return 130

@@ -23,6 +23,7 @@ from megamoe.config.fields import flag_dest
 from megamoe.config.unsupported import NOT_SUPPORTED_YET
 from megamoe.data.builder import parse_data_path
 from megamoe.data.errors import DataError
+from megamoe.training.checkpoint.publish import TRACKER
 
 
 class ArgumentError(ConfigError):
@@ -37,22 +38,38 @@ def parse_layer_freq(spec: str, num_layers: int) -> list[int]:
     """--moe-layer-freq: an int N (every Nth layer is MoE, starting with layer 0) or a
     Python-like list expression such as "([0]+[1]*23)". Evaluated without eval()."""
 
+    unreadable = ArgumentError(f"--moe-layer-freq: cannot read {spec!r}")
+    # A list longer than the model is wrong whatever it holds: stop before building it,
+    # so "[1]*100000000000" is one line, not the machine's memory.
+    most = max(num_layers, 1)
+
     def ev(node: ast.AST):
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.List):
             return [ev(e) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = ev(node.left), ev(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ArgumentError(f"--moe-layer-freq: cannot read {spec!r}")
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                seq, times = (left, right) if isinstance(left, list) else (right, left)
+                if len(seq) * max(times, 0) > most:
+                    raise ArgumentError(f"--moe-layer-freq pattern has {len(seq) * times} "
+                                        f"entries but --num-layers is {num_layers}")
+                return seq * times
+            if isinstance(node.op, ast.Mult) and isinstance(left, int):
+                return left * right
+        raise unreadable
 
     try:
         value = ev(ast.parse(spec.strip(), mode="eval"))
-    except SyntaxError:
-        raise ArgumentError(f"--moe-layer-freq: cannot read {spec!r}") from None
+    except ArgumentError:
+        raise
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise unreadable from None
     if isinstance(value, int):
         if value < 1:
             raise ArgumentError(f"--moe-layer-freq must be >= 1, got {value}")
@@ -161,8 +178,14 @@ def _check_data(args: argparse.Namespace) -> None:
     data flags fit together is DataConfig's own rule.)"""
     if args.dry_run:
         return
-    if not (args.data_path or args.train_data_path or args.mock_data):
-        raise ArgumentError("one of --data-path, --train-data-path or --mock-data is required")
+    if not (args.data_path or args.train_data_path or args.mock_data or args.data_args_path
+            or args.per_split_data_args_path):
+        raise ArgumentError("one of --data-path, --train-data-path, --data-args-path, "
+                            "--per-split-data-args-path or --mock-data is required")
+    for flag in ("--data-args-path", "--per-split-data-args-path"):
+        path = getattr(args, flag_dest(flag))
+        if path is not None and not os.path.isfile(path):
+            raise ArgumentError(f"{flag}: file not found: {path}")
     if args.tokenizer_type is None and not args.mock_data:
         raise ArgumentError("--tokenizer-type is required")
     for flag in ("--tokenizer-model", "--vocab-file", "--merge-file"):
@@ -178,7 +201,30 @@ def _check_data(args: argparse.Namespace) -> None:
         for prefix in prefixes:
             for suffix in (".bin", ".idx"):
                 if not os.path.isfile(prefix + suffix):
-                    raise ArgumentError(f"{flag}: file not found: {prefix + suffix}")
+                    raise ArgumentError(f"{flag}: file not found: {prefix + suffix}"
+                                        f"{_prefix_hint(prefix)}")
+
+
+def _prefix_hint(prefix: str) -> str:
+    """A data path is the prefix of a .bin/.idx pair: 'corpus_text_document', not
+    'corpus_text_document.bin'."""
+    if prefix.endswith((".bin", ".idx")):
+        return f" (give the prefix without .bin/.idx: {prefix[:-4]})"
+    return ""
+
+
+def _check_load_is_not_hf(load: Optional[str]) -> None:
+    """--load of a Hugging Face model folder (config.json + *.safetensors, no megamoe
+    checkpoint) names the converter instead of 'no checkpoint found'."""
+    if not load or not os.path.isdir(load) or os.path.exists(os.path.join(load, TRACKER)):
+        return
+    names = os.listdir(load)
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names) and \
+            not any(n.startswith("iter_") or n.endswith(".pt") for n in names):
+        raise ArgumentError(
+            f"--load {load}: a Hugging Face model (config.json, *.safetensors), not a megamoe "
+            f"checkpoint; convert it first: python tools/checkpoint/convert.py hf-to-megamoe "
+            f"--input {load} --output DIR, then --load DIR")
 
 
 def _check_fsdp(args: argparse.Namespace) -> None:
@@ -239,5 +285,6 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)
     _check_data(args)
+    _check_load_is_not_hf(args.load)
     _check_not_supported(args, parser)
     return args

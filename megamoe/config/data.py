@@ -26,6 +26,9 @@ class DataConfig:
     train_data_path: Optional[list[str]] = flag("--train-data-path", None)
     valid_data_path: Optional[list[str]] = flag("--valid-data-path", None)
     test_data_path: Optional[list[str]] = flag("--test-data-path", None)
+    # Megatron's blends read from files (megamoe/data/data_args.py)
+    data_args_path: Optional[str] = flag("--data-args-path", None)
+    per_split_data_args_path: Optional[str] = flag("--per-split-data-args-path", None)
     split: str = flag("--split", "969,30,1")
     mock_data: bool = flag("--mock-data", False)
     data_cache_path: Optional[str] = flag("--data-cache-path", None)
@@ -53,11 +56,16 @@ class DataConfig:
         check_positive(self, "num_workers", allow_zero=True)
         require(self.dataloader_type in DATALOADER_TYPES, f"--dataloader-type must be one of "
                 f"{', '.join(DATALOADER_TYPES)}, got {self.dataloader_type!r}")
-        has_paths = bool(self.data_path) or bool(self.train_data_path)
+        has_paths = bool(self.data_path or self.train_data_path or self.data_args_path
+                         or self.per_split_data_args_path)
         require(not (has_paths and self.mock_data),
                 "--mock-data cannot be combined with --data-path")
         require(not (self.data_path and self.train_data_path),
                 "--data-path and --train-data-path are mutually exclusive")
+        require(not (self.data_path and self.data_args_path),  # Megatron asserts this
+                "--data-args-path and --data-path are mutually exclusive")
+        require(not (self.train_data_path and self.per_split_data_args_path),
+                "--per-split-data-args-path and --train-data-path are mutually exclusive")
         kind = self.tokenizer_type
         if kind is None:  # library use may hand build_gpt_datasets a tokenizer object
             return

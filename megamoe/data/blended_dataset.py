@@ -1,9 +1,8 @@
 """Megatron's BlendedDataset: a weighted, deterministic interleaving of datasets.
 
-The blending index is Megatron's greedy rule: at each position pick the dataset whose
-realised share lags its weight the most (ties to the lowest index). It needs no random
-numbers, so it is the same on every rank and run, and every prefix of it tracks the
-weights to within one sample per dataset.
+The blending index (blending_index.py) is Megatron's greedy rule: at each position pick
+the dataset whose realised share lags its weight the most (ties to the lowest index).
+With a cache directory it is streamed into .npy files once and memory-mapped back.
 """
 
 from __future__ import annotations
@@ -18,17 +17,18 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megamoe.data.atomic import save_npy_atomic
+from megamoe.data.blending_index import (
+    build_blending_indices,
+    check_blending_indices,
+    normalize_weights,
+    write_blending_indices,
+)
 from megamoe.data.errors import DataError
+from megamoe.data.index_cache import DEFAULT_TIMEOUT_S, build_once, timed
 
 SIZE_MARGIN = 1.005  # each component holds 0.5 % more samples than its share needs
 
-
-def normalize_weights(weights: Sequence[float]) -> list[float]:
-    total = float(sum(weights))
-    if total <= 0 or any(w < 0 for w in weights):
-        raise DataError(f"blending weights must be >= 0 with a positive sum, got {list(weights)}")
-    return [float(w) / total for w in weights]
+__all__ = ["BlendedDataset", "build_blending_indices", "component_sizes", "normalize_weights"]
 
 
 def component_sizes(weights: Sequence[float], num_samples: int) -> list[int]:
@@ -36,33 +36,13 @@ def component_sizes(weights: Sequence[float], num_samples: int) -> list[int]:
     return [int(math.ceil(w * num_samples * SIZE_MARGIN)) for w in normalize_weights(weights)]
 
 
-def build_blending_indices(weights: Sequence[float],
-                           num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index [n] int16, dataset_sample_index [n] int64) by the greedy rule."""
-    w = normalize_weights(weights)
-    k = len(w)
-    counts = [0] * k
-    dataset_index = np.empty(num_samples, dtype=np.int16)
-    sample_index = np.empty(num_samples, dtype=np.int64)
-    for i in range(num_samples):
-        t = float(max(i, 1))
-        best, best_err = 0, w[0] * t - counts[0]
-        for d in range(1, k):
-            err = w[d] * t - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        dataset_index[i] = best
-        sample_index[i] = counts[best]
-        counts[best] += 1
-    return dataset_index, sample_index
-
-
 class BlendedDataset(torch.utils.data.Dataset):
     """`num_samples` items drawn from `datasets` in proportion to `weights`."""
 
     def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float],
                  num_samples: int, cache_dir: Optional[str] = None,
-                 descriptions: Optional[Sequence[dict]] = None) -> None:
+                 descriptions: Optional[Sequence[dict]] = None,
+                 wait_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("need one weight per dataset and at least one dataset")
         if len(datasets) > np.iinfo(np.int16).max:
@@ -70,37 +50,49 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
         self.num_samples = int(num_samples)
-        self.dataset_index, self.dataset_sample_index = self._indices(cache_dir, descriptions)
-        for d, ds in enumerate(self.datasets):
-            used = self.dataset_sample_index[self.dataset_index == d]
-            if used.size and int(used.max()) >= len(ds):
-                raise DataError(f"blended component {d} has {len(ds)} samples but the "
-                                f"blend needs {int(used.max()) + 1}")
-
-    def _indices(self, cache_dir: Optional[str], descriptions: Optional[Sequence[dict]]):
+        self._cache_files: Optional[tuple[str, str]] = None
+        what = f"blending index ({self.num_samples} samples, {len(self.datasets)} datasets)"
         if cache_dir is None or descriptions is None:
-            return build_blending_indices(self.weights, self.num_samples)
+            with timed(what, always=False):
+                arrays = build_blending_indices(self.weights, self.num_samples)
+        else:
+            arrays = self._cached(cache_dir, descriptions, what, wait_timeout_s)
+        self.dataset_index, self.dataset_sample_index = arrays
+        check_blending_indices(self.dataset_index, self.dataset_sample_index, self.num_samples,
+                               [len(d) for d in self.datasets],
+                               (self._cache_files or ("blending index",))[0])
+
+    def _cached(self, cache_dir: str, descriptions: Sequence[dict], what: str,
+                wait_timeout_s: float):
+        """Built once into the cache (streamed, whatever its length), memory-mapped back."""
         key = hashlib.md5(json.dumps({"class": "BlendedDataset", "weights": self.weights,
                                       "num_samples": self.num_samples,
                                       "datasets": list(descriptions)},
                                      sort_keys=True).encode()).hexdigest()
-        paths = [os.path.join(cache_dir, f"{key}-BlendedDataset-{n}.npy")
-                 for n in ("dataset_index", "dataset_sample_index")]
-        if all(os.path.isfile(p) for p in paths):
-            try:
-                return tuple(np.load(p, allow_pickle=False) for p in paths)
-            except (OSError, ValueError) as e:
-                raise DataError(f"{paths[0]}: unreadable blending cache ({e}); delete the "
-                                "cache directory to rebuild it") from None
-        arrays = build_blending_indices(self.weights, self.num_samples)
+        paths = tuple(os.path.join(cache_dir, f"{key}-BlendedDataset-{n}.npy")
+                      for n in ("dataset_index", "dataset_sample_index"))
         try:
-            os.makedirs(cache_dir, exist_ok=True)
-            for p, a in zip(paths, arrays):
-                save_npy_atomic(p, a)
+            build_once(paths, lambda: write_blending_indices(self.weights, self.num_samples,
+                                                             paths), what, wait_timeout_s)
         except OSError as e:
             sys.stderr.write(f"megamoe.data: warning: cannot write the blending cache in "
-                             f"{cache_dir} ({e.strerror}); indices kept in memory\n")
-        return arrays
+                             f"{cache_dir} ({e.strerror or e}); indices kept in memory\n")
+            return build_blending_indices(self.weights, self.num_samples)
+        self._cache_files = paths
+        return _load(paths)
+
+    def __getstate__(self) -> dict:
+        """Pickle cached indices by path so DataLoader workers map instead of copy them."""
+        state = dict(self.__dict__)
+        if self._cache_files is not None:
+            state.pop("dataset_index")
+            state.pop("dataset_sample_index")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._cache_files is not None:
+            self.dataset_index, self.dataset_sample_index = _load(self._cache_files)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -108,3 +100,11 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int):
         d = int(self.dataset_index[idx])
         return self.datasets[d][int(self.dataset_sample_index[idx])]
+
+
+def _load(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{paths[0]}: unreadable blending cache ({e}); delete the "
+                        "cache directory to rebuild it") from None

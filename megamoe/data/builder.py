@@ -4,6 +4,7 @@ Three ways to name data, as in Megatron-LM:
 - `--data-path "p"` or `"w1 p1 w2 p2"` with `--split "969,30,1"`: every prefix is split
   by *documents* (contiguous ranges, normalised weights); each split blends the prefixes.
 - `--train-data-path / --valid-data-path / --test-data-path`: whole datasets per split.
+- `--data-args-path` / `--per-split-data-args-path`: the same two, read from files.
 - `--mock-data`: synthetic documents (mock_dataset.py), split like a real prefix.
 """
 
@@ -17,8 +18,10 @@ import numpy as np
 
 from megamoe.config import DataConfig
 from megamoe.data.blended_dataset import BlendedDataset, component_sizes
+from megamoe.data.data_args import resolve_data_paths
 from megamoe.data.errors import DataError
 from megamoe.data.gpt_dataset import GPTDataset
+from megamoe.data.index_cache import DEFAULT_TIMEOUT_S
 from megamoe.data.indexed_dataset import IndexedDataset
 from megamoe.data.mock_dataset import MockIndexedDataset
 
@@ -72,21 +75,23 @@ def parse_data_path(values: Sequence[str]) -> tuple[list[float], list[str]]:
 
 
 def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, int, int], *,
-                       seq_length: int, seed: int):
+                       seq_length: int, seed: int, wait_timeout_s: float = DEFAULT_TIMEOUT_S):
     """(train, valid, test) of `seq_length`-token samples, shuffled with `seed`; a split is
-    None when its weight or its num_samples is 0."""
-    builder = _Builder(config, tokenizer, seq_length, seed)
+    None when its weight or its num_samples is 0. Index files missing from the cache are
+    built by one process; the others wait up to `wait_timeout_s` (the run's
+    --distributed-timeout-minutes: Megatron's ranks wait at a barrier bounded by it)."""
+    builder = _Builder(config, tokenizer, seq_length, seed, wait_timeout_s)
     if config.mock_data:
         mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, seq_length, seed)
         return tuple(builder.split_of(mock, i, n, None)
                      for i, n in enumerate(num_samples))
-    if config.data_path:
-        weights, prefixes = parse_data_path(config.data_path)
+    data_path, paths = resolve_data_paths(config)
+    if data_path:
+        weights, prefixes = parse_data_path(data_path)
         split = parse_split(config.split)
         return tuple(builder.blend(weights, prefixes, i, n, split)
                      for i, n in enumerate(num_samples))
-    if config.train_data_path:
-        paths = (config.train_data_path, config.valid_data_path, config.test_data_path)
+    if paths[0]:
         out = []
         for i, (values, n) in enumerate(zip(paths, num_samples)):
             if not values:
@@ -99,8 +104,10 @@ def build_gpt_datasets(config: DataConfig, tokenizer, num_samples: tuple[int, in
 
 
 class _Builder:
-    def __init__(self, config: DataConfig, tokenizer, seq_length: int, seed: int) -> None:
+    def __init__(self, config: DataConfig, tokenizer, seq_length: int, seed: int,
+                 wait_timeout_s: float) -> None:
         self.config = config
+        self.wait_timeout_s = wait_timeout_s
         self.tokenizer = tokenizer
         self.seq_length, self.seed = seq_length, seed
         self._opened: dict[str, IndexedDataset] = {}
@@ -133,7 +140,8 @@ class _Builder:
                           self.tokenizer.eod, eod_mask_loss=c.eod_mask_loss,
                           reset_position_ids=c.reset_position_ids,
                           reset_attention_mask=c.reset_attention_mask,
-                          cache_dir=self.cache_dir(prefix), name=SPLIT_NAMES[i])
+                          cache_dir=self.cache_dir(prefix), name=SPLIT_NAMES[i],
+                          wait_timeout_s=self.wait_timeout_s)
 
     def blend(self, weights: list[float], prefixes: list[str], i: int, num_samples: int,
               split: list[float]):
@@ -154,7 +162,8 @@ class _Builder:
         kept = [(w, d, p) for w, d, p in zip(weights, parts, prefixes) if d is not None]
         return BlendedDataset([d for _, d, _ in kept], [w for w, _, _ in kept], num_samples,
                               cache_dir=self.cache_dir(prefixes[0]),
-                              descriptions=[d.description for _, d, _ in kept])
+                              descriptions=[d.description for _, d, _ in kept],
+                              wait_timeout_s=self.wait_timeout_s)
 
 
 def _check_vocab(indexed: IndexedDataset, tokenizer) -> None:

@@ -29,57 +29,20 @@ import torch
 
 from megamoe.data.atomic import save_npy_atomic, tmp_path_for
 from megamoe.data.errors import DataError
+from megamoe.data.gpt_indices import (
+    build_document_index,
+    build_sample_index,
+    build_shuffle_index,
+    check_gpt_indices,
+    epoch_stats,
+    num_epochs_needed,
+)
+from megamoe.data.index_cache import DEFAULT_TIMEOUT_S, build_once, timed
+
+__all__ = ["GPTDataset", "build_sample_index", "make_sample", "num_epochs_needed"]
 
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 _INDEX_FORMAT = 1  # bump when the index construction changes
-
-
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose token stream yields num_samples samples of seq_length + 1."""
-    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
-
-
-def expand_documents(document_indices: np.ndarray, docs: np.ndarray) -> np.ndarray:
-    """Document ids -> their sequence ids, in order (`document_indices[d] .. [d+1]`)."""
-    document_indices = np.asarray(document_indices)
-    starts = document_indices[docs]
-    counts = document_indices[docs + 1] - starts
-    if np.all(counts == 1):  # the usual GPT corpus: one sequence per document
-        return starts
-    # Ragged expansion: sequence = its document's first sequence + rank within the doc.
-    group_begin = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.repeat(starts, counts) + (np.arange(int(counts.sum())) - group_begin)
-
-
-def build_document_index(document_ids: np.ndarray, document_indices: np.ndarray,
-                         num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """Sequence ids in stream order: per epoch a permutation of `document_ids`, each
-    document expanded to its sequences (kept together, in order)."""
-    per_epoch = [rng.permutation(document_ids) for _ in range(num_epochs)]
-    docs = np.concatenate(per_epoch) if per_epoch else np.zeros(0, dtype=np.int64)
-    seq_ids = expand_documents(document_indices, docs)
-    dtype = np.int32 if seq_ids.size == 0 or seq_ids.max() < 2**31 else np.int64
-    return seq_ids.astype(dtype)
-
-
-def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
-                       seq_length: int) -> np.ndarray:
-    """[N + 1, 2] (document-index position, offset) of every sample start i * seq_length."""
-    lengths = sequence_lengths[document_index].astype(np.int64)
-    ends = np.cumsum(lengths)
-    total = int(ends[-1]) if ends.size else 0
-    num_samples = (total - 1) // seq_length if total > 0 else 0
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    # First stream position whose end lies beyond the start: skips empty sequences.
-    pos = np.searchsorted(ends, starts, side="right")
-    offset = starts - (ends[pos] - lengths[pos])
-    dtype = np.int32 if len(document_index) < 2**31 else np.int64
-    return np.stack([pos, offset], axis=1).astype(dtype)
-
-
-def build_shuffle_index(num_samples: int, rng: np.random.RandomState) -> np.ndarray:
-    dtype = np.int32 if num_samples < 2**31 else np.int64
-    return rng.permutation(num_samples).astype(dtype)
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -94,8 +57,8 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(self, indexed, document_ids: np.ndarray, num_samples: int, seq_length: int,
                  seed: int, eod: int, *, eod_mask_loss: bool = False,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 cache_dir: Optional[str] = None,
-                 name: str = "train") -> None:
+                 cache_dir: Optional[str] = None, name: str = "train",
+                 wait_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.indexed = indexed
         self.seq_length = seq_length
         self.eod = eod
@@ -104,8 +67,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.reset_attention_mask = reset_attention_mask
         self.name = name
         document_ids = np.asarray(document_ids, dtype=np.int64)
-        seq_ids = expand_documents(indexed.document_indices, document_ids)
-        tokens_per_epoch = int(indexed.sequence_lengths[seq_ids].sum(dtype=np.int64))
+        tokens_per_epoch = epoch_stats(document_ids, indexed.document_indices,
+                                       indexed.sequence_lengths).tokens
         source = getattr(indexed, "path_prefix", None) or "mock"
         if tokens_per_epoch == 0:  # short splits are fine (more epochs); empty ones are not
             raise DataError(f"{source}: the {name} split's {len(document_ids)} documents hold "
@@ -113,48 +76,60 @@ class GPTDataset(torch.utils.data.Dataset):
         self.description = {
             "class": "GPTDataset", "format": _INDEX_FORMAT, "source": _source_key(indexed),
             "split": name,
-            "documents": hashlib.md5(document_ids.tobytes()).hexdigest(),
+            "documents": hashlib.md5(np.ascontiguousarray(document_ids).data).hexdigest(),
             "num_documents": int(len(document_ids)), "tokens_per_epoch": tokens_per_epoch,
             "seq_length": seq_length, "num_samples": int(num_samples), "seed": int(seed),
         }
         self._cache_files: Optional[dict[str, str]] = None
         arrays = None
+        what = (f"{name} indices of {source} ({len(document_ids)} documents, "
+                f"{num_samples} samples of {seq_length})")
         if cache_dir is not None:
             arrays = self._load_or_build_cached(cache_dir, document_ids, tokens_per_epoch,
-                                                num_samples, seed)
+                                                num_samples, seed, what, wait_timeout_s)
         if arrays is None:
-            arrays = self._build(document_ids, tokens_per_epoch, num_samples, seed)
+            with timed(what, always=False):
+                arrays = self._build(document_ids, tokens_per_epoch, num_samples, seed)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     def _build(self, document_ids, tokens_per_epoch, num_samples, seed):
         rng = np.random.RandomState(seed)
         epochs = num_epochs_needed(tokens_per_epoch, self.seq_length, num_samples)
-        doc_index = build_document_index(document_ids, np.asarray(
-            self.indexed.document_indices), epochs, rng)
+        document_indices = np.asarray(self.indexed.document_indices)
+        stats = epoch_stats(document_ids, document_indices, None)
+        doc_index = build_document_index(document_ids, document_indices, epochs, rng,
+                                         stats=stats)
         sample_index = build_sample_index(np.asarray(self.indexed.sequence_lengths),
-                                          doc_index, self.seq_length)
+                                          doc_index, self.seq_length,
+                                          total_tokens=epochs * tokens_per_epoch)
         shuffle_index = build_shuffle_index(len(sample_index) - 1, rng)
         return doc_index, sample_index, shuffle_index
 
     def _load_or_build_cached(self, cache_dir, document_ids, tokens_per_epoch, num_samples,
-                              seed):
+                              seed, what, wait_timeout_s):
+        """Built once per cache directory (build_once), memory-mapped back and checked."""
         key = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
-        files = {n: os.path.join(cache_dir, f"{key}-GPTDataset-{self.name}-{n}.npy")
-                 for n in _INDEX_NAMES}
-        if not all(os.path.isfile(p) for p in files.values()):
-            arrays = self._build(document_ids, tokens_per_epoch, num_samples, seed)
-            try:
-                os.makedirs(cache_dir, exist_ok=True)
-                _write_description(os.path.join(cache_dir, f"{key}-GPTDataset-{self.name}"
-                                                "-description.json"), self.description)
-                for n, a in zip(_INDEX_NAMES, arrays):
-                    save_npy_atomic(files[n], a)
-            except OSError as e:
-                sys.stderr.write(f"megamoe.data: warning: cannot write the index cache in "
-                                 f"{cache_dir} ({e.strerror}); indices kept in memory\n")
-                return arrays
+        stem = os.path.join(cache_dir, f"{key}-GPTDataset-{self.name}")
+        files = {n: f"{stem}-{n}.npy" for n in _INDEX_NAMES}
+        built = []
+
+        def build() -> None:
+            built.append(self._build(document_ids, tokens_per_epoch, num_samples, seed))
+            _write_description(f"{stem}-description.json", self.description)
+            for n, a in zip(_INDEX_NAMES, built[0]):
+                save_npy_atomic(files[n], a)
+
+        try:
+            build_once(list(files.values()), build, what, wait_timeout_s)
+        except OSError as e:
+            sys.stderr.write(f"megamoe.data: warning: cannot write the index cache in "
+                             f"{cache_dir} ({e.strerror or e}); indices kept in memory\n")
+            return built[0] if built else None
+        built.clear()
         self._cache_files = files
-        return _load_indices(files)
+        arrays = _load_indices(files)
+        check_gpt_indices(*arrays, len(self.indexed.sequence_lengths), files["sample_index"])
+        return arrays
 
     def __getstate__(self) -> dict:
         """Pickle cached indices by path so DataLoader workers map instead of copy them."""

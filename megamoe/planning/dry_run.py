@@ -32,15 +32,9 @@ def launch_layout(run: RunConfig) -> Layout:
                   micro_batch_size=run.train.micro_batch_size)
 
 
-def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
-    """Build the model's shapes on the meta device; report (one JSON line) its size and the
-    memory one rank of this layout needs (the largest pipeline stage): static bytes plus
-    the largest of the activations, the distributed optimizer's step transient and its
-    checkpoint-save transient (device memory; the save's host copies apart)."""
-    with torch.device("meta"):
-        model = GPTModel(run.model)
-    actual = sum(p.numel() for p in model.parameters())
-    total, active = num_parameters(run.model)
+def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
+    """(device bytes one rank of this layout needs, by part and "total"; the memory
+    model's transients) for the largest pipeline stage, from shapes alone."""
     layout = launch_layout(run)
     bytes_per = 2 if run.optim.bf16 else 4
     static = model_bytes(run.model, layout, bytes_per)
@@ -54,6 +48,19 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
     memory["total"] = sum(memory[k] for k in ("weights", "gradients", "optimizer")) + max(
         memory["activations"], memory["optimizer_step_transient"],
         memory["checkpoint_save_transient"])
+    return memory, transient
+
+
+def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
+    """Build the model's shapes on the meta device; report (one JSON line) its size and the
+    memory one rank of this layout needs (the largest pipeline stage): static bytes plus
+    the largest of the activations, the distributed optimizer's step transient and its
+    checkpoint-save transient (device memory; the save's host copies apart)."""
+    with torch.device("meta"):
+        model = GPTModel(run.model)
+    actual = sum(p.numel() for p in model.parameters())
+    total, active = num_parameters(run.model)
+    memory, transient = per_rank_memory(run)
     report = {"parameters": actual, "parameters_formula": total,
               "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
               "per_rank_memory_gib": round(memory["total"] / 2**30, 3),

@@ -117,6 +117,17 @@ def _log_model(run: RunConfig, mesh: Mesh, model: torch.nn.Module, log: Log) -> 
         f"expert-parallel size {mesh.ep_size}")
 
 
+def split_num_samples(run: RunConfig) -> tuple[int, int, int]:
+    """Samples the run reads from (train, valid, test): what its dataset indices cover."""
+    t = run.train
+    gbs = t.global_batch_size
+    eval_runs = t.train_iters // t.eval_interval + 1
+    # as Megatron: --train-samples, or --train-iters global batches (and never fewer
+    # than the iterations take: the last step of a ramp-up may pass --train-samples)
+    train_samples = max(t.train_samples or 0, t.samples_for_iters(t.train_iters))
+    return train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs
+
+
 @dataclass
 class _Data:
     """The run's datasets and this rank's iterators over them."""
@@ -130,17 +141,14 @@ class _Data:
     def build(cls, run: RunConfig, tokenizer, mesh: Mesh, state: TrainState) -> _Data:
         t = run.train
         gbs = t.global_batch_size
-        eval_runs = t.train_iters // t.eval_interval + 1
-        # as Megatron: --train-samples, or --train-iters global batches (and never fewer
-        # than the iterations take: the last step of a ramp-up may pass --train-samples)
-        train_samples = max(t.train_samples or 0, t.samples_for_iters(t.train_iters))
-        num_samples = (train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs)
+        num_samples = split_num_samples(run)
         # DataLoader iterators draw their base seed from the global torch RNG: keep that
         # draw out of the training RNG stream, so a resumed run (RNG restored from the
         # checkpoint) continues with exactly the dropout masks of a run that never stopped.
         with torch.random.fork_rng(devices=[]):
             train_ds, valid_ds, test_ds = build_gpt_datasets(
-                run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=t.seed)
+                run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=t.seed,
+                wait_timeout_s=60 * run.parallel.distributed_timeout_minutes)
             # validation resumes where the uninterrupted run's would be (one eval_iters
             # window per --eval-interval)
             valid_consumed = (state.iteration // t.eval_interval) * t.eval_iters * gbs

@@ -1,5 +1,5 @@
-"""Where megamoe differs from Megatron-LM (README section of that name), one test each:
-what Megatron-LM computes is written out by hand from its code
+"""Where megamoe differs from Megatron-LM (docs/megatron-compatibility.md, section of that
+name), one test each: what Megatron-LM computes is written out by hand from its code
 (megatron/core/transformer/moe/router.py, moe_utils.py, transformer_config.py) and
 megamoe's value is shown to differ from it in the documented way. Where megamoe follows
 Megatron by default and keeps its earlier behaviour behind a flag, both are shown."""
@@ -319,13 +319,13 @@ def test_tp_capacity_counts_each_ranks_shard(etp):
     assert any(any(flags) for flags in per_rank)  # the two counts keep different sets
 
 
-# --- the README's list ------------------------------------------------------------------------
+# --- the documented list -------------------------------------------------------------------------
 
 def test_readme_differences_name_tests_that_exist():
-    """Every test the README section "Where megamoe differs from Megatron-LM, and why"
-    names exists, and this file's tests are all named there."""
+    """Every test the section "Where megamoe differs from Megatron-LM, and why" of
+    docs/megatron-compatibility.md names exists, and this file's tests are all named there."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(root, "docs", "megatron-compatibility.md"), encoding="utf-8") as f:
         readme = f.read()
     section = readme.split("## Where megamoe differs from Megatron-LM, and why")[1]
     section = section.split("\n## ")[0]

@@ -288,3 +288,12 @@ def test_megamoe_to_hf_bad_input(tmp_path, capsys):
                     "--output", str(tmp_path / "mm"))
     _one_line_error(p, "already holds a checkpoint")
     assert len(pt.read_bytes()) == 1000
+
+
+def test_megamoe_to_hf_without_transformers_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    out = tmp_path / "out"
+    _one_line_error(_in_process(capsys, "megamoe-to-hf", "--input", str(tmp_path),
+                                "--output", str(out)),
+                    "needs transformers", "pip install -e .[hf]")
+    assert not out.exists()

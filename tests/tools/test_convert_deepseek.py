@@ -152,7 +152,7 @@ def _reference_mtp_loss(hf, sd: dict, tokens: torch.Tensor, labels: torch.Tensor
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
 
 
-def test_mtp_layers_round_trip_and_give_deepseeks_mtp_loss(tmp_path):
+def test_mtp_layers_round_trip_and_give_deepseeks_mtp_loss(tmp_path, capsys):
     hf = hf_model(tmp_path / "hf", "q-lora-yarn")
     sd = _with_mtp_layer(tmp_path / "hf", tmp_path / "mtp")
     assert convert(["hf-to-megamoe", "--input", str(tmp_path / "mtp"),
@@ -165,6 +165,17 @@ def test_mtp_layers_round_trip_and_give_deepseeks_mtp_loss(tmp_path):
     assert all(torch.equal(sd[k], again[k]) for k in sd)
     assert json.loads((tmp_path / "hf2" / "config.json").read_text())[
         "num_nextn_predict_layers"] == 1
+    # the export says, in one line, that transformers does not load the MTP layer, and it
+    # does not: it reports the layer's weights as unexpected and builds no such module
+    n = hf.config.num_hidden_layers
+    note = [line for line in capsys.readouterr().out.splitlines() if "MTP" in line]
+    assert len(note) == 1 and f"written as model.layers.{n} " in note[0], note
+    loaded, info = type(hf).from_pretrained(str(tmp_path / "hf2"), output_loading_info=True)
+    mtp = f"model.layers.{n}."
+    assert {"eh_proj", "enorm", "hnorm"} <= {k[len(mtp):].split(".")[0]
+                                             for k in info["unexpected_keys"]
+                                             if k.startswith(mtp)}, info
+    assert not any(k.startswith(mtp) for k in loaded.state_dict())
     model = megamoe.from_checkpoint(str(tmp_path / "a")).train()
     tokens = _tokens(3)
     MTPLossTracker.take()

@@ -49,7 +49,7 @@ def test_build_grows_host_memory_by_about_the_rank_weights():
     # 276 MB of bf16 weights on rank 0 of 4 (the full model: 955 MB). glibc keeps freed
     # heap chunks of the 16 MB draw buffers for reuse; pinning its mmap threshold returns
     # them, so the figure is what megamoe holds (a full-size Mixtral 8x7B rank, TP4 EP4,
-    # measures 1.05x without it: docs in the README).
+    # measures 1.05x without it: docs/gpus.md).
     flags = ["--config", "configs/tiny.yaml", "--vocab-size", "32000", "--bf16",
              "--hidden-size", "1024", "--ffn-hidden-size", "4096", "--num-attention-heads",
              "16", "--num-layers", "4", "--num-experts", "8", *LAYOUT]

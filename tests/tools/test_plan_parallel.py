@@ -259,7 +259,8 @@ def test_cli_json_and_explanations():
 
 
 def test_top_layouts_launch_with_pretrain_gpt_dry_run(capsys, monkeypatch):
-    """What the README's planner command prints first is launchable: each of the top five
+    """What the planner command in docs/parallelism-and-planner.md prints first launches:
+    each of the top five
     layouts (its "flags") passes `pretrain_gpt.py --dry-run` with WORLD_SIZE=64 (the CLI
     entry, in process). The planner used to rank CP=4 layouts first, which pretrain_gpt.py
     refuses (context parallelism is not built)."""

@@ -20,6 +20,7 @@ from megamoe import from_checkpoint
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.main import pretrain
 from tests.distributed import run_distributed
+from tests.tolerances import ulp_tol
 from tests.training.test_pretrain import TINY_MOE
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
@@ -27,12 +28,55 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
 NAMES = ("torch_single", "torch_dist_ep2")
 
 
+# The recorded logits were computed on another CPU: its BLAS and vector kernels round
+# differently (measured: up to 7.5e-8 here, logits of scale 0.47). TINY_MOE's longest path
+# is about a dozen fp32 ops of short reductions (H = 32), each a few roundings: 64 units
+# of fp32 roundoff at the logits' scale (3.6e-6) is ~50x what machines differ by, and a
+# wrong load moves the logits by >= 1e-3 (test_fixture_tolerance_catches_a_wrong_load).
+RECORDED_ULPS = 64
+
+
+def _recorded_logits(fixtures: str, name: str) -> tuple[torch.nn.Module, torch.Tensor,
+                                                        torch.Tensor]:
+    expected = torch.load(os.path.join(fixtures, "expected_logits.pt"), weights_only=True)
+    return from_checkpoint(os.path.join(fixtures, name)), expected["tokens"], expected[name]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_old_checkpoint_gives_its_recorded_logits(name):
-    expected = torch.load(os.path.join(FIXTURES, "expected_logits.pt"), weights_only=True)
-    model = from_checkpoint(os.path.join(FIXTURES, name))
+    model, tokens, logits = _recorded_logits(FIXTURES, name)
     with torch.no_grad():
-        assert torch.equal(model(expected["tokens"]), expected[name])
+        torch.testing.assert_close(model(tokens), logits, **ulp_tol(logits, RECORDED_ULPS))
+
+
+def _mutations(sd: dict) -> dict:
+    """Mistakes a loader could make, each applied to one loaded tensor."""
+    fc1, qkv = "decoder.layers.1.mlp.experts.fc1_weight", \
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+    proj = "decoder.layers.0.self_attention.linear_proj.weight"
+    return {
+        "experts swapped": {fc1: sd[fc1][[1, 0, 2, 3]]},
+        "expert dropped": {fc1: torch.cat([sd[fc1][:3], torch.zeros_like(sd[fc1][3:])])},
+        "square weight transposed": {proj: sd[proj].t()},
+        "q and k halves swapped": {qkv: torch.cat([sd[qkv][32:], sd[qkv][:32]])},
+        "norm weight off by 1%": {"decoder.final_layernorm.weight":
+                                  sd["decoder.final_layernorm.weight"] * 1.01},
+        "router rows swapped": {"decoder.layers.0.mlp.router.weight":
+                                sd["decoder.layers.0.mlp.router.weight"][[1, 0, 2, 3]]},
+    }
+
+
+def test_fixture_tolerance_catches_a_wrong_load():
+    """The tolerance above is far below the effect of any loading mistake: each mutation of
+    one loaded tensor moves the logits by at least 100x the tolerance."""
+    model, tokens, logits = _recorded_logits(FIXTURES, "torch_single")
+    atol = ulp_tol(logits, RECORDED_ULPS)["atol"]
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for what, change in _mutations(sd).items():
+        model.load_state_dict({**sd, **change})
+        with torch.no_grad():
+            moved = float((model(tokens) - logits).abs().max())
+        assert moved > 100 * atol, f"{what}: logits moved {moved:.2e} only"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,11 +105,9 @@ TP2 = "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-opti
 def test_old_whole_shared_experts_give_their_recorded_logits():
     """`shared_experts.linear_fc1.weight` [2F, H] was one logical tensor: it loads into the
     gate and up parts the shared experts are saved as now."""
-    expected = torch.load(os.path.join(SHARED_FIXTURES, "expected_logits.pt"),
-                          weights_only=True)
-    model = from_checkpoint(os.path.join(SHARED_FIXTURES, "torch_dist_tp2_shared"))
-    with torch.no_grad():
-        assert torch.equal(model(expected["tokens"]), expected["torch_dist_tp2_shared"])
+    model, tokens, logits = _recorded_logits(SHARED_FIXTURES, "torch_dist_tp2_shared")
+    with torch.no_grad():  # recorded on another CPU: the tolerance of the tests above
+        torch.testing.assert_close(model(tokens), logits, **ulp_tol(logits, RECORDED_ULPS))
 
 
 def _shared_losses(rank: int, world_size: int, extra: str) -> list[float]:

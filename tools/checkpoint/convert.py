@@ -186,10 +186,19 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
 
 # ---------------------------------------------------------------- megamoe -> Hugging Face
 
+def _import_transformers():
+    """transformers writes config.json on export; without it, one line naming the extra."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConvertError("megamoe-to-hf needs transformers (it writes the config.json): "
+                           "pip install -e .[hf]") from None
+    return transformers
+
+
 def hf_config(config: ModelConfig, dtype: torch.dtype, family: HFFamily):
     """The transformers config object of `family`'s model of `config`."""
-    import transformers
-
+    transformers = _import_transformers()
     fields = family.config_fields(config)
     return transformers.AutoConfig.for_model(
         family.model_type, **fields, architectures=[family.architecture],
@@ -226,7 +235,24 @@ def write_safetensors(sd: dict[str, torch.Tensor], out_dir: str,
     return names
 
 
-def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_BYTES) -> None:
+def mtp_note(config: ModelConfig, family: HFFamily) -> Optional[str]:
+    """What transformers does with exported MTP layers: DeepseekV3ForCausalLM builds
+    num_hidden_layers decoder layers and no MTP module, so model.layers.{N..} are unused."""
+    depths = config.mtp_num_layers or 0
+    if not depths:
+        return None
+    n = config.num_layers
+    layers = f"model.layers.{n}" if depths == 1 else f"model.layers.{n}..{n + depths - 1}"
+    return (f"note: the {depths} MTP depth(s) are written as {layers} (DeepSeek's layout); "
+            f"transformers' {family.architecture} builds {n} decoder layers and no MTP module, "
+            "so it does not load them (unused weights); DeepSeek's inference code and "
+            "hf-to-megamoe do")
+
+
+def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str,
+                             shard_bytes: int = SHARD_BYTES) -> Optional[str]:
+    """Write `ckpt` as a Hugging Face folder; returns a note for the user, or None."""
+    _import_transformers()
     try:
         state = read_checkpoint(ckpt)
     except CheckpointError as e:
@@ -259,6 +285,7 @@ def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str, shard_bytes: int = SHARD_B
         os.replace(os.path.join(tmp, "config.json"), os.path.join(out_dir, "config.json"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return mtp_note(config, family)
 
 
 # ---------------------------------------------------------------- command line
@@ -311,8 +338,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             final = hf_to_megamoe_checkpoint(args.input, args.output, args.ckpt_format, target)
             print(f"wrote {final}")
         else:
-            megamoe_to_hf_checkpoint(args.input, args.output)
+            note = megamoe_to_hf_checkpoint(args.input, args.output)
             print(f"wrote {args.output}")
+            if note:
+                print(note)
     except (ConvertError, CheckpointError) as e:
         sys.stderr.write(f"convert.py: error: {e}\n")
         return 1
