@@ -33,10 +33,10 @@ EQUIVALENTS = {
                         "Engine RNG tracker)",
     "--enable-experimental": "megamoe has no experimental code paths behind this switch",
     "--moe-token-dispatcher-type flex": "megamoe's alltoall dispatcher runs (flex picks "
-                                        "DeepEP/HybridEP kernels for the same all-to-all "
+                                        "DeepEP/HybridEP/NCCL-EP kernels for the same all-to-all "
                                         "dispatch)",
 }
-FLEX_BACKENDS = ("deepep", "hybridep")
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +86,8 @@ def add_equivalent_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
                    help="which fused cross entropy --cross-entropy-loss-fusion picks "
                         "(accepted with it: megamoe's cross entropy runs)")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="accepted (a no-op): megamoe always builds the model on the meta device")
     g.add_argument("--moe-flex-dispatcher-backend", default="deepep", choices=FLEX_BACKENDS,
                    help="the flex dispatcher's kernels (accepted with "
                         "--moe-token-dispatcher-type flex: the alltoall dispatcher runs)")
@@ -104,8 +106,6 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
     for flag in ("--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"):
         g.add_argument(flag, default=None, choices=["fp32", "bf16"], help="not supported yet")
     g.add_argument("--padded-vocab-size", type=int, default=None, help="not supported yet")
-    g.add_argument("--init-model-with-meta-device", action="store_true",
-                   help="accepted: megamoe always builds the model on the meta device")
 
 
 def derive_compat(args: argparse.Namespace) -> None:
