@@ -71,7 +71,7 @@ EQUIVALENT = {
     **{f: r for f, r in EQUIVALENTS.items() if " " not in f},
     "--cross-entropy-fusion-impl": "which fused cross entropy --cross-entropy-loss-fusion "
                                    "picks; megamoe's own runs",
-    "--moe-flex-dispatcher-backend": "the flex dispatcher's DeepEP/HybridEP kernels; with "
+    "--moe-flex-dispatcher-backend": "the flex dispatcher's DeepEP/HybridEP/NCCL-EP kernels; with "
                                      "--moe-token-dispatcher-type flex the alltoall "
                                      "dispatcher runs",
 }
