@@ -59,6 +59,7 @@ from megamoe.moe.dispatchers import (
     TensorParallelDispatcher,
 )
 from megamoe.moe.experts import GroupedExperts, SharedExpertMLP, use_grouped_gemm
+from megamoe.moe.force_balance import expert_parallel_seed
 from megamoe.moe.layer import MoELayer
 from megamoe.moe.router import TopKRouter
 from megamoe.moe.sharding import mark_expert_parallel, shard_expert_hidden, shard_experts
@@ -103,6 +104,8 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
             enable_adaptive_parallelism(model, mesh.group("ep"), device=mesh.device)
         if mesh.dp_size * mesh.cp_size > 1:
             set_balancing_group(model, mesh.group("dp_cp"), mesh.dp_size * mesh.cp_size)
+        if model.config.moe.force_load_balancing:
+            set_force_balancing_rng(model, mesh, seed)
     if mesh.tp_size > 1 or mesh.pp_size > 1:  # this stage's dropout stream, every TP rank
         torch.manual_seed(seed + PIPELINE_SEED_STRIDE * mesh.pp_rank)
     if dtype != torch.float32:
@@ -112,6 +115,16 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
     if compile_layers:
         compile_transformer_layers(model)
     return model
+
+
+def set_force_balancing_rng(model: nn.Module, mesh: Mesh, seed: int) -> None:
+    """--moe-router-force-load-balancing: one noise stream per expert-parallel rank
+    (Megatron's expert-parallel seed), shared by this rank's routers."""
+    rng = RNGTracker(expert_parallel_seed(seed, mesh.local_rank_in("ep"), mesh.local_rank_in("etp"),
+                                          PIPELINE_SEED_STRIDE * mesh.pp_rank))
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.force_rng = rng
 
 
 def apply_context_parallel(model: nn.Module, group: Group, comm_types: list[str]) -> nn.Module:

@@ -25,6 +25,7 @@ import pytest
 
 from megamoe import config as C
 from megamoe.cli.arguments import build_parser, parse_args
+from megamoe.cli.compat_args import EQUIVALENTS
 from megamoe.cli.extensions import NegationAction
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.rules import NOT_SUPPORTED_YET
@@ -58,15 +59,28 @@ NO_OP = {
         "(--reset-attention-mask) and the model builds the mask on the device",
     "--accumulate-allreduce-grads-in-fp32":
         "with --bf16 gradients always accumulate and are reduced in fp32",
+    "--init-model-with-meta-device": "megamoe always builds the model on the meta device",
     "--log-memory-to-tensorboard": "memory scalars are always written to TensorBoard",
     "--log-validation-ppl-to-tensorboard":
         "validation perplexity is always written to TensorBoard",
 }
 
+# Declared equivalents (cli/compat_args.py): a fused or vendor kernel choice; accepted, and
+# the run prints one line saying what runs instead
+# (tests/scripts/test_megatron_flags.py::test_declared_equivalents_print_what_runs).
+EQUIVALENT = {
+    **{f: r for f, r in EQUIVALENTS.items() if " " not in f},
+    "--cross-entropy-fusion-impl": "which fused cross entropy --cross-entropy-loss-fusion "
+                                   "picks; megamoe's own runs",
+    "--moe-flex-dispatcher-backend": "the flex dispatcher's DeepEP/HybridEP/NCCL-EP kernels; with "
+                                     "--moe-token-dispatcher-type flex the alltoall "
+                                     "dispatcher runs",
+}
+
 # Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py).
 REFUSED_VALUES = {
-    "--transformer-impl": "transformer_engine is refused; local is what runs",
-    "--timing-log-level": "> 0 is refused (timers are not built); 0 is the default",
+    "--transformer-impl": "transformer_engine: --dry-run and the planner accept it, a run "
+                          "that builds the model refuses it; local is what runs",
 }
 
 # Flags the command line reads itself (no config field): flag -> named test.
@@ -82,6 +96,9 @@ CLI_READ = {
         "tests/training/test_recompute_flags.py::test_recompute_activations_is_selective",
     "--moe-layer-recompute":
         "tests/training/test_recompute_flags.py::test_moe_layer_recompute_adds_moe",
+    "--logging-level": "tests/scripts/test_megatron_flags.py::test_logging_level",
+    "--use-rotary-position-embeddings":
+        "tests/scripts/test_megatron_flags.py::test_use_rotary_position_embeddings",
 }
 
 
@@ -104,7 +121,8 @@ def negation_flags() -> set[str]:
 def test_every_flag_is_classified():
     classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET) - set(REFUSED_VALUES),
                "cli": set(CLI_READ), "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES),
-               "no-op": set(NO_OP), "negation": negation_flags()}
+               "no-op": set(NO_OP), "negation": negation_flags(),
+               "equivalent": set(EQUIVALENT)}
     names = list(classes)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -278,6 +296,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--lr": ("--lr 0.25", 1, 0.25),
     "--min-lr": ("--min-lr 1e-5", 1, 1e-5),
     "--weight-decay": ("--weight-decay 0.3", 1, 0.3),
+    "--weight-decay-incr-style": ("--weight-decay-incr-style cosine --start-weight-decay 0 "
+                                  "--end-weight-decay 0.1", 1, "cosine"),
+    "--start-weight-decay": ("--weight-decay-incr-style linear --start-weight-decay 0.02 "
+                             "--end-weight-decay 0.1", 1, 0.02),
+    "--end-weight-decay": ("--weight-decay-incr-style linear --start-weight-decay 0.02 "
+                           "--end-weight-decay 0.1", 1, 0.1),
     "--adam-beta1": ("--adam-beta1 0.8", 1, 0.8),
     "--adam-beta2": ("--adam-beta2 0.95", 1, 0.95),
     "--adam-eps": ("--adam-eps 1e-5", 1, 1e-5),
@@ -351,6 +375,22 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--mscale-all-dim": (f"{MLA} --mscale-all-dim 1", 1, 1.0),
     "--mtp-num-layers": ("--mtp-num-layers 2", 1, 2),
     "--mtp-loss-scaling-factor": ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3", 1, 0.3),
+    "--manual-gc": ("--manual-gc", 1, True),
+    "--manual-gc-interval": ("--manual-gc --manual-gc-interval 10", 1, 10),
+    "--no-manual-gc-eval": ("--manual-gc --no-manual-gc-eval", 1, False),
+    "--no-mmap-bin-files": ("--no-mmap-bin-files", 1, False),
+    "--attention-backend": ("--attention-backend unfused", 1, "unfused"),
+    "--auto-detect-ckpt-format": ("--auto-detect-ckpt-format", 1, True),
+    "--dist-ckpt-strictness": ("--dist-ckpt-strictness log_all", 1, "log_all"),
+    "--moe-router-force-load-balancing": ("--moe-router-force-load-balancing", 1, True),
+    "--timing-log-level": ("--timing-log-level 1", 1, 1),
+    "--profile": ("--profile --use-pytorch-profiler --tensorboard-dir {tmp}/tb", 1, True),
+    "--use-pytorch-profiler": ("--profile --use-pytorch-profiler --tensorboard-dir {tmp}/tb",
+                               1, True),
+    "--profile-step-start": ("--profile-step-start 3", 1, 3),
+    "--profile-step-end": ("--profile-step-start 2 --profile-step-end 4", 1, 4),
+    "--profile-ranks": ("--profile-ranks 1 2", 1, [1, 2]),
+    "--log-timers-to-tensorboard": ("--log-timers-to-tensorboard", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "
                            "--recompute-num-layers 1", 1, "block"),

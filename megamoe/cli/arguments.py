@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import sys
 from typing import NoReturn, Optional, Sequence
 
 import yaml
 
+from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.rules import ArgumentError, finalize_args
+from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
 
 FUSION_NO_OPS = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                  "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
                  "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
                  "--no-persist-layer-norm")
-LOGGING_NO_OPS = ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
-                  "--log-validation-ppl-to-tensorboard")
+LOGGING_NO_OPS = ("--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard")
 # On/off flags without a negation: accepted no-ops (nothing to undo).
 NOT_NEGATED = FUSION_NO_OPS + LOGGING_NO_OPS + (
     "--accumulate-allreduce-grads-in-fp32", "--no-create-attention-mask-in-dataloader")
@@ -55,19 +55,6 @@ def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
         if close:
             hints.append(f"{word} -> {close[0]}" if len(flags) > 1 else close[0])
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
-
-
-def finite_float(text: str) -> float:
-    """The type of every float flag: a number, and a finite one. An Inf or NaN learning
-    rate, clip value or loss coefficient would train (and checkpoint) Inf/NaN weights, and
-    NaN passes every range comparison."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -223,6 +210,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read .bin files with positioned reads instead of memory-mapping them")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_true",
                    help="accepted; megamoe never materialises attention masks (causal SDPA)")
 
@@ -284,6 +273,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true",
                    help="validate flags, print model size, and exit before training")
 
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("optimizer and learning rate")
     o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     o.add_argument("--lr", type=finite_float, default=None)
@@ -304,6 +296,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
     o.add_argument("--weight-decay", type=finite_float, default=0.01)
+    o.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"],
+                   help="weight decay from --start-weight-decay to --end-weight-decay over "
+                        "the run (constant: --weight-decay)")
+    o.add_argument("--start-weight-decay", type=finite_float, default=None)
+    o.add_argument("--end-weight-decay", type=finite_float, default=None)
     o.add_argument("--adam-beta1", type=finite_float, default=0.9)
     o.add_argument("--adam-beta2", type=finite_float, default=0.999)
     o.add_argument("--adam-eps", type=finite_float, default=1e-8)
@@ -338,9 +336,11 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-save-optim", action="store_true")
     c.add_argument("--no-save-rng", action="store_true")
     c.add_argument("--finetune", action="store_true")
-    c.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
+    c.add_argument("--ckpt-format", default="torch_dist",
+                   choices=["torch", "torch_dist", "fsdp_dtensor"],
                    help="torch_dist: sharded (DCP), loads into any parallel layout; torch: "
-                        "one file written by rank 0 (single-process / data-parallel only)")
+                        "one file written by rank 0 (single-process / data-parallel only); "
+                        "fsdp_dtensor (Megatron-FSDP's): not supported yet")
     c.add_argument("--async-save", action="store_true",
                    help="write checkpoints on a background thread (training keeps going)")
     c.add_argument("--ckpt-keep-last", type=int, default=None, metavar="N",
@@ -364,7 +364,10 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
                     help="peak TFLOP/s of one device, for MFU (default: the bf16 dense peak of a "
                          "known GPU; no MFU on a CPU)")
     lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
-                    help="only 0: Megatron's timers (levels 1, 2) are not supported yet")
+                    help="Megatron's timers: 0 iteration time; 1 also forward-backward, "
+                         "optimizer and their parts; 2 is not supported yet")
+    lg.add_argument("--log-timers-to-tensorboard", action="store_true",
+                    help="write the timers of --timing-log-level to TensorBoard")
     lg.add_argument("--log-params-norm", action="store_true",
                     help="log the L2 norm of all parameters after each step (params norm)")
     lg.add_argument("--log-num-zeros-in-grad", action="store_true",
@@ -383,8 +386,12 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_moe_args(parser)
     _add_data_args(parser)
     _add_training_args(parser)
+    _add_optimizer_args(parser)
     _add_parallel_args(parser)
     _add_checkpoint_and_logging_args(parser)
+    add_runtime_args(parser)
+    add_equivalent_args(parser)
+    add_refused_args(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="YAML preset of flags (configs/); command-line flags override it "
                              "(--no-X undoes a preset's X: true)")
@@ -449,19 +456,6 @@ def expand_config_file(argv: list[str]) -> list[str]:
             rest.append(a)
         i += 1
     return preset + rest
-
-
-def check_int_bounds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Every integer flag fits an int64: counts, sizes and ids become tensor shapes, numpy
-    indices and checkpoint fields, where a larger Python int overflows or allocates
-    without end ("--train-iters 100000000000000000000000000")."""
-    for action in parser._actions:
-        if action.type is not int:
-            continue
-        value = getattr(args, action.dest, None)
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and not -2**63 <= v < 2**63:
-                raise ArgumentError(f"{action.option_strings[0]} must be below 2**63, got {v}")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int] = None,

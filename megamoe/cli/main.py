@@ -8,12 +8,14 @@ non-zero exit; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Callable, Optional, Sequence
 
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import config_from_args, run_config_from_args
+from megamoe.cli.rules import ArgumentError
 from megamoe.config import DataConfig
 from megamoe.config.fields import ConfigError
 from megamoe.data import DataError, tokenizer_for
@@ -39,9 +41,25 @@ def _dry_run_vocab_size(data: DataConfig) -> int:
     return tokenizer_for(data).vocab_size
 
 
+def set_logging_level(level: Optional[int]) -> None:
+    """Megatron's --logging-level (else MEGATRON_LOGGING_LEVEL): the root logger's level."""
+    env = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    if level is None and env is not None:
+        try:
+            level = int(env)
+        except ValueError:
+            raise ArgumentError(f"MEGATRON_LOGGING_LEVEL must be an integer, got {env!r}") \
+                from None
+    if level is not None:
+        logging.getLogger().setLevel(level)
+
+
 def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> TrainState:
     """Run what validated flags ask for: a dry run (shapes and sizes only: no process group,
-    no data) or training."""
+    no data) or training. The declared equivalents print what runs in their place (rank 0)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in getattr(args, "declared_equivalents", []):
+            print_fn(f"> {line}")
     data = config_from_args(DataConfig, args)
     if args.dry_run:
         dry_run(run_config_from_args(args, _dry_run_vocab_size(data)), print_fn)
@@ -55,6 +73,16 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.transformer_impl == "transformer_engine" and not args.dry_run:
+        # --dry-run and the planner size TE's layers like local's; building them is not done.
+        sys.stderr.write("pretrain_gpt.py: error: not supported yet: --transformer-impl "
+                         "transformer_engine (only --dry-run accepts it)\n")
+        return 2
+    try:
+        set_logging_level(args.logging_level)
+    except ArgumentError as e:
+        sys.stderr.write(f"pretrain_gpt.py: error: {e}\n")
+        return 2
     try:
         pretrain(args)
     except USER_ERRORS as e:

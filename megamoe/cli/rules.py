@@ -14,6 +14,9 @@ import ast
 import os
 from typing import Optional
 
+import torch
+
+from megamoe.cli.compat_args import derive_compat
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
 from megamoe.config.batch_schedule import parse_step_schedule
@@ -89,6 +92,7 @@ def _require(args: argparse.Namespace, *flags: str) -> None:
 def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron's derived defaults (they depend on other flags)."""
     args.world_size = world_size
+    derive_compat(args)
     if args.num_attention_heads < 1:  # (the defaults below divide by it)
         raise ArgumentError(f"--num-attention-heads must be positive, got "
                             f"{args.num_attention_heads}")
@@ -226,14 +230,29 @@ def _check_load_is_not_hf(load: Optional[str]) -> None:
             f"--input {load} --output DIR, then --load DIR")
 
 
+def _check_fsdp(args: argparse.Namespace) -> None:
+    """Megatron-FSDP (the DeepSeek-V3 script's FSDP branch) is not built."""
+    if args.use_megatron_fsdp:
+        raise ArgumentError("not supported yet: --use-megatron-fsdp")
+    if args.ckpt_format == "fsdp_dtensor":
+        raise ArgumentError("not supported yet: --ckpt-format fsdp_dtensor")
+
+
 def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag in NOT_SUPPORTED_YET:
         dest = flag_dest(flag)
         value, default = getattr(args, dest), parser.get_default(dest)
         if value != default:
             raise ArgumentError(f"not supported yet: {flag}")
-    if args.transformer_impl == "transformer_engine":
-        raise ArgumentError("not supported yet: --transformer-impl transformer_engine")
+    if (args.profile and not args.use_pytorch_profiler and not args.dry_run
+            and not torch.cuda.is_available()):
+        raise ArgumentError("--profile without --use-pytorch-profiler is an nsys capture range "
+                            "(cudaProfilerStart): it needs CUDA")
+    if args.attention_backend == "fused" and not args.dry_run and not torch.cuda.is_available():
+        raise ArgumentError("--attention-backend fused needs a CUDA device (cuDNN / "
+                            "memory-efficient SDPA kernels): use flash, unfused or auto")
+    # --transformer-impl transformer_engine passes here (--dry-run and the planner size
+    # the same layers); a run that builds the model refuses it (cli/main.py).
 
 
 def _check_required(args: argparse.Namespace) -> None:
@@ -246,6 +265,8 @@ def _check_required(args: argparse.Namespace) -> None:
         raise ArgumentError("one of --train-iters or --train-samples is required")
     if training and args.lr is None:
         raise ArgumentError("--lr is required")
+    if args.logging_level is not None and args.logging_level < 0:
+        raise ArgumentError(f"--logging-level must be >= 0, got {args.logging_level}")
     if args.train_iters is not None and args.train_iters < 0:
         raise ArgumentError(f"--train-iters must be >= 0, got {args.train_iters}")
     if args.train_samples is None:  # with --train-samples the iterations are derived
@@ -277,6 +298,7 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
     _derive_defaults(args, env_world_size() if world_size is None else world_size)
     _check_required(args)
+    _check_fsdp(args)  # (before the configs, which know no fsdp_dtensor format)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)
     _check_data(args)

@@ -48,6 +48,8 @@ class DataConfig:
     # a new permutation per epoch, within each rank's bucket unless --no-data-sharding).
     dataloader_type: str = flag("--dataloader-type", "single")
     data_sharding: bool = flag("--no-data-sharding", True, dest="data_sharding")
+    # Megatron's --no-mmap-bin-files: read .bin files with positioned reads, not a map.
+    mmap_bin_files: bool = flag("--no-mmap-bin-files", True, dest="mmap_bin_files")
 
     def __post_init__(self) -> None:
         self.validate()

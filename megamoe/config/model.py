@@ -26,6 +26,9 @@ MLA_FLAGS = (("q_lora_rank", "--q-lora-rank"), ("kv_lora_rank", "--kv-lora-rank"
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+
 @dataclass
 class ModelConfig:
     """GPT decoder shape and options; what a checkpoint stores to rebuild its model."""
@@ -62,6 +65,8 @@ class ModelConfig:
     # Attention through SDPA's flash-attention kernel only (Megatron: the flash-attn
     # package); SDPA raises when the inputs do not fit it, never silently falls back.
     use_flash_attn: bool = flag("--use-flash-attn", False)
+    # Megatron's --attention-backend: which SDPA kernels may run (model/attention_backend.py).
+    attention_backend: str = flag("--attention-backend", "auto")
     # Megatron's --qk-layernorm: one norm (--normalization) over each query and key head's
     # channels, weights shared by the heads, before RoPE (Qwen3-MoE, OLMo-2 style).
     qk_layernorm: bool = flag("--qk-layernorm", False)
@@ -119,6 +124,8 @@ class ModelConfig:
                 f"padded vocabulary {self.padded_vocab_size} < vocabulary {self.vocab_size}")
         check_positive(self, "mtp_num_layers")
         check_range(self, "mtp_loss_scaling_factor", 0)
+        require(self.attention_backend in ATTENTION_BACKENDS, f"--attention-backend must be "
+                f"one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         check_range(self, "rotary_base", 0, low_open=True)
         check_range(self, "rotary_percent", 0, 1, low_open=True, high_open=False)
         check_range(self, "norm_epsilon", 0)

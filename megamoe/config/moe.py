@@ -50,6 +50,8 @@ class MoEConfig:
     router_type: str = derived("Python API only: topk (token choice) or expert_choice",
                                "topk")
     input_jitter_eps: Optional[float] = flag("--moe-input-jitter-eps", None)
+    # Megatron's benchmarking mode: random logits, balanced load (moe/force_balance.py).
+    force_load_balancing: bool = flag("--moe-router-force-load-balancing", False)
     enable_expert_bias: bool = flag("--moe-router-enable-expert-bias", False)
     bias_update_rate: float = flag("--moe-router-bias-update-rate", 1e-3)
     # Load balancing: parallel lists, one coefficient per type.

@@ -12,12 +12,20 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
 @dataclass
 class OptimizerConfig:
     optimizer: str = flag("--optimizer", "adam")
     lr: float = flag("--lr", 1e-4)
     min_lr: float = flag("--min-lr", 0.0)
     weight_decay: float = flag("--weight-decay", 0.01)
+    # Megatron's weight-decay schedule (training/schedules/lr.py): constant --weight-decay,
+    # or from --start-weight-decay to --end-weight-decay over the whole run.
+    weight_decay_incr_style: str = flag("--weight-decay-incr-style", "constant")
+    start_weight_decay: Optional[float] = flag("--start-weight-decay", None)
+    end_weight_decay: Optional[float] = flag("--end-weight-decay", None)
     adam_beta1: float = flag("--adam-beta1", 0.9)
     adam_beta2: float = flag("--adam-beta2", 0.999)
     adam_eps: float = flag("--adam-eps", 1e-8)
@@ -49,9 +57,26 @@ class OptimizerConfig:
             require(value in allowed,
                     f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
+        self._validate_weight_decay_schedule()
         check_positive(self, "lr_decay_samples")
         check_positive(self, "lr_warmup_samples", "lr_wsd_decay_samples", allow_zero=True)
         self._validate_ranges()
+
+    def _validate_weight_decay_schedule(self) -> None:
+        """Megatron's validate_args: constant takes --weight-decay only; linear and cosine
+        need both ends."""
+        style = self.weight_decay_incr_style
+        require(style in WD_INCR_STYLES, f"--weight-decay-incr-style must be one of "
+                f"{', '.join(WD_INCR_STYLES)}, got {style!r}")
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if style == "constant":
+            require(ends == (None, None), "--start-weight-decay and --end-weight-decay need "
+                    "--weight-decay-incr-style linear or cosine")
+        else:
+            require(None not in ends, f"--weight-decay-incr-style {style} needs "
+                    "--start-weight-decay and --end-weight-decay")
+        check_range(self, "start_weight_decay", 0)
+        check_range(self, "end_weight_decay", 0)
 
     def _validate_ranges(self) -> None:
         """Each value within what it means (torch.optim's and Megatron's

@@ -54,6 +54,19 @@ class RunConfig:
             self._validate_mtp()
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
+        self._validate_attention_backend()
+
+    def _validate_attention_backend(self) -> None:
+        """Where the chosen SDPA kernels cannot run: flash takes no mask (the document
+        mask of --reset-attention-mask); context parallelism runs its own attention op."""
+        backend = self.model.attention_backend
+        require(backend != "flash" or not self.data.reset_attention_mask,
+                "--attention-backend flash cannot run the document mask of "
+                "--reset-attention-mask (flash attention takes no mask): use fused, "
+                "unfused or auto")
+        require(backend == "auto" or self.parallel.context_parallel_size == 1,
+                f"--attention-backend {backend} with --context-parallel-size > 1: the "
+                "context-parallel attention op picks its kernels itself (use auto)")
 
     def _validate_mtp(self) -> None:
         """Under CP each depth's shifted-in tokens come from the head of the next chunk, so

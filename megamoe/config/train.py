@@ -53,6 +53,11 @@ class TrainConfig:
     calculate_per_token_loss: bool = flag("--calculate-per-token-loss", False)
     # megamoe's extension (not a Megatron flag): torch.compile each transformer layer.
     compile: bool = flag("--compile", False)
+    # Megatron's --manual-gc: the automatic collector off, collections at fixed points
+    # (training/manual_gc.py).
+    manual_gc: bool = flag("--manual-gc", False)
+    manual_gc_interval: int = flag("--manual-gc-interval", 0)
+    manual_gc_eval: bool = flag("--no-manual-gc-eval", True, dest="manual_gc_eval")
 
     def __post_init__(self) -> None:
         if self.rampup_batch_size is not None:
@@ -68,7 +73,7 @@ class TrainConfig:
     def validate(self) -> None:
         check_positive(self, "micro_batch_size", "global_batch_size", "eval_interval",
                        "exit_interval", "train_samples", "exit_duration_in_mins")
-        check_positive(self, "eval_iters", allow_zero=True)
+        check_positive(self, "eval_iters", "manual_gc_interval", allow_zero=True)
         check_range(self, "seed", 0, 2**32, high_open=True)  # numpy's seed range
         require(self.empty_unused_memory_level in (0, 1, 2),
                 f"--empty-unused-memory-level must be 0, 1 or 2, "
@@ -143,6 +148,10 @@ class TrainConfig:
         return bsched.samples_for_iterations(self.batch_size_schedule, iterations)
 
 
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "return_unexpected", "return_all", "ignore_all")
+
+
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = flag("--save", None)
@@ -158,6 +167,11 @@ class CheckpointConfig:
     ckpt_format: str = flag("--ckpt-format", "torch_dist")  # loading detects the format
     ckpt_step: Optional[int] = flag("--ckpt-step", None)  # load iter_N of --load
     exit_on_missing_checkpoint: bool = flag("--exit-on-missing-checkpoint", False)
+    # Megatron's: a torch_dist checkpoint loads under --ckpt-format torch only with it
+    # (torch_dist always detects the format, as Megatron's loader).
+    auto_detect_ckpt_format: bool = flag("--auto-detect-ckpt-format", False)
+    # Megatron's StrictHandling for torch_dist loads (training/checkpoint/strictness.py).
+    dist_ckpt_strictness: str = flag("--dist-ckpt-strictness", "assume_ok_unexpected")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -165,6 +179,8 @@ class CheckpointConfig:
     def validate(self) -> None:
         check_positive(self, "save_interval", "ckpt_keep_last", "ckpt_step")
         require(self.ckpt_step is None or self.load is not None, "--ckpt-step needs --load")
+        require(self.dist_ckpt_strictness in STRICTNESS, f"--dist-ckpt-strictness must be one "
+                f"of {', '.join(STRICTNESS)}, got {self.dist_ckpt_strictness!r}")
         require(self.ckpt_format in CKPT_FORMATS,
                 f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, "
                 f"got {self.ckpt_format!r}")
@@ -184,7 +200,16 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = flag("--wandb-save-dir", None)
     log_throughput: bool = flag("--log-throughput", False)
     peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: GPU table
+    # Megatron's timers (training/timers.py): 0 iteration time; 1 also forward-backward
+    # and optimizer; --log-timers-to-tensorboard writes them to TensorBoard/W&B.
     timing_log_level: int = flag("--timing-log-level", 0)
+    log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False)
+    # Megatron's profiling range (training/profiling.py).
+    profile: bool = flag("--profile", False)
+    use_pytorch_profiler: bool = flag("--use-pytorch-profiler", False)
+    profile_step_start: int = flag("--profile-step-start", 10)
+    profile_step_end: int = flag("--profile-step-end", 12)
+    profile_ranks: list[int] = flag("--profile-ranks", default_factory=lambda: [0])
     # Megatron's "params norm: X" / "num zeros: N" in the log line (and TensorBoard), each
     # computed only when asked for: every parameter / gradient element counted once.
     log_params_norm: bool = flag("--log-params-norm", False)
@@ -195,5 +220,15 @@ class LoggingConfig:
 
     def validate(self) -> None:
         check_positive(self, "log_interval", "tensorboard_log_interval", "peak_tflops")
-        # Megatron's timers (levels 1 and 2) are not built: only 0 means what it says.
-        require(self.timing_log_level == 0, "not supported yet: --timing-log-level > 0")
+        check_positive(self, "profile_step_start", allow_zero=True)
+        require(self.profile_step_end > self.profile_step_start,
+                f"--profile-step-end ({self.profile_step_end}) must be greater than "
+                f"--profile-step-start ({self.profile_step_start})")
+        require(all(r >= 0 for r in self.profile_ranks),
+                f"--profile-ranks must be >= 0, got {self.profile_ranks}")
+        require(not (self.profile and self.use_pytorch_profiler) or self.tensorboard_dir,
+                "--use-pytorch-profiler writes its trace next to --tensorboard-dir: give it")
+        # Megatron's level-2 timers (per micro-batch compute and p2p) are not built.
+        require(self.timing_log_level in (0, 1),
+                "not supported yet: --timing-log-level 2" if self.timing_log_level == 2 else
+                f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")

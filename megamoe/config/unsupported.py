@@ -10,15 +10,23 @@ from __future__ import annotations
 NOT_SUPPORTED_YET = (
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
-    "--moe-router-force-load-balancing",
     "--moe-use-legacy-grouped-gemm",
-    "--moe-permute-fusion",
     "--moe-shared-expert-overlap",
     "--fp16",
     "--loss-scale",
     "--initial-loss-scale",  # fp16's dynamic loss scaler
-    "--log-timers-to-tensorboard",  # timers (--timing-log-level) are not built
     "--null-tokenizer-pad-id",  # a pad id masked out of the loss (Megatron's GPTDataset)
+    # Megatron-FSDP (the DeepSeek-V3 script's FSDP branch); --ckpt-format fsdp_dtensor is
+    # refused by value (cli/rules.py)
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "--fsdp-double-buffer",
+    "--use-nccl-ub",
+    "--megatron-fsdp-grad-comm-dtype",
+    "--megatron-fsdp-main-grads-dtype",
+    "--tp-comm-overlap",  # Transformer Engine's userbuffer overlap
+    "--padded-vocab-size",
+    "--trust-remote-code",  # a tokenizer's own Python code (megamoe reads tokenizer.json)
 )
 
 

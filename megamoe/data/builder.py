@@ -125,7 +125,7 @@ class _Builder:
 
     def open(self, prefix: str) -> IndexedDataset:
         if prefix not in self._opened:
-            self._opened[prefix] = IndexedDataset(prefix)
+            self._opened[prefix] = IndexedDataset(prefix, self.config.mmap_bin_files)
             _check_vocab(self._opened[prefix], self.tokenizer)
         return self._opened[prefix]
 

@@ -147,7 +147,10 @@ def _pack_index(dtype: np.dtype, sequence_lengths: Sequence[int],
 
 
 class IndexedDataset:
-    """Read-only view of `{path_prefix}.bin/.idx`, both memory-mapped.
+    """Read-only view of `{path_prefix}.bin/.idx`, both memory-mapped; with
+    `mmap_bin=False` (Megatron's --no-mmap-bin-files) the .bin is not mapped and each
+    read is one positioned file read into a fresh array (Megatron's _FileBinReader), for
+    file systems where mapping large files is slow or not allowed.
 
     Validates the whole index on open (magic, version, dtype, sizes, offsets, document
     boundaries) so corruption fails here with a DataError instead of as garbage tokens
@@ -155,8 +158,8 @@ class IndexedDataset:
     instead of copying them.
     """
 
-    def __init__(self, path_prefix: str) -> None:
-        self.path_prefix = path_prefix
+    def __init__(self, path_prefix: str, mmap_bin: bool = True) -> None:
+        self.path_prefix, self.mmap_bin = path_prefix, mmap_bin
         self._open()
 
     def _open(self) -> None:
@@ -213,17 +216,32 @@ class IndexedDataset:
             raise DataError(f"{bin_path}: {bin_size} bytes but {idx_path} describes {n_tokens} "
                             f"{self.dtype.name} tokens ({n_tokens * self.dtype.itemsize} bytes); "
                             "truncated or mismatched files")
-        if bin_size:
+        self._bin_path, self._bin_map = bin_path, None
+        if bin_size and self.mmap_bin:
             self._bin_map = np.memmap(bin_path, mode="r", dtype=self.dtype)
-        else:  # mmap cannot map an empty file
+        elif not bin_size:  # mmap cannot map an empty file
             self._bin_map = np.zeros(0, dtype=self.dtype)
 
     def __getstate__(self) -> dict:
-        return {"path_prefix": self.path_prefix}
+        return {"path_prefix": self.path_prefix, "mmap_bin": self.mmap_bin}
 
     def __setstate__(self, state: dict) -> None:
-        self.path_prefix = state["path_prefix"]
+        self.path_prefix, self.mmap_bin = state["path_prefix"], state.get("mmap_bin", True)
         self._open()
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the .bin: a view of the map, or (no mmap) one
+        positioned read that opens the file each time (safe across forked workers)."""
+        if self._bin_map is not None:
+            return self._bin_map[start:start + length]
+        out = np.empty(length, dtype=self.dtype)
+        with open(self._bin_path, "rb", buffering=0) as f:
+            f.seek(start * self.dtype.itemsize)
+            got = f.readinto(memoryview(out).cast("B"))
+        if got != out.nbytes:
+            raise DataError(f"{self._bin_path}: short read ({got} of {out.nbytes} bytes); "
+                            "the file changed after it was opened")
+        return out
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -238,6 +256,11 @@ class IndexedDataset:
 
     def max_token_id(self) -> int:
         """Largest token in the file (a full scan; -1 when empty)."""
+        if self._bin_map is None:  # (no mmap) in chunks, never the whole file at once
+            chunk, n, top = 1 << 24, self.num_tokens, -1
+            for start in range(0, n, chunk):
+                top = max(top, int(self._read(start, min(chunk, n - start)).max()))
+            return top
         return int(self._bin_map.max()) if self._bin_map.size else -1
 
     def __getitem__(self, idx: Union[int, slice]) -> Union[np.ndarray, list[np.ndarray]]:
@@ -259,4 +282,4 @@ class IndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {idx} "
                              f"of length {seq_len}")
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._bin_map[start:start + length]
+        return self._read(start, length)

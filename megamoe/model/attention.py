@@ -19,16 +19,15 @@ memory-efficient kernel on CUDA and in the math kernel on CPU with the same sema
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamoe.config import ModelConfig
+from megamoe.model.attention_backend import kernel_context
 from megamoe.model.norms import ProjectionRMSNorm, build_norm
 from megamoe.model.rope import apply_rotary
 from megamoe.parallel.checkpointing import maybe_checkpoint
@@ -69,6 +68,7 @@ class SelfAttention(nn.Module):
         self.tp: TensorParallel = SINGLE
         self.attention_dropout = config.attention_dropout
         self.use_flash_attn = config.use_flash_attn
+        self.attention_backend = config.attention_backend
         self.recompute_core_attn = False  # --recompute-modules core_attn (parallelize sets it)
         # Context parallelism (parallelize sets both): this rank holds chunks r and
         # 2CP-1-r of the sequence; core attention runs parallel/context_parallel.py's op.
@@ -135,8 +135,8 @@ class SelfAttention(nn.Module):
         """Causal SDPA (Megatron's "core attention": scores, softmax, dropout, x V); with
         `mask_B1SS` (document-causal, bool) the mask replaces is_causal. Flash attention
         takes no mask: with documents SDPA picks its memory-efficient kernel instead."""
-        kernel = (sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-                  if self.use_flash_attn and mask_B1SS is None else contextlib.nullcontext())
+        kernel = kernel_context(self.attention_backend, self.use_flash_attn,
+                                mask_B1SS is not None)
         with self.tp.dropout_rng(split=True), kernel:  # this rank's heads: its own stream
             return F.scaled_dot_product_attention(
                 q_BNSD, k_BGSD, v_BGSD, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,

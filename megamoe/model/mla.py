@@ -55,17 +55,16 @@ recomputed in backward (parallel/checkpointing.py `discard_saved`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megamoe.config import ModelConfig
 from megamoe.model.attention import DocumentMask
+from megamoe.model.attention_backend import is_flash_only, kernel_context
 from megamoe.model.norms import build_norm
 from megamoe.model.rope import (
     apply_rotary_interleaved,
@@ -119,6 +118,7 @@ class MLASelfAttention(nn.Module):
         self.tp: TensorParallel = SINGLE
         self.attention_dropout = config.attention_dropout
         self.use_flash_attn = config.use_flash_attn
+        self.attention_backend = config.attention_backend
         self.recompute_core_attn = False  # --recompute-modules core_attn (parallelize sets)
         self.recompute_up_proj = False  # --recompute-modules mla_up_proj (parallelize sets)
         # Context parallelism (parallelize sets both): this rank holds chunks r and
@@ -218,11 +218,12 @@ class MLASelfAttention(nn.Module):
                        mask_B1SS: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal (or document-causal) SDPA with MLA's softmax scale. The flash kernel
         needs equal q/k and v head dims: v is zero-padded for it and the output trimmed."""
-        flash = self.use_flash_attn and mask_B1SS is None
+        has_mask = mask_B1SS is not None
+        flash = is_flash_only(self.attention_backend, self.use_flash_attn, has_mask)
         v_dim = v_BNSV.shape[-1]
         if flash and v_dim != q_BNSD.shape[-1]:
             v_BNSV = F.pad(v_BNSV, (0, q_BNSD.shape[-1] - v_dim))
-        kernel = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext()
+        kernel = kernel_context(self.attention_backend, self.use_flash_attn, has_mask)
         with self.tp.dropout_rng(split=True), kernel:  # this rank's heads: its own stream
             o_BNSV = F.scaled_dot_product_attention(
                 q_BNSD, k_BNSD, v_BNSV, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,

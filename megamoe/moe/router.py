@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megamoe.config import MoEConfig
+from megamoe.moe.force_balance import random_logits
 from megamoe.moe.losses import (
     MoELossTracker,
     attach_aux_loss,
@@ -25,6 +26,7 @@ from megamoe.moe.losses import (
     z_loss,
 )
 from megamoe.parallel.checkpointing import is_recomputing, replay_once
+from megamoe.parallel.rng import RNGTracker
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -178,6 +180,9 @@ class TopKRouter(nn.Module):
         # token counts over the cp group, so each token counts once in the sequence's loss.
         self.cp_group: Optional[dist.ProcessGroup] = None
         self.cp_size = 1
+        # --moe-router-force-load-balancing: this rank's noise stream (parallelize sets
+        # it; None draws from the default generator).
+        self.force_rng: Optional[RNGTracker] = None
         self.init_stds = {"weight": init_method_std}
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size,
                                                dtype=torch.float32))
@@ -243,6 +248,8 @@ class TopKRouter(nn.Module):
         the assignments for the expert-bias update itself (the MoE layer: after capacity).
         """
         logits_TE = self.gating(self.apply_input_jitter(x_TH))
+        if self.config.force_load_balancing:
+            logits_TE = random_logits(logits_TE, self.force_rng)
         probs_TE, routing_map_TE = self.routing(logits_TE)
         aux_loss = None
         if self.training and torch.is_grad_enabled():

@@ -21,6 +21,7 @@ from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
 from megamoe.training.exits import ExitConditions
 from megamoe.training.loss import PerTokenLoss
+from megamoe.training.manual_gc import ManualGC
 from megamoe.training.metrics import (
     MetricsLogger,
     TrainingObserver,
@@ -28,7 +29,9 @@ from megamoe.training.metrics import (
     moe_layer_numbers,
 )
 from megamoe.training.nonfinite import NonFiniteCheck
+from megamoe.training.profiling import Profiler
 from megamoe.training.schedules import Batch, forward_backward
+from megamoe.training.timers import Timers, format_timers, tensorboard_scalars
 
 
 @dataclass
@@ -95,7 +98,8 @@ def _nonfinite_check(run: RunConfig, mesh: Mesh, lm_loss: torch.Tensor,
 
 def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
                data_iter: Iterator[Batch], iteration: int,
-               global_batch_size: Optional[int] = None) -> dict[str, float]:
+               global_batch_size: Optional[int] = None,
+               timers: Optional[Timers] = None) -> dict[str, float]:
     """One iteration (`iteration`: its number, for messages) of `global_batch_size` samples
     (default --global-batch-size). With the NaN/Inf check on, a non-finite loss or gradient
     on any rank raises NonFiniteError on every rank before the optimizer step: weights,
@@ -103,13 +107,17 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
-    lm_loss = forward_backward(model, data_iter, n_micro,
-                               grad_sync=getattr(optimizer, "grad_sync", None),
-                               per_token=per_token_loss(run, mesh))
+    timers = timers or Timers(0, mesh.device)
+    with timers.timer("forward-backward", 1):
+        lm_loss = forward_backward(model, data_iter, n_micro,
+                                   grad_sync=getattr(optimizer, "grad_sync", None),
+                                   per_token=per_token_loss(run, mesh))
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging
-    success, grad_norm, num_zeros = optimizer.step(check, count_zeros=lg.log_num_zeros_in_grad)
+    with timers.timer("optimizer", 1):
+        success, grad_norm, num_zeros = optimizer.step(check,
+                                                       count_zeros=lg.log_num_zeros_in_grad)
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:  # as Megatron: the schedule advances by the samples of the step
         scheduler.step(increment=n_micro * run.train.micro_batch_size * mesh.dp_size)
@@ -171,6 +179,7 @@ class _Interval:
     def __init__(self, run: RunConfig, mesh: Mesh, observer: TrainingObserver,
                  print_fn: Callable[[str], None]) -> None:
         self.run, self.mesh, self.observer, self.print_fn = run, mesh, observer, print_fn
+        self.timers = Timers(run.logging.timing_log_level, mesh.device)
         self.sums: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.iters, self.samples, self.batch_size, self.tick = 0, 0, 0, time.time()
@@ -206,10 +215,23 @@ class _Interval:
                 if lg.log_throughput else None,
                 num_zeros=int(self.last["num zeros"]) if "num zeros" in self.last else None,
                 params_norm=self.last.get("params norm")))  # (this iteration's, as Megatron)
+        self._report_timers(state.iteration, ms_per_iter, logger)
         if logger is not None:
             logger.log_scalars(extra, state.iteration)
             self.observer.write_heatmap(logger, state.iteration)
         self.sums, self.iters, self.samples, self.tick = {}, 0, 0, time.time()
+
+    def _report_timers(self, iteration: int, ms_per_iter: float,
+                       logger: Optional[MetricsLogger]) -> None:
+        """Megatron's timers block (level 1, every rank takes part in the reduction) and,
+        with --log-timers-to-tensorboard, their scalars (logging rank)."""
+        mesh = self.mesh
+        min_max = self.timers.min_max(self.iters, distributed=mesh.world_size > 1
+                                      and dist.is_initialized())
+        if min_max and mesh.is_logging_rank:
+            self.print_fn(format_timers(min_max))
+        if logger is not None and self.run.logging.log_timers_to_tensorboard:
+            logger.log_scalars(tensorboard_scalars(min_max, ms_per_iter / 1000.0), iteration)
 
 
 def _record(state: TrainState, metrics: dict[str, float], global_batch_size: int,
@@ -235,11 +257,25 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     (--rampup-batch-size); as in Megatron, a checkpoint is saved before it changes."""
     MoELossTracker.clear()  # values left by an earlier run in this process are not ours
     MTPLossTracker.take()
-    t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
+    t = run.train
     exits = exits or ExitConditions(t, mesh, time.time())
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     interval = _Interval(run, mesh, observer, print_fn)
     batch_size, saved_at = t.global_batch_size_at(state.consumed_train_samples), state.iteration
+    with ManualGC(t) as collector, Profiler(run.logging, mesh.rank) as profiler:
+        _train_loop(run, mesh, model, optimizer, scheduler, train_iter, valid_iter, logger,
+                    state, save_fn, print_fn, exits, observer, interval,
+                    (collector, profiler), batch_size, saved_at)
+    optimizer.wait_param_gather()  # whatever runs next reads the trained parameters
+    return state
+
+
+def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_iter,
+                valid_iter, logger, state: TrainState, save_fn, print_fn, exits,
+                observer: TrainingObserver, interval: _Interval,
+                hooks: tuple[ManualGC, Profiler], batch_size: int, saved_at: int) -> None:
+    t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
+    collector, profiler = hooks
     while state.iteration < t.train_iters:
         gbs = t.global_batch_size_at(state.consumed_train_samples)
         if gbs != batch_size and save_fn is not None and saved_at != state.iteration:
@@ -247,8 +283,9 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
             save_fn(state)
         batch_size = gbs
         step_start = time.time()
+        profiler.before_step(state.iteration)
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
-                             state.iteration + 1, gbs)
+                             state.iteration + 1, gbs, interval.timers)
         if t.compile and not state.history and mesh.is_logging_rank:  # compile time apart
             print_fn(f"> --compile: the first iteration took {time.time() - step_start:.1f} s "
                      f"(it compiles the layers; later iterations run the compiled code)")
@@ -261,12 +298,16 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
                                 "learning_rate": lr, "loss_scale": optimizer.get_loss_scale(),
                                 "consumed_samples": state.consumed_train_samples,
                                 "global_batch_size": gbs}, state.iteration)
+        collector.after_step(state.iteration)
+        profiler.after_step(state.iteration)
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
         if valid_iter is not None and t.eval_iters > 0 and t.eval_interval \
                 and state.iteration % t.eval_interval == 0:
             optimizer.wait_param_gather()  # (--overlap-param-gather) parameters up to date
+            collector.before_eval()
             loss = evaluate(run, mesh, model, valid_iter)
+            collector.after_eval()
             report_validation(state.iteration, loss, logger, mesh, print_fn)
             state.history[-1]["valid lm loss"] = loss
         if save_fn is not None and save_interval and state.iteration % save_interval == 0:
@@ -276,8 +317,6 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
         state.exit_reason = exits.reason(state.iteration)
         if state.exit_reason is not None:
             break
-    optimizer.wait_param_gather()  # whatever runs next reads the trained parameters
-    return state
 
 
 def report_validation(iteration: int, loss: float, logger: Optional[MetricsLogger],

@@ -66,6 +66,7 @@ from megamoe.training.checkpoint.safe_load import (
 )
 from megamoe.training.checkpoint.sharded_state import Entry, model_entries
 from megamoe.training.checkpoint.snapshot import snapshot
+from megamoe.training.checkpoint.strictness import KeyMismatch
 
 FORMAT_VERSION = 1
 
@@ -373,10 +374,12 @@ def _in_checkpoint(meta: dict, prefix: str, part, suffix: str) -> bool:
 def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, mesh, *,
                          load_optim: bool = True, load_rng: bool = True,
                          finetune: bool = False, common: Optional[dict] = None,
-                         single: bool = False) -> dict:
+                         single: bool = False,
+                         strictness: str = "assume_ok_unexpected") -> dict:
     """Load `ckpt_dir` (an iter_N directory) into this rank's shards (collective; `single`:
     a single-process model in this process alone). Returns the common state; its
-    "rng_restored" says whether this rank's RNG states were set."""
+    "rng_restored" says whether this rank's RNG states were set, its "key_mismatch" the
+    model keys --dist-ckpt-strictness let pass (strictness.py)."""
     rank, world = _world(single)
     common = read_common(ckpt_dir) if common is None else common
     check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))
@@ -384,10 +387,16 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     entries = model_entries(model, mesh if world > 1 else None)
     request: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     targets: list = []
+    mismatch = KeyMismatch(strictness, ckpt_dir)
     for e in entries:
         for part in e.parts:
+            if (not _in_checkpoint(meta, "model.", part, "")
+                    and mismatch.tolerate_absent(f"model.{part.key}")):
+                continue
             _request_part(meta, ckpt_dir, "model.", "", part, e.tensor, request, targets,
                           lambda buf, t=e.tensor, p=part: p.local(t).copy_(buf))
+    mismatch.check_missing(meta, [k for k in request if k.startswith("model.")],
+                           distributed=world > 1)
     optim = common.get("optimizer")
     use_optim = (optimizer is not None and load_optim and not finetune and optim is not None)
     per_param: list[dict[str, torch.Tensor]] = []
@@ -412,6 +421,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     with torch.no_grad():
         for buf, target in targets:
             target(buf)
+    common["key_mismatch"] = mismatch.report()
     if optimizer is not None:
         if use_optim:
             optimizer.load_param_states(per_param, optim.get("step"))

@@ -124,7 +124,11 @@ class CheckpointManager:
             if c.load != c.save:
                 raise CheckpointError(f"--load {c.load}: no checkpoint found")
             return 0, 0
-        iteration, consumed = (self._load_dist(found) if is_dist_checkpoint(found)
+        dist_format = is_dist_checkpoint(found)
+        if dist_format and c.ckpt_format == "torch" and not c.auto_detect_ckpt_format:
+            raise CheckpointError(f"{found}: a torch_dist checkpoint, but --ckpt-format torch "
+                                  "(pass --auto-detect-ckpt-format to load it, as Megatron)")
+        iteration, consumed = (self._load_dist(found) if dist_format
                                else self._load_single_file(found))
         if iteration:
             self._log(f"> loaded checkpoint from {c.load} at iteration {iteration}")
@@ -169,7 +173,8 @@ class CheckpointManager:
         c, seed = self.config, self.run.train.seed
         common = load_dist_checkpoint(found, self.model, self.optimizer, self.scheduler,
                                       self.mesh, load_optim=not c.no_load_optim,
-                                      load_rng=not c.no_load_rng, finetune=c.finetune)
+                                      load_rng=not c.no_load_rng, finetune=c.finetune,
+                                      strictness=c.dist_ckpt_strictness)
         if c.finetune:
             return 0, 0
         iteration = int(common["iteration"])

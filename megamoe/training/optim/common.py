@@ -18,9 +18,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+    # wd_mult (Megatron's): the scheduler sets weight_decay = scheduled value x wd_mult
+    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0}]
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0})
     return [g for g in groups if g["params"]]
 
 

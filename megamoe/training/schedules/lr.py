@@ -12,6 +12,10 @@ get_optimizer_param_scheduler:
 - sample-based training (--train-samples): --lr-warmup-samples, --lr-decay-samples
   (default --train-samples) and --lr-wsd-decay-samples as given;
 - --lr-warmup-fraction: that fraction of the decay length (not rounded).
+The weight decay follows Megatron's get_wd: constant --weight-decay, or from
+--start-weight-decay to --end-weight-decay (linear or cosine) over the whole run (train
+iterations x global batch size, or --train-samples), then the end value; each parameter
+group's weight_decay is that value times its wd_mult (0 for biases and norms).
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ class LRScheduler:
         self.warmup_steps, self.decay_steps, self.wsd_decay_steps = schedule_lengths(
             config, train_iters, global_batch_size, train_samples)
         self.wsd_style = config.lr_wsd_decay_style
+        self.wd_style = config.weight_decay_incr_style
+        constant = self.wd_style == "constant"
+        self.start_wd = config.weight_decay if constant else config.start_weight_decay
+        self.end_wd = config.weight_decay if constant else config.end_weight_decay
+        self.wd_incr_steps = (train_samples if train_samples is not None
+                              else train_iters * global_batch_size)
         self.num_steps = 0
         self.step(increment=0)
 
@@ -88,6 +98,18 @@ class LRScheduler:
             raise ValueError(f"--lr-decay-style: unknown style {self.style!r}")
         return self.min_lr + coeff * delta
 
+    def get_wd(self) -> float:
+        """Megatron's OptimizerParamScheduler.get_wd."""
+        n = self.num_steps
+        if n > self.wd_incr_steps or self.wd_style == "constant" or self.wd_incr_steps <= 0:
+            return self.end_wd
+        ratio = float(n) / float(self.wd_incr_steps)
+        if self.wd_style == "linear":
+            coeff = ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
     def _wsd_coeff(self, n: float) -> float:
         anneal = self.wsd_decay_steps or 0
         anneal_start = self.decay_steps - anneal
@@ -106,9 +128,11 @@ class LRScheduler:
         """Advance by `increment` samples (the training loop passes the step's global
         batch size, as Megatron)."""
         self.num_steps += increment
-        lr = self.get_lr()
+        lr, wd = self.get_lr(), self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            if "wd_mult" in group:
+                group["weight_decay"] = wd * group["wd_mult"]
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "unit": self.UNIT}
