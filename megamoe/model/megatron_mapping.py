@@ -77,9 +77,12 @@ def unstack_layers(src: Mapping[str, Tensor], num_layers: int) -> dict[str, Tens
 
 
 def _pad_vocab(w_VH: Tensor, config: ModelConfig) -> Tensor:
-    """Megatron's padded rows -> GPTModel's padded size (rows past vocab_size are padding
-    and never reach the softmax; only the real vocabulary is carried)."""
+    """Megatron's padded rows -> GPTModel's padded size. Rows past vocab_size are padding
+    (GPTModel masks them out of the softmax): kept as they are when both paddings agree
+    (so a round trip is exact), else the real vocabulary is carried, zero-padded."""
     v, padded = config.vocab_size, config.padded_vocab_size
+    if w_VH.shape[0] == padded:
+        return w_VH
     if w_VH.shape[0] < v:
         raise ValueError(f"the vocabulary has {w_VH.shape[0]} rows, fewer than the "
                          f"vocab_size {v}")

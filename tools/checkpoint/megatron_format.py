@@ -22,7 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from checks import ConvertError, build_args, check_shapes
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.megatron_args import (
@@ -190,6 +192,17 @@ def _extra_state_keys(config: ModelConfig) -> list[str]:
     return sorted(set(out))
 
 
+class _PackedBytesPlanner(DefaultSavePlanner):
+    """DCP's save planner, except that a byte item already packed as io.BytesIO is written
+    as is (DCP's default would torch.save the BytesIO object around it), as megatron-core's
+    MCoreSavePlanner writes its ShardedObjects."""
+
+    def transform_object(self, write_item, object):
+        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
 def _pickled(obj) -> io.BytesIO:
     buf = io.BytesIO()
     torch.save([obj], buf)  # a ShardedObject's one shard, as megatron-core stores it
@@ -253,7 +266,8 @@ def megamoe_to_megatron(ckpt: str, out_dir: str, spec: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        dcp.save(items, checkpoint_id=tmp, no_dist=True)
+        dcp.save(items, checkpoint_id=tmp, no_dist=True,
+                 planner=_PackedBytesPlanner(flatten_state_dict=False))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
         final = os.path.join(out_dir, name)

@@ -6,7 +6,7 @@
         with dist_checkpointing.save in Megatron-LM's layout (tracker file, iter_0000007/,
         common state as Megatron-LM's training loop writes it), and writes the logits of
         TOKENS to SAVE_DIR/reference_logits.pt
-    python peer.py load --variant mixtral --ckpt SAVE_DIR --logits OUT.pt
+    python peer.py load --variant mixtral --ckpt SAVE_DIR --out OUT.pt
         builds the same model, loads SAVE_DIR with dist_checkpointing.load (what
         Megatron-LM's --load does) and writes the logits of TOKENS; also the loaded
         common state's fields to OUT.pt.json
@@ -172,7 +172,7 @@ def load(variant: str, ckpt: str, out: str) -> None:
     model = build_model(variant)
     with torch.no_grad():  # nothing of the fresh model may survive the load
         for t in model.state_dict().values():
-            if torch.is_floating_point(t):
+            if isinstance(t, torch.Tensor) and torch.is_floating_point(t):
                 t.fill_(float("nan"))
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         iteration = int(f.read().strip())
