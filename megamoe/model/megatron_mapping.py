@@ -97,6 +97,19 @@ def _pop_one(src: dict, names: list[str], what: str) -> Tensor:
     return src.pop(found[0])
 
 
+def _experts(src: dict, prefix: str, fc: str, config: ModelConfig) -> Tensor:
+    """[E, ...] of one expert matrix: stacked (`{prefix}.{fc}.weight`), or one key per
+    expert (`{prefix}.{e}.{fc}.weight`, megatron-core's singleton_local_shards saves)."""
+    key = f"{prefix}.{fc}.weight"
+    if key in src:
+        return src.pop(key)
+    keys = [f"{prefix}.{e}.{fc}.weight" for e in range(config.moe.num_experts)]
+    missing = [k for k in keys if k not in src]
+    if missing:
+        raise KeyError(f"no expert weights {key} (nor per expert: {missing[0]})")
+    return torch.stack([src.pop(k) for k in keys])
+
+
 def to_megamoe(megatron_sd: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """megatron-core tensors (either layer layout, either spec) -> GPTModel's state dict."""
     src = unstack_layers({k: v for k, v in megatron_sd.items()
@@ -132,8 +145,8 @@ def to_megamoe(megatron_sd: Mapping[str, Tensor], config: ModelConfig) -> dict[s
         out[f"{mm}.mlp.router.weight"] = src.pop(f"{mlp}.router.weight")
         if f"{mlp}.router.expert_bias" in src:
             out[f"{mm}.mlp.router.expert_bias"] = src.pop(f"{mlp}.router.expert_bias")
-        fc1_E2FH = src.pop(f"{mlp}.experts.experts.linear_fc1.weight")
-        fc2_EHF = src.pop(f"{mlp}.experts.experts.linear_fc2.weight")
+        fc1_E2FH = _experts(src, f"{mlp}.experts.experts", "linear_fc1", config)
+        fc2_EHF = _experts(src, f"{mlp}.experts.experts", "linear_fc2", config)
         out[f"{mm}.mlp.experts.fc1_weight"] = fc1_E2FH.transpose(1, 2).contiguous()
         out[f"{mm}.mlp.experts.fc2_weight"] = fc2_EHF.transpose(1, 2).contiguous()
         for name in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight"):

@@ -256,11 +256,22 @@ def megamoe_to_megatron(ckpt: str, out_dir: str, spec: str) -> str:
     common = {"args": ns, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "opt_param_scheduler": _scheduler_state(state, args),
               "num_floating_point_operations_so_far": 0}
+    return write_megatron(out_dir, iteration, tensors, common, _extra_state_keys(config))
+
+
+def write_megatron(out_dir: str, iteration: int, tensors: dict[str, torch.Tensor],
+                   common: dict, extra_state_keys: list[str]) -> str:
+    """A Megatron-LM torch_dist iteration directory (DCP files, the common state as
+    megatron-core's `common_state` byte item, `_extra_state` items, metadata.json), written
+    to a temporary name, then published by rename, the tracker file last."""
     items: dict = dict(tensors)
     items[COMMON_KEY] = _pickled(common)
-    for key in _extra_state_keys(config):
+    for key in extra_state_keys:
         items[key] = _pickled(None)
     name = f"iter_{iteration:07d}"
+    final = os.path.join(out_dir, name)
+    if os.path.exists(final):
+        raise ConvertError(f"--output {out_dir}: already holds {name} (choose a new folder)")
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f"{name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -270,7 +281,6 @@ def megamoe_to_megatron(ckpt: str, out_dir: str, spec: str) -> str:
                  planner=_PackedBytesPlanner(flatten_state_dict=False))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-        final = os.path.join(out_dir, name)
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

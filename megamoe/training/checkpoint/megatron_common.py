@@ -88,6 +88,8 @@ def load_megatron_pickle(data: bytes, where: str) -> Any:
     """torch.load of `data` (a torch.save zip or a plain pickle) through the restricted
     unpickler; CheckpointError naming `where` if it names anything else or is damaged."""
     try:
+        if not data.startswith(b"PK"):  # a plain pickle, not a torch.save zip
+            return _MegatronUnpickler(io.BytesIO(data)).load()
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
                           pickle_module=_PICKLE_MODULE)
     except pickle.UnpicklingError as e:
@@ -141,5 +143,5 @@ def read_megatron_common(ckpt_dir: str, storage_data: dict) -> dict:
                               f"({type(common).__name__})")
     if not isinstance(common.get("args"), argparse.Namespace):
         raise CheckpointError(f"{where}: no Megatron-LM `args` Namespace in the common state "
-                              "(saved without --use-checkpoint-args' arguments?)")
+                              "(the model's shape is read from it)")
     return common
