@@ -200,8 +200,9 @@ def test_variant_both_ways_through_megatron_core(saves, mcore_python, tmp_path, 
 
 @pytest.mark.slow
 def test_pretrain_load_continues_where_megatron_stopped(saves, tmp_path):
-    """pretrain_gpt.py --load of a converted checkpoint resumes at Megatron's iteration 7
-    with the LR Megatron's OptimizerParamScheduler gives at 56 samples."""
+    """pretrain_gpt.py --load of a converted checkpoint resumes after Megatron's iteration
+    7 with Megatron's schedule position (56 samples): the LR logged for iteration 8 is,
+    as in Megatron's log, the one after that step, at 56 + 8 samples."""
     from megamoe.cli.arguments import parse_args
     from megamoe.cli.main import pretrain
 
@@ -216,7 +217,7 @@ def test_pretrain_load_continues_where_megatron_stopped(saves, tmp_path):
                                "1"], world_size=1)
     hist = pretrain(args, print_fn=lambda _m: None).history
     assert [h["iteration"] for h in hist] == [8, 9]
-    ratio = (56 - 16) / (160 - 16)  # warm-up 2 x 8 samples, decay 20 x 8
+    ratio = (64 - 16) / (160 - 16)  # warm-up 2 x 8 samples, decay 20 x 8
     lr = 3e-5 + 0.5 * (math.cos(math.pi * ratio) + 1) * (3e-4 - 3e-5)
     assert hist[0]["lr"] == pytest.approx(lr, rel=1e-12)
 
