@@ -81,6 +81,8 @@ CLI_READ = {
         "tests/training/test_recompute_flags.py::test_recompute_activations_is_selective",
     "--moe-layer-recompute":
         "tests/training/test_recompute_flags.py::test_moe_layer_recompute_adds_moe",
+    "--use-checkpoint-args":
+        "tests/tools/test_convert_megatron.py::test_use_checkpoint_args_takes_the_saved_shape",
 }
 
 

@@ -304,6 +304,9 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-save-optim", action="store_true")
     c.add_argument("--no-save-rng", action="store_true")
     c.add_argument("--finetune", action="store_true")
+    c.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the --load checkpoint's saved "
+                        "arguments (Megatron-LM's semantics)")
     c.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist"],
                    help="torch_dist: sharded (DCP), loads into any parallel layout; torch: "
                         "one file written by rank 0 (single-process / data-parallel only)")
@@ -436,6 +439,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int
     except ArgumentError as e:
         parser.error(str(e))
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
+
+        try:
+            apply_checkpoint_args(args, parser)
+        except CheckpointError as e:  # a file's problem: one line, exit 1
+            sys.stderr.write(f"{parser.prog}: error: {e}\n")
+            sys.exit(1)
     try:
         check_int_bounds(args, parser)
         finalize_args(args, parser, world_size=world_size)

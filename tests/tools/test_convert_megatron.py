@@ -114,6 +114,32 @@ def test_iteration_dir_input_and_flag_override(saves, tmp_path):
     assert common["model_config"]["hidden_dropout"] == 0.2
 
 
+def test_use_checkpoint_args_takes_the_saved_shape(saves, tmp_path, capsys):
+    """pretrain_gpt.py --use-checkpoint-args: the model's shape from the (converted)
+    checkpoint, with Megatron's semantics: unset sizes are filled, forced fields win over
+    the command line; without --load it is a flag error, without a checkpoint a file one."""
+    from megamoe.cli.arguments import parse_args
+    from megamoe.cli.mapping import run_config_from_args
+
+    mm = str(tmp_path / "mm")
+    _to_megamoe(saves("mixtral"), mm)
+    run = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+           "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "9",
+           "--lr", "1e-3", "--load", mm, "--use-checkpoint-args"]
+    args = parse_args(run + ["--num-attention-heads", "8", "--num-experts", "8"], world_size=1)
+    config = run_config_from_args(args, 100).model
+    assert (config.num_layers, config.hidden_size, config.moe.ffn_hidden_size) == (2, 64, 80)
+    assert config.num_attention_heads == 8  # set on the command line: not forced
+    assert config.moe.num_experts == 4 and config.num_query_groups == 2  # forced
+    with pytest.raises(SystemExit) as e:
+        parse_args(run[:-3] + ["--use-checkpoint-args"], world_size=1)
+    assert e.value.code == 2 and "--use-checkpoint-args needs --load" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_args(run[:-3] + ["--load", str(tmp_path / "none"), "--use-checkpoint-args"],
+                   world_size=1)
+    assert e.value.code == 1 and "no checkpoint" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- bad input
 
 def _fails_cleanly(capsys, args: list[str], out: str, *needles: str) -> str:
