@@ -156,12 +156,9 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
     final = save_dist_checkpoint(out_dir, iteration, model, None, _Schedule(steps), None,
                                  consumed, saved_args, model_config=to_dict(config),
                                  save_optim=False, save_rng=False, single=True)
-    optim = [k for k in tensors if k.startswith("optimizer.")] or any(
-        k.startswith("optimizer") for k in common)
-    note = (f"iteration {iteration}, {consumed} consumed samples, LR schedule at "
-            f"{steps} samples; weights only"
-            + (" (the optimizer state was not imported: training resumes with fresh "
-               "optimizer moments)" if optim else ""))
+    note = (f"iteration {iteration}, {consumed} consumed samples, LR schedule at {steps} "
+            "samples; weights and schedule only: the optimizer state is not imported "
+            "(training resumes with fresh optimizer moments)")
     return final, note
 
 
