@@ -161,11 +161,15 @@ def _rewrite_common(save: str, dst: str, edit) -> None:
     megatron_format.write_megatron(dst, 7, tensors, edit(common), extra)
 
 
-def test_truncated_shard(saves, tmp_path, capsys):
+@pytest.mark.parametrize("cut", [64, "half"])
+def test_truncated_shard(saves, tmp_path, capsys, cut):
+    """A few bytes short (DCP's read fails) or half (the index promises more bytes than
+    the shards hold, refused before anything is allocated)."""
     bad = str(tmp_path / "bad")
     shutil.copytree(saves("mixtral"), bad)
     shard = os.path.join(bad, "iter_0000007", "__0_0.distcp")
-    os.truncate(shard, os.path.getsize(shard) // 2)
+    size = os.path.getsize(shard)
+    os.truncate(shard, size // 2 if cut == "half" else size - cut)
     _fails_cleanly(capsys, ["megatron-to-megamoe", "--input", bad, "--output",
                             str(tmp_path / "out")], str(tmp_path / "out"), "iter_0000007")
 

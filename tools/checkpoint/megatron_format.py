@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -104,9 +105,17 @@ def read_megatron(it_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     _check_backend(it_dir)
     metadata = read_dcp_metadata(os.path.join(it_dir, ".metadata"))
     common = read_megatron_common(it_dir, metadata.storage_data or {})
+    metas = {k: m for k, m in metadata.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    # The index is untrusted: its shapes may not promise more bytes than the shards hold.
+    need = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in metas.values())
+    held = sum(os.path.getsize(os.path.join(it_dir, n)) for n in os.listdir(it_dir)
+               if n.endswith(".distcp"))
+    if need > held:
+        raise ConvertError(f"{it_dir}/.metadata: describes {need} bytes of tensors, the "
+                           f"shards hold {held} (truncated or not this checkpoint's index)")
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype, device="cpu")
-            for k, m in metadata.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+            for k, m in metas.items()}
     _dcp_load(want, it_dir, no_dist=True)
     return common, want
 
