@@ -99,6 +99,8 @@ CLI_READ = {
     "--logging-level": "tests/scripts/test_megatron_flags.py::test_logging_level",
     "--use-rotary-position-embeddings":
         "tests/scripts/test_megatron_flags.py::test_use_rotary_position_embeddings",
+    "--use-checkpoint-args":
+        "tests/tools/test_convert_megatron.py::test_use_checkpoint_args_takes_the_saved_shape",
 }
 
 

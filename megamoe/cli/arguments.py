@@ -15,6 +15,7 @@ from typing import NoReturn, Optional, Sequence
 
 import yaml
 
+from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.rules import ArgumentError, finalize_args
@@ -336,6 +337,9 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-save-optim", action="store_true")
     c.add_argument("--no-save-rng", action="store_true")
     c.add_argument("--finetune", action="store_true")
+    c.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the --load checkpoint's saved "
+                        "arguments (Megatron-LM's semantics)")
     c.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "fsdp_dtensor"],
                    help="torch_dist: sharded (DCP), loads into any parallel layout; torch: "
@@ -472,6 +476,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int
     except ArgumentError as e:
         parser.error(str(e))
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        try:
+            apply_checkpoint_args(args, parser)
+        except CheckpointError as e:  # a file's problem: one line, exit 1
+            sys.stderr.write(f"{parser.prog}: error: {e}\n")
+            sys.exit(1)
     try:
         check_int_bounds(args, parser)
         finalize_args(args, parser, world_size=world_size)

@@ -229,3 +229,33 @@ def test_a_pointer_symlink_is_not_quoted(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and pointer in err, err
     assert "SECRET" not in err
+def _megatron_blob(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save([obj], buf)  # how megatron-core packs its common state
+    return buf.getvalue()
+
+
+def test_megatron_common_state_admits_args_only(tmp_path):
+    """A Megatron-LM common state is unpickled admitting argparse.Namespace, dtypes and
+    tensors; Megatron's own enums become inert records (never imported); anything else,
+    such as a crafted payload inside `args`, is refused before it runs."""
+    import argparse
+
+    from megamoe.training.checkpoint.megatron_common import ForeignValue, load_megatron_pickle
+
+    marker = str(tmp_path / "payload-ran")
+    fine = argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16, rng=torch.arange(3))
+    got = load_megatron_pickle(_megatron_blob({"args": fine, "iteration": 3}), "x")[0]
+    assert got["args"].params_dtype is torch.bfloat16 and got["iteration"] == 3
+    assert torch.equal(got["args"].rng, torch.arange(3))
+
+    enum_pickle = (b"\x80\x02cmegatron.core.transformer.enums\nAttnBackend\nK\x05\x85R.")
+    value = load_megatron_pickle(enum_pickle, "x")
+    assert isinstance(value, ForeignValue) and value.args == (5,)
+    assert value.qualname == "megatron.core.transformer.enums.AttnBackend"
+
+    crafted = argparse.Namespace(num_layers=2, trap=Payload(marker))
+    with pytest.raises(CheckpointError, match="refused.*io.open") as e:
+        load_megatron_pickle(_megatron_blob({"args": crafted}), "iter_0000003/__0_0.distcp")
+    assert "iter_0000003/__0_0.distcp" in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.exists(marker)

@@ -1,8 +1,14 @@
-"""Convert between Hugging Face MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and
-megamoe checkpoints.
+"""Convert between Hugging Face MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE),
+Megatron-LM torch_dist checkpoints and megamoe checkpoints.
 
     python tools/checkpoint/convert.py hf-to-megamoe --input HF_DIR --output CKPT_DIR
     python tools/checkpoint/convert.py megamoe-to-hf --input CKPT_DIR --output HF_DIR
+    python tools/checkpoint/convert.py megatron-to-megamoe --input MEGATRON_SAVE_DIR \
+        --output CKPT_DIR [pretrain_gpt.py flags overriding the saved args]
+    python tools/checkpoint/convert.py megamoe-to-megatron --input CKPT_DIR \
+        --output MEGATRON_SAVE_DIR [--megatron-spec te|local]
+
+Megatron-LM side: megatron_format.py and docs/megatron-checkpoints.md.
 
 HF side: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM
 (the family is read from config.json's `architectures`, else `model_type`; exporting
@@ -28,13 +34,18 @@ import sys
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 2)))
+sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))  # checks, megatron_format
 
 import torch  # noqa: E402
+from checks import ConvertError, build_args, check_shapes  # noqa: E402
+from megatron_format import (  # noqa: E402
+    check_megatron_output,
+    megamoe_to_megatron,
+    megatron_to_megamoe,
+)
 from tqdm import tqdm  # noqa: E402
 
-from megamoe.cli.arguments import build_parser  # noqa: E402
 from megamoe.cli.mapping import run_config_from_args  # noqa: E402
-from megamoe.cli.rules import ArgumentError, finalize_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
 from megamoe.model.hf_families import (  # noqa: E402
@@ -52,10 +63,6 @@ from megamoe.training.checkpoint import (  # noqa: E402
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ConvertError(Exception):
-    """Unusable input or output; the message names the file or flag."""
 
 
 # ---------------------------------------------------------------- Hugging Face -> megamoe
@@ -82,21 +89,6 @@ def _read_hf_config(hf_dir: str) -> tuple[dict, HFFamily]:
 def hf_model_flags(cfg: dict) -> list[str]:
     """pretrain_gpt.py model flags that build the same network as a config.json."""
     return family_of_config(cfg).flags(cfg)
-
-
-def _build_args(flags: list[str], where: str) -> argparse.Namespace:
-    """Flags -> a validated namespace, as pretrain_gpt.py would see them for a run that
-    does not train (--skip-train, which the saved flags drop: a top-1 Mixtral's router,
-    weight 1.0 per token, is refused for training, as by Megatron, but converts and
-    evaluates exactly)."""
-    parser = build_parser()
-    args = parser.parse_args(flags + ["--dry-run", "--skip-train"])
-    try:
-        finalize_args(args, parser, world_size=1)
-    except ArgumentError as e:
-        raise ConvertError(f"{where}: {e}") from None
-    args.dry_run = False
-    return args
 
 
 def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -127,20 +119,6 @@ def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_shapes(sd: dict[str, torch.Tensor], config: ModelConfig, where: str) -> None:
-    with torch.device("meta"):
-        want = GPTModel(config).state_dict()
-    for key, ref in want.items():
-        if key not in sd:
-            raise ConvertError(f"{where}: no weight for {key}")
-        if tuple(sd[key].shape) != tuple(ref.shape):
-            raise ConvertError(f"{where}: {key} has shape {tuple(sd[key].shape)}, the config "
-                               f"implies {tuple(ref.shape)}")
-    extra = sorted(set(sd) - set(want))
-    if extra:
-        raise ConvertError(f"{where}: unexpected weights {extra[:4]}")
-
-
 def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torch_dist",
                              target: Optional[dict[str, int]] = None) -> str:
     """Convert; returns the published iteration directory. `target` ({"tensor": N, ...}):
@@ -151,7 +129,7 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
     hf_sd = read_safetensors(hf_dir)
     try:
         cfg = family.config_for_weights(cfg, hf_sd.keys())
-        args = _build_args(family.flags(cfg), config_path)
+        args = build_args(family.flags(cfg), config_path)
     except KeyError as e:
         raise ConvertError(f"{config_path}: missing field {e}") from None
     config = run_config_from_args(args, cfg["vocab_size"]).model
@@ -160,7 +138,7 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
     except (KeyError, ValueError, RuntimeError) as e:
         msg = e.args[0] if e.args else str(e)
         raise ConvertError(f"{hf_dir}: weights do not fit config.json ({msg})") from None
-    _check_shapes(sd, config, hf_dir)
+    check_shapes(sd, config, hf_dir)
     args.skip_train = False  # (the saved flags are those of a training launch)
     saved_args = {k: v for k, v in vars(args).items()
                   if isinstance(v, (int, float, str, bool, list, type(None)))}
@@ -295,7 +273,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="direction", required=True)
     to_mm = sub.add_parser("hf-to-megamoe", help="Hugging Face MoE model -> megamoe checkpoint")
     to_hf = sub.add_parser("megamoe-to-hf", help="megamoe checkpoint -> Hugging Face MoE model")
-    for s in (to_mm, to_hf):
+    from_mg = sub.add_parser("megatron-to-megamoe",
+                             help="Megatron-LM torch_dist checkpoint -> megamoe checkpoint")
+    to_mg = sub.add_parser("megamoe-to-megatron",
+                           help="megamoe checkpoint -> Megatron-LM torch_dist checkpoint")
+    to_mg.add_argument("--megatron-spec", default="te", choices=["te", "local"],
+                       help="the layer spec of the Megatron model that will load it: "
+                            "transformer_engine (te, Megatron-LM's default) or local")
+    for s in (to_mm, to_hf, from_mg, to_mg):
         s.add_argument("--input", required=True)
         s.add_argument("--output", required=True)
     for kind in ("tensor", "pipeline", "expert"):
@@ -304,7 +289,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 "load under any layout)")
     to_mm.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist", "torch"],
                        help="torch_dist (default, sharded, any layout) or torch (one file)")
-    return p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if rest and args.direction != "megatron-to-megamoe":
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
+    return args
 
 
 def _check_output(args: argparse.Namespace) -> None:
@@ -320,6 +309,10 @@ def _check_output(args: argparse.Namespace) -> None:
                                    "process or data parallelism)")
         if os.path.exists(os.path.join(out, TRACKER)):
             raise ConvertError(f"--output {out}: already holds a checkpoint (choose a new folder)")
+    elif args.direction in ("megatron-to-megamoe", "megamoe-to-megatron"):
+        why = check_megatron_output(out)
+        if why is not None:
+            raise ConvertError(why)
     elif os.path.exists(os.path.join(out, "config.json")):
         raise ConvertError(f"--output {out}: already holds a model (choose a new folder)")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -336,6 +329,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             target = {kind: getattr(args, f"target_{kind}_parallel_size")
                       for kind in ("tensor", "pipeline", "expert")}
             final = hf_to_megamoe_checkpoint(args.input, args.output, args.ckpt_format, target)
+            print(f"wrote {final}")
+        elif args.direction == "megatron-to-megamoe":
+            final, note = megatron_to_megamoe(args.input, args.output, args.overrides)
+            print(f"wrote {final}: {note}")
+        elif args.direction == "megamoe-to-megatron":
+            final = megamoe_to_megatron(args.input, args.output, args.megatron_spec)
             print(f"wrote {final}")
         else:
             note = megamoe_to_hf_checkpoint(args.input, args.output)

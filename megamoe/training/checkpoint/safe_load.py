@@ -55,6 +55,11 @@ _METADATA_CLASSES = {
         "_MEM_FORMAT_ENCODING")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # megatron-core's torch_dist saves keep the global save plan in the metadata
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),

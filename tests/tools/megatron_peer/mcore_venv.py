@@ -1,0 +1,93 @@
+"""The megatron-core peer's Python: a venv of its own (megatron-core 0.19.2 on the CPU torch,
+REFERENCE.md's recipe), built once and cached under ~/.cache/megamoe/mcore-venv/<versions>.
+
+megamoe never imports megatron-core; tests run `peer.py` with this venv's Python as a
+subprocess. The build holds a file lock, so concurrent tests (or pytest-xdist workers)
+build it once; it is made in a temporary folder and renamed into place only after
+`import megatron.core` works, so a half-built venv is never used.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from typing import Optional
+
+PYTHON = "3.11"
+PINS = ["torch==2.13.0", "numpy", "packaging", "psutil", "triton==3.7.1"]
+MCORE = "megatron-core==0.19.2"
+KEY = f"py{PYTHON}-torch2.13.0-triton3.7.1-mcore0.19.2"
+ROOT = os.path.join(os.path.expanduser(os.environ.get("MEGAMOE_CACHE", "~/.cache/megamoe")),
+                    "mcore-venv")
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py")
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer venv cannot be built here; the message says why."""
+
+
+def _python() -> str:
+    found = shutil.which(f"python{PYTHON}")
+    if found is None:
+        raise PeerUnavailable(f"python{PYTHON} is not on PATH (the megatron-core peer needs "
+                              "it: megatron-core 0.19 imports on 3.11 with triton)")
+    return found
+
+
+def _run(cmd: list[str], log: str) -> None:
+    with open(log, "a") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+    if done.returncode != 0:
+        tail = open(log).read().strip().splitlines()[-1:] or ["?"]
+        raise PeerUnavailable(f"`{' '.join(cmd[2:5])} ...` failed ({tail[0][:200]}); see {log}")
+
+
+def _build(final: str) -> None:
+    tmp = f"{final}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log = f"{final}.log"
+    subprocess.run([_python(), "-m", "venv", tmp], check=True)
+    py = os.path.join(tmp, "bin", "python")
+    _run([py, "-m", "pip", "install", "-q", *PINS], log)
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python", MCORE],
+         log)
+    _run([py, "-c", "import megatron.core.dist_checkpointing"], log)
+    os.replace(tmp, final)
+
+
+def peer_python() -> str:
+    """The cached venv's python, building it first if needed; PeerUnavailable if not."""
+    final = os.path.join(ROOT, KEY)
+    py = os.path.join(final, "bin", "python")
+    if os.path.isfile(py):
+        return py
+    os.makedirs(ROOT, exist_ok=True)
+    with open(os.path.join(ROOT, f"{KEY}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.isfile(py):
+                _build(final)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise PeerUnavailable(f"building {final} failed ({e.__class__.__name__}: {e})"
+                                  ) from None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return py
+
+
+def run_peer(args: list[str], timeout: float = 600, python: Optional[str] = None) -> None:
+    """`peer.py ARGS` in the peer venv; AssertionError with its output's tail if it fails."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run([python or peer_python(), PEER, *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise AssertionError(f"peer.py {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
+if __name__ == "__main__":  # python -m tests.tools.megatron_peer.mcore_venv: build or find it
+    print(peer_python())
+    sys.exit(0)

@@ -1,0 +1,211 @@
+"""The megatron-core side of the Megatron-LM checkpoint tests. Runs in the peer venv
+(mcore_venv.py), never imports megamoe.
+
+    python peer.py save --variant mixtral --out SAVE_DIR --iteration 7
+        builds a tiny megatron-core GPTModel (seeded, random norms and biases), saves it
+        with dist_checkpointing.save in Megatron-LM's layout (tracker file, iter_0000007/,
+        common state as Megatron-LM's training loop writes it), and writes the logits of
+        TOKENS to SAVE_DIR/reference_logits.pt
+    python peer.py load --variant mixtral --ckpt SAVE_DIR --out OUT.pt
+        builds the same model, loads SAVE_DIR with dist_checkpointing.load (what
+        Megatron-LM's --load does) and writes the logits of TOKENS; also the loaded
+        common state's fields to OUT.pt.json
+
+On CPU with gloo, following REFERENCE.md's recipe: cuda.current_device patched to the
+CPU, the inference RNG tracker, an explicit causal mask, use_cpu_initialization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+torch.cuda.current_device = lambda: torch.device("cpu")
+torch.cuda.synchronize = lambda *a, **k: None
+
+VOCAB = 128
+SEQ = 16
+TOKENS = [[(7 * i + 3 * b + 1) % 100 for i in range(SEQ)] for b in range(2)]
+
+# variant -> TransformerConfig fields beyond the common Mixtral-like ones, and GPTModel's
+# share_embeddings_and_output_weights
+VARIANTS = {
+    "mixtral": ({}, False),
+    "shared_dense": ({"num_layers": 3, "moe_layer_freq": [0, 1, 1],
+                      "moe_shared_expert_intermediate_size": 48,
+                      "moe_shared_expert_gate": True,
+                      "moe_router_score_function": "sigmoid",
+                      "moe_router_enable_expert_bias": True}, False),
+    "qk_norm": ({"qk_layernorm": True}, True),
+}
+
+
+def init_process_group() -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+
+
+def transformer_config(variant: str):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                  num_query_groups=2, kv_channels=16, num_moe_experts=4, moe_router_topk=2,
+                  moe_ffn_hidden_size=80, normalization="RMSNorm", layernorm_epsilon=1e-5,
+                  gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                  use_cpu_initialization=True, params_dtype=torch.float32,
+                  moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                  moe_router_load_balancing_type="none", bias_dropout_fusion=False,
+                  apply_rope_fusion=False, persist_layer_norm=False,
+                  gradient_accumulation_fusion=False, init_method_std=0.05)
+    fields.update(VARIANTS[variant][0])
+    return TransformerConfig(**fields)
+
+
+def build_model(variant: str):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = transformer_config(variant)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      normalization="RMSNorm")
+    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope",
+                     rotary_base=10000, share_embeddings_and_output_weights=VARIANTS[variant][1])
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():  # norms (all ones at init) and expert biases made distinct
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "layernorm" in name or name.endswith("norm.weight") or "expert_bias" in name:
+                t.copy_(1.0 + 0.3 * torch.randn(t.shape, generator=gen)
+                        if "expert_bias" not in name else 0.1 * torch.randn(t.shape,
+                                                                           generator=gen))
+    return model.eval()
+
+
+def logits(model) -> torch.Tensor:
+    tokens = torch.tensor(TOKENS)
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        return model(tokens, pos, mask).float()
+
+
+def megatron_args(variant: str, iteration: int):
+    """The fields of Megatron-LM's args Namespace (megatron/training/arguments.py names)
+    that a GPT MoE run of this variant holds; the rest of a real Namespace is run
+    bookkeeping."""
+    fields, tied = VARIANTS[variant]
+    c = transformer_config(variant)
+    gbs = 8
+    return argparse.Namespace(
+        num_layers=c.num_layers, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+        group_query_attention=True, num_query_groups=2, kv_channels=16, seq_length=SEQ,
+        max_position_embeddings=SEQ, vocab_size=100, padded_vocab_size=VOCAB,
+        make_vocab_size_divisible_by=128, normalization="RMSNorm", norm_epsilon=1e-5,
+        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
+        swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not tied, qk_layernorm=c.qk_layernorm,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05,
+        apply_layernorm_1p=False, multi_latent_attention=False, mtp_num_layers=None,
+        num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=80,
+        moe_layer_freq=fields.get("moe_layer_freq", 1),
+        moe_shared_expert_intermediate_size=fields.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=fields.get("moe_shared_expert_gate", False),
+        moe_router_score_function=c.moe_router_score_function,
+        moe_router_enable_expert_bias=c.moe_router_enable_expert_bias,
+        moe_router_pre_softmax=False, moe_router_topk_scaling_factor=None,
+        moe_router_num_groups=None, moe_router_group_topk=None,
+        moe_router_load_balancing_type=["none"], moe_aux_loss_coeff=[0.0],
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        transformer_impl="local", tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+        params_dtype=torch.float32, fp16=False, bf16=False,
+        micro_batch_size=2, global_batch_size=gbs, train_iters=20, lr=3e-4, min_lr=3e-5,
+        lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=None, weight_decay=0.1,
+        seed=1234, iteration=iteration, consumed_train_samples=iteration * gbs,
+        consumed_valid_samples=0, ckpt_format="torch_dist", tokenizer_type="NullTokenizer",
+    )
+
+
+def scheduler_state(args) -> dict:
+    """Megatron's OptimizerParamScheduler.state_dict() after `iteration` steps of
+    global-batch-size samples (its steps count samples)."""
+    gbs = args.global_batch_size
+    return {"max_lr": args.lr, "lr_warmup_steps": args.lr_warmup_iters * gbs,
+            "num_steps": args.consumed_train_samples, "lr_decay_style": args.lr_decay_style,
+            "lr_decay_steps": args.train_iters * gbs, "min_lr": args.min_lr,
+            "start_wd": args.weight_decay, "end_wd": args.weight_decay,
+            "wd_incr_style": "constant", "wd_incr_steps": args.train_iters * gbs}
+
+
+def save(variant: str, out: str, iteration: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    model = build_model(variant)
+    args = megatron_args(variant, iteration)
+    # megatron/training/checkpointing.py generate_state_dict, with --no-save-optim and
+    # --no-save-rng (the optimizer's and the RNG's sharded objects are not imported)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": model.sharded_state_dict(), "opt_param_scheduler": scheduler_state(args),
+             "num_floating_point_operations_so_far": 1.5e12}
+    it_dir = os.path.join(out, f"iter_{iteration:07d}")
+    os.makedirs(it_dir, exist_ok=True)
+    dist_checkpointing.save(state, it_dir)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    torch.save(logits(model), os.path.join(out, "reference_logits.pt"))
+
+
+def load(variant: str, ckpt: str, out: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model = build_model(variant)
+    with torch.no_grad():  # nothing of the fresh model may survive the load
+        for t in model.state_dict().values():
+            if isinstance(t, torch.Tensor) and torch.is_floating_point(t):
+                t.fill_(float("nan"))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read().strip())
+    it_dir = os.path.join(ckpt, f"iter_{iteration:07d}")
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)
+    model.load_state_dict(loaded["model"], strict=False)
+    torch.save(logits(model), out)
+    common = dist_checkpointing.load_common_state_dict(it_dir)
+    info = {"iteration": common["iteration"], "checkpoint_version": common["checkpoint_version"],
+            "args": {k: v for k, v in vars(common["args"]).items()
+                     if isinstance(v, (int, float, str, bool, list, type(None)))},
+            "opt_param_scheduler": common["opt_param_scheduler"],
+            "keys": sorted(common)}
+    with open(out + ".json", "w") as f:
+        json.dump(info, f, indent=1, sort_keys=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["save", "load"])
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="mixtral")
+    p.add_argument("--out")
+    p.add_argument("--ckpt")
+    p.add_argument("--iteration", type=int, default=7)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    init_process_group()
+    if a.mode == "save":
+        save(a.variant, a.out, a.iteration)
+    else:
+        load(a.variant, a.ckpt, a.out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

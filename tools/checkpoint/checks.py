@@ -1,0 +1,50 @@
+"""What every direction of convert.py shares: its error, the flags -> validated namespace
+step, and the shape check of a converted state dict against the model it must fill."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megamoe.cli.arguments import build_parser
+from megamoe.cli.rules import ArgumentError, finalize_args
+from megamoe.config import ModelConfig
+from megamoe.model.gpt_model import GPTModel
+
+
+class ConvertError(Exception):
+    """Unusable input or output; the message names the file or flag."""
+
+
+def build_args(flags: list[str], where: str) -> argparse.Namespace:
+    """Flags -> a validated namespace, as pretrain_gpt.py would see them for a run that
+    does not train (--skip-train, which the saved flags drop: a top-1 Mixtral's router,
+    weight 1.0 per token, is refused for training, as by Megatron, but converts and
+    evaluates exactly)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(flags + ["--dry-run", "--skip-train"])
+    except SystemExit:
+        raise ConvertError(f"{where}: the saved arguments do not parse as pretrain_gpt.py "
+                           "flags") from None
+    try:
+        finalize_args(args, parser, world_size=1)
+    except ArgumentError as e:
+        raise ConvertError(f"{where}: {e}") from None
+    args.dry_run = False
+    return args
+
+
+def check_shapes(sd: dict[str, torch.Tensor], config: ModelConfig, where: str) -> None:
+    with torch.device("meta"):
+        want = GPTModel(config).state_dict()
+    for key, ref in want.items():
+        if key not in sd:
+            raise ConvertError(f"{where}: no weight for {key}")
+        if tuple(sd[key].shape) != tuple(ref.shape):
+            raise ConvertError(f"{where}: {key} has shape {tuple(sd[key].shape)}, the config "
+                               f"implies {tuple(ref.shape)}")
+    extra = sorted(set(sd) - set(want))
+    if extra:
+        raise ConvertError(f"{where}: unexpected weights {extra[:4]}")
