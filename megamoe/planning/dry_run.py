@@ -32,6 +32,9 @@ def launch_layout(run: RunConfig) -> Layout:
                   micro_batch_size=run.train.micro_batch_size)
 
 
+MAX_META_LAYERS = 1024  # 16x DeepSeek-V3's 61
+
+
 def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     """(device bytes one rank of this layout needs, by part and "total"; the memory
     model's transients) for the largest pipeline stage, from shapes alone."""
@@ -55,11 +58,18 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
     """Build the model's shapes on the meta device; report (one JSON line) its size and the
     memory one rank of this layout needs (the largest pipeline stage): static bytes plus
     the largest of the activations, the distributed optimizer's step transient and its
-    checkpoint-save transient (device memory; the save's host copies apart)."""
-    with torch.device("meta"):
-        model = GPTModel(run.model)
-    actual = sum(p.numel() for p in model.parameters())
+    checkpoint-save transient (device memory; the save's host copies apart).
+
+    Past MAX_META_LAYERS layers the meta model is not built (its Python objects cost about
+    a millisecond and some memory per layer, so an absurd --num-layers would hang here):
+    "parameters" is then the formula's count, which equals the built model's for every
+    model the tests build (tests/model/test_flops.py)."""
     total, active = num_parameters(run.model)
+    actual = total
+    if run.model.num_layers <= MAX_META_LAYERS:
+        with torch.device("meta"):
+            model = GPTModel(run.model)
+        actual = sum(p.numel() for p in model.parameters())
     memory, transient = per_rank_memory(run)
     report = {"parameters": actual, "parameters_formula": total,
               "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
