@@ -131,3 +131,17 @@ def test_missing_tensorboard_package_is_one_line(capsys, tmp_path, monkeypatch):
     code, err = _main_error(capsys, f"--tensorboard-dir {tmp_path}/tb", tmp_path)
     assert code == 1 and err == ["pretrain_gpt.py: error: --tensorboard-dir needs the "
                                  "tensorboard package: pip install -e .[logging]"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (f"--num-layers {2**31}", "--num-layers must be at most 65536"),
+    (f"--mtp-num-layers {2**31}", "--mtp-num-layers must be at most 65536"),
+    (f"--hidden-size {2**31}", "parameters: more than a tensor can index"),
+])
+def test_dry_run_of_an_absurd_model_is_one_line(capsys, extra, message):
+    try:  # the argument rules exit 2 themselves; the dry run's own checks return 2
+        code = main(shlex.split(f"{TINY_MOE} --train-iters 2 {extra} --dry-run"))
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err

@@ -21,6 +21,7 @@ from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
 from megamoe.config.batch_schedule import parse_step_schedule
 from megamoe.config.fields import flag_dest
+from megamoe.config.model import check_layer_counts
 from megamoe.config.unsupported import NOT_SUPPORTED_YET
 from megamoe.data.builder import parse_data_path
 from megamoe.data.errors import DataError
@@ -172,6 +173,7 @@ def _derive_moe_defaults(args: argparse.Namespace) -> None:
                             "use a factor > 0, or a negative one for dropless")
     if args.moe_token_dropping and args.moe_expert_capacity_factor is None:
         args.moe_expert_capacity_factor = 1.0
+    check_layer_counts(args.num_layers, getattr(args, "mtp_num_layers", None))
     if args.num_layers > 0:
         args.moe_layer_pattern = parse_layer_freq(args.moe_layer_freq, args.num_layers)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megamoe.config.fields import (
+    ConfigError,
     check_positive,
     check_range,
     derived,
@@ -27,6 +28,17 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+
+# Per-layer lists, modules and counts are built from --num-layers: past this (1000x the
+# deepest MoE model published) a typo would allocate without bound instead of failing.
+MAX_LAYERS = 2**16
+
+
+def check_layer_counts(num_layers: Optional[int], mtp_num_layers: Optional[int]) -> None:
+    for name, value in (("--num-layers", num_layers), ("--mtp-num-layers", mtp_num_layers)):
+        if value is not None and value > MAX_LAYERS:
+            raise ConfigError(f"{name} must be at most {MAX_LAYERS}, got {value}")
 
 
 @dataclass
@@ -107,6 +119,7 @@ class ModelConfig:
     moe_layer_pattern: Optional[list[int]] = derived("--moe-layer-freq", None)
 
     def __post_init__(self) -> None:
+        check_layer_counts(self.num_layers, self.mtp_num_layers)  # before any per-layer list
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:

@@ -110,13 +110,23 @@ def moe_values(model: ModelConfig, tp: int, ep: int, etp: int, act_bytes: int,
     return values
 
 
+def routing_replay_values(model: ModelConfig, i: int, tp: int, act_bytes: int) -> float:
+    """What a recomputed MoE layer keeps for its replay (parallel/checkpointing.replay_once):
+    the forward's top-k expert ids, int64 per routed token (the router sees the layer's
+    sequence shard under SP), so the replay routes exactly as the forward did."""
+    if not model.is_moe_layer(i) or model.moe.router_type != "topk":
+        return 0.0
+    return model.moe.topk * 8 / act_bytes / tp
+
+
 def mlp_values(model: ModelConfig, i: int, tp: int, ep: int, etp: int, act_bytes: int,
                recompute: RecomputeConfig) -> float:
     h = model.hidden_size
     selected = recompute.selected
     moe = model.is_moe_layer(i)
     if ("moe" if moe else "mlp") in selected:
-        return h / tp  # the checkpointed region (norm2 + MLP) keeps its input
+        # the checkpointed region (norm2 + MLP) keeps its input, and an MoE layer its routing
+        return h / tp + routing_replay_values(model, i, tp, act_bytes)
     values = _norm(model) * h / tp
     if not ("layernorm" in selected and tp == 1):
         values += h  # the MLP's / router's input
@@ -138,7 +148,8 @@ def layer_activation_bytes(model: ModelConfig, i: int, recompute: RecomputeConfi
     """Bytes layer `i` keeps for `tokens` tokens of its sequence; a layer of a full
     recompute group (uniform, one layer per group) keeps only its input."""
     if recompute.granularity == "full":
-        return tokens * act_bytes * model.hidden_size / tp
+        return tokens * act_bytes * (model.hidden_size / tp
+                                     + routing_replay_values(model, i, tp, act_bytes))
     return tokens * act_bytes * layer_values(model, i, recompute, tp=tp, ep=ep, etp=etp,
                                              act_bytes=act_bytes)
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from megamoe.config import RunConfig
+from megamoe.config import ConfigError, RunConfig
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.planning.activations import recompute_name
@@ -65,6 +65,10 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
     "parameters" is then the formula's count, which equals the built model's for every
     model the tests build (tests/model/test_flops.py)."""
     total, active = num_parameters(run.model)
+    if total >= 2**62:  # some weight would have more elements than a tensor can index
+        raise ConfigError(f"the model's sizes give {total:.3g} parameters: more than a tensor "
+                          f"can index (check --hidden-size, --ffn-hidden-size, --num-layers, "
+                          f"--num-experts, --vocab-size)")
     actual = total
     if run.model.num_layers <= MAX_META_LAYERS:
         with torch.device("meta"):

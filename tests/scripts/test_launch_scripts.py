@@ -32,7 +32,10 @@ def test_mixtral_script_megatron_layout_validates_or_names_the_missing_feature(t
     p = _bash(MIXTRAL, str(tmp_path / "ckpt"), "/cluster/tokenizer.model", "/cluster/data",
               env={"DRY_RUN": "1"})
     if p.returncode == 0:
-        assert _json_line(p.stdout)["parameters"] == MIXTRAL_8X7B_PARAMS
+        # Megatron pads the vocabulary to a multiple of 128 x TP: 32000 -> 32256 at TP4,
+        # 256 more rows in the embedding and the untied output layer (H = 4096)
+        padded_rows = 32256 - 32000
+        assert _json_line(p.stdout)["parameters"] == MIXTRAL_8X7B_PARAMS + 2 * padded_rows * 4096
         return
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()

@@ -88,7 +88,7 @@ def test_mfu_is_model_flops_over_peak(logged_run):
     out, _, _ = logged_run
     acc = _events(str(out / "tb"))
     run = run_config_from_args(parse_args(shlex.split(TINY_MOE + " --train-iters 1"),
-                                     world_size=1), 98)
+                                     world_size=1), 97)  # NullTokenizer --vocab-size 97: 97 ids
     tokens_per_iter = 8 * 16
     for mfu, ms in zip(acc.Scalars("mfu"), acc.Scalars("iteration_time_ms")):
         expect = flops_per_token(run.model) * tokens_per_iter / (ms.value / 1000) / 0.05e12
