@@ -48,6 +48,7 @@ def _hangs(rank: int, world_size: int) -> None:
         time.sleep(30)
 
 
+@pytest.mark.slow
 def test_hang_ends_with_timeout_error():
     start = time.time()
     with pytest.raises((TimeoutError, RuntimeError)):

@@ -206,7 +206,7 @@ def _history_worker(rank: int, world: int, extra: str, pin: bool) -> list[tuple[
 
 
 @pytest.mark.parametrize("extra", [
-    "--bf16 --use-distributed-optimizer",
+    pytest.param("--bf16 --use-distributed-optimizer", marks=pytest.mark.slow),
     pytest.param("--bf16", marks=pytest.mark.slow), pytest.param("", marks=pytest.mark.slow)])
 def test_calibration_leaves_training_bitwise_unchanged(extra):
     """The bug it guards: under --bf16 the probes' backward went through the fp32

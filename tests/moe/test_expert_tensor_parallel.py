@@ -125,7 +125,8 @@ def test_tp2_layer_matches_single_process(etp):
     assert all(run_distributed(_worker, 2, 120, 2, 1, etp, "alltoall"))
 
 
-@pytest.mark.parametrize("etp, dispatcher", [(1, "alltoall"), (2, "allgather")])
+@pytest.mark.parametrize("etp, dispatcher", [
+    (1, "alltoall"), pytest.param(2, "allgather", marks=pytest.mark.slow)])
 def test_tp2_x_ep2_layer_matches_single_process(etp, dispatcher):
     assert all(run_distributed(_worker, 4, 180, 2, 2, etp, dispatcher))
 

@@ -66,7 +66,8 @@ def _worker(rank, world_size, comm_type, docs):
 
 
 @pytest.mark.parametrize("cp,comm_type,docs", [
-    (2, "p2p", False), (2, "p2p", True), (4, "allgather", True),
+    (2, "p2p", False), (2, "p2p", True),
+    pytest.param(4, "allgather", True, marks=pytest.mark.slow),
     pytest.param(4, "p2p", True, marks=pytest.mark.slow),
     pytest.param(4, "p2p", False, marks=pytest.mark.slow),
     pytest.param(2, "allgather", False, marks=pytest.mark.slow),
@@ -238,7 +239,8 @@ def _dropout_worker(rank, world_size, comm_type):
         src: m.numpy() for src, m in keeps.items()}
 
 
-@pytest.mark.parametrize("cp,comm_type", [(2, "p2p"), (4, "allgather")])
+@pytest.mark.parametrize("cp,comm_type", [
+    (2, "p2p"), pytest.param(4, "allgather", marks=pytest.mark.slow)])
 def test_cp_attention_dropout_equals_full_attention_with_the_same_masks(cp, comm_type):
     """Each block's dropout is the full attention's dropout restricted to that block: with
     the keep masks the ranks drew assembled into one [S, S] mask, the reference

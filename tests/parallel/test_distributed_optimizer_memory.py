@@ -143,6 +143,7 @@ def _check(flags: str, per_rank: list[dict], fused: bool) -> str:
             f"async held {held}")
 
 
+@pytest.mark.slow
 def test_dp4_bf16_step_and_save_memory(tmp_path):
     flags = f"{DP4} --bf16"
     print(_check(flags, run_distributed(_measure, 4, 180, flags, str(tmp_path), True), True),

@@ -55,6 +55,7 @@ def _compare(*args: str) -> int:
                           text=True, timeout=60, cwd=ROOT).returncode
 
 
+@pytest.mark.slow
 def test_compare_fails_on_a_perturbed_or_restarted_run(tmp_path):
     ref = _history(tmp_path / "ref.json", range(1, 7))
     assert _compare(ref, _history(tmp_path / "same.json", range(1, 7))) == 0

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_bench_adaptive_tiny_json():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_adaptive.py"),
                           "--json", "--world-size", "2", "--num-experts", "4",

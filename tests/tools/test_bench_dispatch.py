@@ -43,6 +43,7 @@ def _env_without_deepspeed(tmp_path) -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_bench_dispatch_skips_missing_deepspeed(tmp_path):
     report = _run_tiny(env=_env_without_deepspeed(tmp_path))
     assert report["peers"][0] == {
@@ -50,6 +51,7 @@ def test_bench_dispatch_skips_missing_deepspeed(tmp_path):
         "skipped": "deepspeed not installed (scripts/install_bench_peers.sh)"}
 
 
+@pytest.mark.slow
 def test_bench_dispatch_no_deepspeed_flag():
     report = _run_tiny("--no-deepspeed")
     assert report["peers"][0] == {"name": "deepspeed.moe.layer.MoE", "skipped": "--no-deepspeed"}

@@ -220,7 +220,8 @@ def _rules_accept(model_flags: str, model, lay: pl.Layout, gpus: int, gbs: int) 
 
 
 @pytest.mark.parametrize("preset,gpus", [
-    ("mixtral-8x7b.yaml", 64), ("tiny.yaml", 8), ("olmoe-1b-7b.yaml", 16),
+    ("tiny.yaml", 8), ("olmoe-1b-7b.yaml", 16),
+    pytest.param("mixtral-8x7b.yaml", 64, marks=pytest.mark.slow),
     pytest.param("qwen3-30b-a3b.yaml", 32, marks=pytest.mark.slow),
     pytest.param("qwen3-235b-a22b.yaml", 256, marks=pytest.mark.slow)])
 def test_never_proposes_illegal_layouts(preset, gpus):
@@ -242,6 +243,7 @@ def test_never_proposes_illegal_layouts(preset, gpus):
     assert all(r["memory_gb"]["total"] <= 0.9 * 80 for r in ranked)
 
 
+@pytest.mark.slow
 def test_cli_json_and_explanations():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_parallel.py"),
                         "--config", os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"),
@@ -258,6 +260,7 @@ def test_cli_json_and_explanations():
         assert "\n" not in r["explanation"] and r["explanation"].startswith("TP")
 
 
+@pytest.mark.slow
 def test_top_layouts_launch_with_pretrain_gpt_dry_run(capsys, monkeypatch):
     """What the planner command in docs/parallelism-and-planner.md prints first launches:
     each of the top five

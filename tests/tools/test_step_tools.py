@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -20,6 +22,7 @@ def _run(tool: str, *args: str) -> dict:
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
+@pytest.mark.slow
 def test_bench_train_step_json():
     r = _run("bench_train_step.py", "--rounds", "1", "--iters", "1", "--warmup", "1")
     assert set(r["best_median_step_s"]) == {"megamoe", "transformers"}
@@ -27,6 +30,7 @@ def test_bench_train_step_json():
     assert r["step_gemm_gflop"] > 20  # 6 x matmul weights x 1024 tokens + attention
 
 
+@pytest.mark.slow
 def test_profile_step_accounts_for_the_step():
     r = _run("profile_step.py", "--steps", "1", "--warmup", "1")
     cats = r["categories_s"]

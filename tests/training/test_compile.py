@@ -30,6 +30,7 @@ def _worker(rank: int, world_size: int, extra: str):
     return _history(extra, world_size)
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_as_eager():
     eager, compiled = _pair(f"{LOSSES} --optimizer sgd --lr 0.1")
     _assert_close(eager, compiled, 1e-4, "sgd")

@@ -57,6 +57,7 @@ def _error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_outside_a_collective_ends_every_rank():
     """Rank 1 sleeps 10 s before step 3: rank 0 times out in the gradient all-reduce after
     3 s; rank 1, when it wakes, finds its peer gone. Before every group got the flag's

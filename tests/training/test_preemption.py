@@ -170,6 +170,7 @@ def test_sigterm_to_the_torchrun_agent(tmp_path):
     assert read_tracker(str(save)) == stop + 1
 
 
+@pytest.mark.slow
 def test_exit_duration_is_agreed_across_ranks(tmp_path):
     """Rank 1's clock says the run started an hour ago: it is past --exit-duration-in-mins
     after step 1, rank 0 is not. The ranks agree, so both stop after step 1 and save it

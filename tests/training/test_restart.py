@@ -52,7 +52,8 @@ def _rendezvous(mode: str) -> list[str]:
             "--rdzv-id", f"megamoe-{port}"]
 
 
-@pytest.mark.parametrize("mode", ["static", pytest.param("c10d", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [pytest.param("static", marks=pytest.mark.slow),
+                                  pytest.param("c10d", marks=pytest.mark.slow)])
 def test_a_killed_worker_restarts_the_group_from_the_last_checkpoint(tmp_path, mode):
     straight = _losses(_torchrun(_rendezvous(mode), str(tmp_path / "straight")))
     assert sorted(straight) == list(range(1, 21))

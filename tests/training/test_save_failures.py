@@ -64,8 +64,10 @@ MODES = {"sync": ("", 3, 2), "async-next-save": ("--async-save", 4, 3),
          "async-finalize": ("--async-save", 2, 2)}
 
 
-@pytest.mark.parametrize("fmt, mode", [  # each mode and format once in the default set
-    ("torch_dist", "sync"), ("torch", "async-next-save"), ("torch_dist", "async-finalize"),
+@pytest.mark.parametrize("fmt, mode", [  # one case in the default set, the others slow
+    ("torch_dist", "sync"),
+    pytest.param("torch", "async-next-save", marks=pytest.mark.slow),
+    pytest.param("torch_dist", "async-finalize", marks=pytest.mark.slow),
     pytest.param("torch", "sync", marks=pytest.mark.slow),
     pytest.param("torch_dist", "async-next-save", marks=pytest.mark.slow),
     pytest.param("torch", "async-finalize", marks=pytest.mark.slow)])
