@@ -140,7 +140,7 @@ BAD = [
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
-    "--padded-vocab-size",
+    "--padded-vocab-size", "--check-weight-hash-across-dp-replicas-interval",
     "--rotary-seq-len-interpolation-factor", "--loss-scale", "--null-tokenizer-pad-id",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)

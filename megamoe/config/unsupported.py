@@ -27,6 +27,8 @@ NOT_SUPPORTED_YET = (
     "--tp-comm-overlap",  # Transformer Engine's userbuffer overlap
     "--padded-vocab-size",
     "--trust-remote-code",  # a tokenizer's own Python code (megamoe reads tokenizer.json)
+    # Megatron's run-health checks (issue 26): the rerun state machine and DP weight hashes
+    "--check-for-spiky-loss", "--rerun-mode", "--check-weight-hash-across-dp-replicas-interval",
 )
 
 
