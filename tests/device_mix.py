@@ -10,21 +10,12 @@ to CUDA's rule: every tensor argument with a dimension on one device.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.collective_check import _tensors
 
 _MOVES = {"copy_", "_to_copy", "to", "_copy_from", "_copy_from_and_resize", "lift_fresh",
           "lift_fresh_copy", "_has_compatible_shallow_copy_type", "set_"}
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 class DeviceMix(TorchDispatchMode):

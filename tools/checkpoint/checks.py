@@ -11,6 +11,8 @@ from megamoe.cli.arguments import build_parser
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
+from megamoe.training.checkpoint.reader import read_checkpoint
+from megamoe.training.checkpoint.safe_load import CheckpointError
 
 
 class ConvertError(Exception):
@@ -48,3 +50,17 @@ def check_shapes(sd: dict[str, torch.Tensor], config: ModelConfig, where: str) -
     extra = sorted(set(sd) - set(want))
     if extra:
         raise ConvertError(f"{where}: unexpected weights {extra[:4]}")
+
+
+def read_megamoe_checkpoint(ckpt: str) -> tuple[dict, ModelConfig]:
+    """A megamoe checkpoint's state and model config, for the export directions (a
+    checkpoint without a stored config predates them: load and save it again)."""
+    try:
+        state = read_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if not state.get("model_config"):
+        raise ConvertError(f"{state['_file']}: holds no model config (saved by an older "
+                           f"megamoe); load it with pretrain_gpt.py and save it again")
+    return state, ModelConfig.from_dict(state["model_config"])
+

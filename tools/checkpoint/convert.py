@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.
 sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))  # checks, megatron_format
 
 import torch  # noqa: E402
-from checks import ConvertError, build_args, check_shapes  # noqa: E402
+from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoint  # noqa: E402
 from megatron_format import (  # noqa: E402
     check_megatron_output,
     megamoe_to_megatron,
@@ -56,7 +56,6 @@ from megamoe.model.hf_families import (  # noqa: E402
 from megamoe.training.checkpoint import (  # noqa: E402
     TRACKER,
     CheckpointError,
-    read_checkpoint,
     save_dist_checkpoint,  # noqa: E402
     write_checkpoint,
 )
@@ -231,15 +230,8 @@ def megamoe_to_hf_checkpoint(ckpt: str, out_dir: str,
                              shard_bytes: int = SHARD_BYTES) -> Optional[str]:
     """Write `ckpt` as a Hugging Face folder; returns a note for the user, or None."""
     _import_transformers()
-    try:
-        state = read_checkpoint(ckpt)
-    except CheckpointError as e:
-        raise ConvertError(str(e)) from None
+    state, config = read_megamoe_checkpoint(ckpt)
     file = state["_file"]
-    if not state.get("model_config"):
-        raise ConvertError(f"{file}: holds no model config (saved by an older megamoe); "
-                           f"load it with pretrain_gpt.py and save it again")
-    config = ModelConfig.from_dict(state["model_config"])
     try:
         family = family_of_model(config)
     except ValueError as e:

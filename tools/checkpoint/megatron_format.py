@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from checks import ConvertError, build_args, check_shapes
+from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoint
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -38,8 +38,6 @@ from megamoe.config import ModelConfig, OptimizerConfig, to_dict
 from megamoe.model import megatron_mapping
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint import (
-    CheckpointError,
-    read_checkpoint,
     save_dist_checkpoint,
 )
 from megamoe.training.checkpoint.dist import _dcp_load
@@ -238,14 +236,8 @@ def _scheduler_state(state: dict, config_args: dict) -> dict:
 
 def megamoe_to_megatron(ckpt: str, out_dir: str, spec: str) -> str:
     """Convert; returns the published iteration directory."""
-    try:
-        state = read_checkpoint(ckpt)
-    except CheckpointError as e:
-        raise ConvertError(str(e)) from None
+    state, config = read_megamoe_checkpoint(ckpt)
     file = state["_file"]
-    if not state.get("model_config"):
-        raise ConvertError(f"{file}: holds no model config (saved by an older megamoe)")
-    config = ModelConfig.from_dict(state["model_config"])
     if config.multi_latent_attention or config.mtp_num_layers:
         raise ConvertError(f"{file}: not supported yet: MLA / MTP models to Megatron-LM")
     try:
