@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -41,7 +42,10 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # By value: the queue's own pickler passes tensors as shared-memory handles that
+        # the parent must fetch from this process, which may have exited by then (seen
+        # under load as FileNotFoundError in resource_sharer).
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report every failure to the parent, then exit non-zero
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -85,7 +89,7 @@ def _run_once(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
                                    f"{timeout:.0f} s (hung collective?)") from None
             if not ok:
                 raise RuntimeError(f"{name} failed on rank {rank}:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)  # noqa: S301 (our own child's result)
     finally:
         for p in procs:
             p.join(timeout=5)
