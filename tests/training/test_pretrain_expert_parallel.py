@@ -115,7 +115,8 @@ def _run(extra: str, world: int, timeout: float = 300):
 
 
 @pytest.mark.parametrize("dispatcher, overlap", [
-    ("alltoall", 1), ("allgather", 1), ("alltoall", 2)])
+    ("alltoall", 1), pytest.param("allgather", 1, marks=pytest.mark.slow),
+    pytest.param("alltoall", 2, marks=pytest.mark.slow)])
 def test_ep2_matches_single_process(dispatcher, overlap):
     per_rank = _run(f"--expert-model-parallel-size 2 --moe-token-dispatcher-type {dispatcher} "
                     f"--moe-a2a-overlap-degree {overlap}", 2)

@@ -48,7 +48,8 @@ def _assert_same_tensors(want: dict, got: dict) -> None:
 
 
 @pytest.mark.parametrize("world_size, etp", [
-    (2, 2), (2, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
+    (2, 2), pytest.param(2, 1, marks=pytest.mark.slow),
+    pytest.param(4, 2, marks=pytest.mark.slow)],
     ids=["tp2_sp", "tp2_sp_etp1", "dp2_x_tp2_sp"])
 def test_tensor_parallel_training_matches_single_process(world_size, etp):
     # ETP = 2 (the default, = TP): experts split over their hidden dimension; ETP = 1:

@@ -159,8 +159,10 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> tuple[list[float]
 
 @pytest.mark.parametrize("layout", [
     "",  # data parallel: micro-batch 2 x dp 2 per chunk of the global batch
-    "--pipeline-model-parallel-size 2",  # 1F1B over 2, then 4 micro-batches
-    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+    pytest.param("--pipeline-model-parallel-size 2",  # 1F1B over 2, then 4 micro-batches
+                 marks=pytest.mark.slow),
+    pytest.param("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+                 marks=pytest.mark.slow),
 ], ids=["dp2", "pp2", "pp2_interleaved"])
 def test_rampup_on_two_ranks_matches_single_process(layout):
     """The same global batches, batch sizes and losses on 2 ranks as on one."""
