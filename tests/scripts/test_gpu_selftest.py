@@ -68,6 +68,7 @@ def test_compare_fails_on_a_perturbed_or_restarted_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # the script's own limit below is 600 s (nine multi-rank runs)
 def test_script_rehearses_every_step_on_the_cpu(tmp_path):
     out = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=600,
                          cwd=ROOT, env=_env(REHEARSAL="2", WORK=str(tmp_path)))
