@@ -16,6 +16,11 @@ import tempfile
 from megamoe.config.train import LoggingConfig
 
 
+def wandb_dir(wandb_save_dir: str | None, tensorboard_dir: str | None) -> str:
+    """Where W&B writes: --wandb-save-dir, else <--tensorboard-dir or .>/wandb."""
+    return wandb_save_dir or os.path.join(tensorboard_dir or ".", "wandb")
+
+
 class LogTargetError(OSError):
     """A logging target that cannot be used; names the flag and the directory."""
 
@@ -49,7 +54,5 @@ def check_log_targets(logging: LoggingConfig) -> None:
         _writable("--tensorboard-dir", logging.tensorboard_dir)
     if logging.wandb_project:
         _importable("--wandb-project", "wandb", "logging")
-        wandb_dir = logging.wandb_save_dir or os.path.join(logging.tensorboard_dir or ".",
-                                                           "wandb")
         _writable("--wandb-save-dir" if logging.wandb_save_dir else "--wandb-project",
-                  wandb_dir)
+                  wandb_dir(logging.wandb_save_dir, logging.tensorboard_dir))

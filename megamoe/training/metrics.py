@@ -27,6 +27,7 @@ from megamoe.model.flops import flops_per_token
 from megamoe.moe.dispatchers import PARALLEL_MODES
 from megamoe.moe.stats import mode_counts, routing_stats
 from megamoe.training.heatmap import expert_load_heatmap, routed_shares
+from megamoe.training.log_targets import wandb_dir
 
 _WARNED: set[str] = set()  # optional features already reported missing in this process
 
@@ -76,7 +77,7 @@ class MetricsLogger:
 
             if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
                 os.environ["WANDB_MODE"] = "offline"
-            save_dir = wandb_save_dir or os.path.join(tensorboard_dir or ".", "wandb")
+            save_dir = wandb_dir(wandb_save_dir, tensorboard_dir)
             os.makedirs(save_dir, exist_ok=True)
             self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, dir=save_dir,
                                     config=config_dict or {})
