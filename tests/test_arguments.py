@@ -224,3 +224,11 @@ def test_single_file_checkpoints_only_where_rank_0_holds_everything(capsys):
         err = fails(capsys, f"{MOE} {flags} --save ckpt --ckpt-format torch", world)
         assert "--ckpt-format torch (single file) cannot save with" in err, err
         assert parse(f"{MOE} {flags} --save ckpt --load ckpt", world).save == "ckpt"
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "1e400", "-1", "0"])
+def test_data_path_weights_are_finite_and_positive(capsys, tmp_path, weight):
+    """A blend weight of nan or 1e400 (inf) trained silently before (issue 26, item 6)."""
+    base = BASE.replace("--mock-data", "--tokenizer-type NullTokenizer --vocab-size 100")
+    err = fails(capsys, f"--data-path {weight} {tmp_path}/c", base=base)
+    assert "--data-path" in err and "weights must be finite, non-negative" in err, err

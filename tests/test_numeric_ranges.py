@@ -71,6 +71,14 @@ BAD = [
     ("--null-tokenizer-eod-id", "-1", "", 1, "must be >= 0"),
     ("--null-tokenizer-eod-id", "100", "--vocab-size 100", 1, "must be in [0, --vocab-size"),
     ("--num-workers", "-1", "", 1, "must be >= 0"),
+    # checked when the flags are parsed, not after the model is built (issue 26, item 7)
+    ("--split", "1,2,3,4", "", 1, "expected up to 3 non-negative numbers"),
+    ("--split", "a,b", "", 1, "expected up to 3 numbers"),
+    ("--split", "0,0,0", "", 1, "not all 0"),
+    ("--split", "nan,1", "", 1, "non-negative numbers"),
+    # as Megatron, for every position embedding type (RoPE too)
+    ("--max-position-embeddings", "16", "--position-embedding-type rope", 1,
+     "--seq-length (32) exceeds"),
     # training
     ("--micro-batch-size", "0", "", 1, "must be positive"),
     ("--global-batch-size", "0", "", 1, "must be positive"),

@@ -23,7 +23,7 @@ from megamoe.config.batch_schedule import parse_step_schedule
 from megamoe.config.fields import flag_dest
 from megamoe.config.model import check_layer_counts
 from megamoe.config.unsupported import NOT_SUPPORTED_YET
-from megamoe.data.builder import parse_data_path
+from megamoe.data.builder import parse_data_path, parse_split
 from megamoe.data.errors import DataError
 from megamoe.training.checkpoint.publish import TRACKER
 
@@ -181,6 +181,11 @@ def _derive_moe_defaults(args: argparse.Namespace) -> None:
 def _check_data(args: argparse.Namespace) -> None:
     """Data is needed to train (not for a dry run); every file named must exist. (How the
     data flags fit together is DataConfig's own rule.)"""
+    if args.split is not None:
+        try:
+            parse_split(args.split)
+        except DataError as e:
+            raise ArgumentError(str(e)) from None
     if args.dry_run:
         return
     if not (args.data_path or args.train_data_path or args.mock_data or args.data_args_path

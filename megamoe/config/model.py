@@ -157,8 +157,8 @@ class ModelConfig:
         require(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
                 f"--position-embedding-type must be one of "
                 f"{', '.join(POSITION_EMBEDDING_TYPES)}, got {self.position_embedding_type!r}")
-        require(self.position_embedding_type != "learned_absolute"
-                or self.seq_length <= self.max_position_embeddings,
+        # Megatron refuses this for every position embedding type (RoPE included).
+        require(self.seq_length <= self.max_position_embeddings,
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})")
         self._validate_qk_layernorm()

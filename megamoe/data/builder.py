@@ -12,6 +12,7 @@ Three ways to name data, as in Megatron-LM:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Optional, Sequence
@@ -37,7 +38,8 @@ def parse_split(split: str) -> list[float]:
         weights = [float(p) for p in parts]
     except ValueError:
         raise DataError(f"--split {split!r}: expected up to 3 numbers like 969,30,1") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if (not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or sum(weights) <= 0):
         raise DataError(f"--split {split!r}: expected up to 3 non-negative numbers, not all 0")
     weights += [0.0] * (3 - len(weights))
     return [w / sum(weights) for w in weights]
@@ -72,8 +74,9 @@ def parse_data_path(values: Sequence[str]) -> tuple[Optional[list[float]], list[
         weights = [float(w) for w in values[0::2]]
     except ValueError:
         raise DataError(f"data path {' '.join(values)!r}: expected weight/prefix pairs") from None
-    if any(w < 0 for w in weights):
-        raise DataError(f"data path {' '.join(values)!r}: negative weight")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"data path {' '.join(values)!r}: weights must be finite, "
+                        "non-negative and not all 0")
     return weights, values[1::2]
 
 

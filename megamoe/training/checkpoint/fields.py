@@ -11,7 +11,8 @@ the file and the field; no message quotes the field's content (only its type).
 from __future__ import annotations
 
 import math
-from typing import Any
+import random
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,18 +49,30 @@ def _scheduler(path: str, sched: Any) -> None:
         raise _fail(path, "scheduler.unit", "must be a string")
 
 
+def _accepted(set_state: Callable[[Any], Any], state: Any) -> bool:
+    """Whether a throwaway generator takes `state` (the consumer's own check of every
+    element's type and range; the process's generators are not touched)."""
+    try:
+        set_state(state)
+    except (TypeError, ValueError, OverflowError, RuntimeError, KeyError, IndexError):
+        return False
+    return True
+
+
 def _rng(path: str, field: str, rng: Any) -> None:
     """One process's RNG states as rng_state.py saves them."""
     if not isinstance(rng, dict) or not {"python", "numpy", "torch"} <= rng.keys():
         raise _fail(path, field, "must be a dict of python, numpy and torch RNG states")
     py = rng["python"]
     if not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple)
-            and all(isinstance(x, int) for x in py[1])):
+            and all(isinstance(x, int) for x in py[1])
+            and _accepted(random.Random().setstate, py)):
         raise _fail(path, f"{field}.python", "is not a Python random state")
     npy = rng["numpy"]
     if not (isinstance(npy, tuple) and len(npy) == 5 and isinstance(npy[0], str)
             and isinstance(npy[1], np.ndarray) and npy[1].dtype == np.uint32
-            and npy[1].shape == (624,)):
+            and npy[1].shape == (624,)
+            and _accepted(np.random.RandomState().set_state, npy)):
         raise _fail(path, f"{field}.numpy", "is not a numpy MT19937 state")
     for key in ("torch", "cuda"):
         t = rng.get(key)
@@ -67,6 +80,8 @@ def _rng(path: str, field: str, rng: Any) -> None:
                                and t.dim() == 1):
             raise _fail(path, f"{field}.{key}", "is not a torch generator state "
                         "(a 1-D uint8 tensor)")
+    if not _accepted(torch.Generator().set_state, rng["torch"]):
+        raise _fail(path, f"{field}.torch", "is not a torch CPU generator state")
 
 
 def _step(path: str, optim: Any) -> None:
