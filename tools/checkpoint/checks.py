@@ -4,6 +4,8 @@ step, and the shape check of a converted state dict against the model it must fi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 
 import torch
 
@@ -25,11 +27,15 @@ def build_args(flags: list[str], where: str) -> argparse.Namespace:
     weight 1.0 per token, is refused for training, as by Megatron, but converts and
     evaluates exactly)."""
     parser = build_parser()
+    said = io.StringIO()
     try:
-        args = parser.parse_args(flags + ["--dry-run", "--skip-train"])
+        with contextlib.redirect_stderr(said):  # argparse's usage + error: one line here
+            args = parser.parse_args(flags + ["--dry-run", "--skip-train"])
     except SystemExit:
-        raise ConvertError(f"{where}: the saved arguments do not parse as pretrain_gpt.py "
-                           "flags") from None
+        last = (said.getvalue().strip().splitlines() or [""])[-1]
+        why = last.split("error: ", 1)[1] if "error: " in last else "do not parse"
+        raise ConvertError(f"{where}: the saved arguments are not valid pretrain_gpt.py "
+                           f"flags ({why})") from None
     try:
         finalize_args(args, parser, world_size=1)
     except ArgumentError as e:

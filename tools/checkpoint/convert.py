@@ -48,6 +48,7 @@ from tqdm import tqdm  # noqa: E402
 from megamoe.cli.mapping import run_config_from_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
+from megamoe.model.hf_config_check import config_field_error  # noqa: E402
 from megamoe.model.hf_families import (  # noqa: E402
     HFFamily,
     family_of_config,
@@ -75,6 +76,9 @@ def _read_hf_config(hf_dir: str) -> tuple[dict, HFFamily]:
         cfg = json.load(open(path, encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{path}: not valid JSON ({e.__class__.__name__})") from None
+    why = config_field_error(cfg)
+    if why is not None:
+        raise ConvertError(f"{path}: {why}")
     try:
         family = family_of_config(cfg)
         why = family.config_error(cfg)
