@@ -147,13 +147,23 @@ def _expected(it_dir: str, layout: LegacyLayout) -> dict[tuple[int, int, int], s
                            f"({what})")
     found = {r: os.path.join(it_dir, n, FILE) for n, r in names.items()
              if n in present and os.path.isfile(os.path.join(it_dir, n, FILE))}
-    full = layout.etp == layout.tp  # every (tp, ep) pair holds its own expert shard
-    for n, (t, p, e) in sorted(names.items()):
-        # with ETP = 1 < TP a stage needs each TP rank and each EP rank in some file
-        covered = not full and any(r[:2] == (t, p) for r in found) and any(
-            r[1:] == (p, e) for r in found)
-        if (t, p, e) not in found and not covered:
-            raise ConvertError(f"{os.path.join(it_dir, n, FILE)}: missing ({what})")
+    if layout.etp == layout.tp:  # every (tp, ep) pair holds its own expert shard
+        for n, rank in sorted(names.items()):
+            if rank not in found:
+                raise ConvertError(f"{os.path.join(it_dir, n, FILE)}: missing ({what})")
+        return found
+    # expert TP 1 < TP: the dense and expert ranks fold differently; a stage needs each
+    # TP rank and each EP rank in some file (Megatron-LM writes their union)
+    pp = lambda p: f"_{p:03d}" if layout.pp > 1 else ""  # noqa: E731
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            if not any(r[:2] == (t, p) for r in found):
+                raise ConvertError(f"{it_dir}/mp_rank_{t:02d}{pp(p)}_*/{FILE}: missing "
+                                   f"({what}, expert TP 1)")
+        for e in range(layout.ep):
+            if not any(r[1:] == (p, e) for r in found):
+                raise ConvertError(f"{it_dir}/mp_rank_*{pp(p)}_{e:03d}/{FILE}: missing "
+                                   f"({what}, expert TP 1)")
     return found
 
 

@@ -41,6 +41,7 @@ VARIANTS = {
                       "moe_router_score_function": "sigmoid",
                       "moe_router_enable_expert_bias": True}, False),
     "qk_norm": ({"qk_layernorm": True}, True),
+    "mixtral4": ({"num_layers": 4}, False),  # enough layers for PP2 x 2 virtual stages
 }
 
 

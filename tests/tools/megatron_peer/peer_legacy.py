@@ -156,6 +156,10 @@ def worker(rank: int, a) -> None:
     sharded = {"model" if stages == 1 else f"model{v}": c.sharded_state_dict()
                for v, c in enumerate(chunks)}
     dist_dir = os.path.join(a.out, "torch_dist")
+    # megatron-core's writer makes its results queue's Manager with 'spawn', which starts a
+    # fresh interpreter per rank (seconds of imports each); a forked one serves the same
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
     if rank == 0:
         os.makedirs(dist_dir, exist_ok=True)
     torch.distributed.barrier()
