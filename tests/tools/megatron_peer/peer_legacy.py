@@ -39,6 +39,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer  # noqa: E402  (patches torch.cuda for the CPU)
 
+# megatron-core's tied-embedding setup moves the last stage's copy with `.cuda()` before
+# all-reducing it with the first stage's embeddings: on the CPU it stays where it is
+torch.Tensor.cuda = lambda self, *a, **k: self
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -213,6 +217,10 @@ def main() -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     torch.manual_seed(0)
+    # imported once here, inherited by the forked ranks (each would import it again)
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    from megatron.core.models.gpt import GPTModel  # noqa: F401
     mp.start_processes(worker, args=(a,), nprocs=a.world, start_method="fork")
     reference(a)
 
