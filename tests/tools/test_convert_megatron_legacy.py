@@ -31,7 +31,7 @@ from tests.tools.test_convert_megatron import Payload, _assert_close, _fails_cle
 from tools.checkpoint.convert import main as convert
 
 TOKENS = [[(7 * i + 3 * b + 1) % 100 for i in range(16)] for b in range(2)]
-DEFAULT = ("mixtral", 2, 2, 2, 1, None)  # variant, TP, PP, EP, ETP, virtual stages
+DEFAULT = ("mixtral", 2, 2, 2, 2, None)  # variant, TP, PP, EP, expert TP, virtual stages
 RANK_FILE = os.path.join("iter_0000007", "mp_rank_01_001_001", "model_optim_rng.pt")
 
 
@@ -81,20 +81,21 @@ def _check_against_megatron(save: str, out: str, iteration: int = 7) -> None:
 
 
 def test_legacy_tp2_pp2_ep2_matches_megatron_core(legacy_saves, tmp_path, capsys):
-    """TP2 x PP2 x EP2 (expert TP 1, so 4 processes): 4 rank files merged, the vocabulary
-    padded for TP2 (256 rows) cut back to megamoe's, and what travels."""
+    """TP2 x PP2 x EP2 with expert TP = TP (Megatron-LM's default; 8 processes): 8 rank
+    files merged (dense and expert SwiGLU halves over TP, experts over EP, layers over PP),
+    the vocabulary padded for TP2 (256 rows) cut back to megamoe's, and what travels."""
     save = legacy_saves(DEFAULT)
     assert sorted(os.listdir(os.path.join(save, "iter_0000007"))) == [
-        "mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001",
-        "mp_rank_01_001_001"]
+        f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2)
+        for e in range(2)]
     capsys.readouterr()
     _check_against_megatron(save, str(tmp_path / "mm"))
     assert "weights and schedule only" in capsys.readouterr().out
 
 
-def _copy(legacy_saves, tmp_path) -> str:
+def _copy(legacy_saves, tmp_path, case: tuple = DEFAULT) -> str:
     bad = str(tmp_path / "bad")
-    shutil.copytree(legacy_saves(DEFAULT), bad)
+    shutil.copytree(legacy_saves(case), bad)
     return bad
 
 
@@ -116,11 +117,9 @@ def test_truncated_rank_file(legacy_saves, tmp_path, capsys, cut):
 def test_missing_rank_file(legacy_saves, tmp_path, capsys):
     bad = _copy(legacy_saves, tmp_path)
     os.remove(os.path.join(bad, RANK_FILE))
-    # the only file of TP rank 1 in stage 1 (expert TP 1: ranks fold as tp0/ep0, tp1/ep1)
-    missing = os.path.join("iter_0000007", "mp_rank_01_001_*/model_optim_rng.pt: missing")
-    _convert_fails(capsys, bad, tmp_path, missing, "TP 2 x PP 2 x EP 2")
+    _convert_fails(capsys, bad, tmp_path, f"{RANK_FILE}: missing", "TP 2 x PP 2 x EP 2")
     shutil.rmtree(os.path.join(bad, os.path.dirname(RANK_FILE)))
-    _convert_fails(capsys, bad, tmp_path, missing)
+    _convert_fails(capsys, bad, tmp_path, f"{RANK_FILE}: missing")
 
 
 def _rewrite(path: str, edit) -> None:
@@ -154,7 +153,7 @@ def test_rank_files_of_another_run(legacy_saves, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [
-    ("mixtral", 2, 2, 2, 2, None),      # expert TP = TP (Megatron's default): 8 processes
+    ("mixtral", 2, 2, 2, 1, None),      # expert TP 1: ranks fold as tp0/ep0, tp1/ep1
     ("mixtral", 2, 1, 2, 2, None),      # expert weights split over TP, SwiGLU halves
     ("mixtral4", 1, 2, 2, 1, 2),        # interleaved: model0/model1 per pipeline rank
     ("shared_dense", 2, 1, 2, 1, None),  # dense layer, shared experts + gate, expert bias
@@ -166,3 +165,17 @@ def test_legacy_layouts_match_megatron_core(legacy_saves, tmp_path, case):
         assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == \
             "release"
     _check_against_megatron(save, str(tmp_path / "mm"))
+
+
+@pytest.mark.slow
+def test_missing_rank_file_expert_tp1(legacy_saves, tmp_path, capsys):
+    """With expert TP 1 < TP Megatron-LM writes only tp0/ep0 and tp1/ep1 per stage: losing
+    one leaves a TP rank (and an EP rank) of that stage in no file."""
+    case = ("mixtral", 2, 2, 2, 1, None)
+    bad = _copy(legacy_saves, tmp_path, case)
+    assert sorted(os.listdir(os.path.join(bad, "iter_0000007"))) == [
+        "mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001",
+        "mp_rank_01_001_001"]
+    shutil.rmtree(os.path.join(bad, os.path.dirname(RANK_FILE)))
+    _convert_fails(capsys, bad, tmp_path,
+                   os.path.join("iter_0000007", "mp_rank_01_001_*/model_optim_rng.pt: missing"))
