@@ -179,3 +179,48 @@ def test_missing_rank_file_expert_tp1(legacy_saves, tmp_path, capsys):
     shutil.rmtree(os.path.join(bad, os.path.dirname(RANK_FILE)))
     _convert_fails(capsys, bad, tmp_path,
                    os.path.join("iter_0000007", "mp_rank_01_001_*/model_optim_rng.pt: missing"))
+
+
+RANK0 = os.path.join("iter_0000007", "mp_rank_00_000_000", "model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("decoder_first_pipeline_num_layers", 1, "uneven pipeline split is not supported yet"),
+    ("expert_tensor_parallel_size", 4, "expert_tensor_parallel_size = 4 (TP 2): not supported"),
+    ("tensor_model_parallel_size", -2, "args.tensor_model_parallel_size = -2: expected an "
+                                       "integer"),
+    ("pipeline_model_parallel_size", True, "args.pipeline_model_parallel_size = True"),
+    ("num_layers", 3, "does not split evenly over PP 2"),
+    ("checkpoint_version", 2.0, "checkpoint_version = 2.0: only 3.0"),
+])
+def test_unsupported_or_bad_layout_in_args(legacy_saves, tmp_path, capsys, field, value,
+                                           needle):
+    """Rank 0's args decide the layout: each value that cannot be read is one line naming
+    the file and the field (checked for type and range: the file may come from anywhere)."""
+    bad = _copy(legacy_saves, tmp_path)
+
+    def edit(state):
+        if field == "checkpoint_version":
+            state[field] = value
+        else:
+            setattr(state["args"], field, value)
+        return state
+    _rewrite(os.path.join(bad, RANK0), edit)
+    _convert_fails(capsys, bad, tmp_path, RANK0, needle)
+
+
+def test_pre_megatron_core_names_are_refused(legacy_saves, tmp_path, capsys):
+    bad = _copy(legacy_saves, tmp_path)
+
+    def edit(state):
+        state["model"] = {f"language_model.{k}": v for k, v in state["model"].items()}
+        return state
+    _rewrite(os.path.join(bad, RANK0), edit)
+    _convert_fails(capsys, bad, tmp_path, RANK0, "language_model.*", "not supported yet")
+
+
+def test_stray_rank_folder(legacy_saves, tmp_path, capsys):
+    bad = _copy(legacy_saves, tmp_path)
+    shutil.copytree(os.path.join(bad, os.path.dirname(RANK_FILE)),
+                    os.path.join(bad, "iter_0000007", "mp_rank_02_001_001"))
+    _convert_fails(capsys, bad, tmp_path, "mp_rank_02_001_001: not a rank of this layout")

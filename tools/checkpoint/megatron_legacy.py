@@ -114,6 +114,9 @@ def _chunks(state: dict, layout: LegacyLayout, path: str) -> list[dict]:
         if not isinstance(sd, dict):
             raise ConvertError(f"{path}: no `{key}` state dict (the saved args say "
                                f"{layout.chunks} virtual stage(s))")
+        if any(isinstance(n, str) and n.startswith("language_model.") for n in sd):
+            raise ConvertError(f"{path}: `{key}` holds the pre-megatron-core GPT's names "
+                               "(language_model.*, megatron/legacy/model): not supported yet")
         for name, value in sd.items():
             extra = isinstance(name, str) and name.endswith("_extra_state")
             if not isinstance(name, str) or not (
