@@ -93,6 +93,21 @@ def test_legacy_tp2_pp2_ep2_matches_megatron_core(legacy_saves, tmp_path, capsys
     assert "weights and schedule only" in capsys.readouterr().out
 
 
+def test_pretrain_load_of_a_legacy_save_says_convert(legacy_saves, capsys):
+    """pretrain_gpt.py --load MEGATRON_LEGACY_SAVE: one line pointing at the converter."""
+    from megamoe.cli.main import main
+
+    capsys.readouterr()
+    code = main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                 "--seq-length", "16", "--max-position-embeddings", "16",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "9",
+                 "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", "100", "--load", legacy_saves(DEFAULT)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert "convert.py megatron-to-megamoe" in err and "iter_0000007" in err
+
+
 def _copy(legacy_saves, tmp_path, case: tuple = DEFAULT) -> str:
     bad = str(tmp_path / "bad")
     shutil.copytree(legacy_saves(case), bad)
