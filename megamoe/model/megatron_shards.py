@@ -143,6 +143,10 @@ def merge_chunk(files: dict[tuple[int, int], StateDict], layout: LegacyLayout, p
         expert_of = {t: split[min(k for k in split if k[1] == ep and (
             layout.etp == 1 or k[0] == t))][1] for t in range(layout.etp)}
         keys = sorted(expert_of[0])
+        for t, experts in expert_of.items():
+            if sorted(experts) != keys:
+                raise ValueError(f"EP rank {ep}: expert TP rank {t} holds other experts "
+                                 "than expert TP rank 0")
         for (layer, i, fc) in keys:
             if i >= local_e:
                 raise ValueError(f"layer {layer} expert {i}: an EP rank holds {local_e}")

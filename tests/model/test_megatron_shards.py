@@ -120,3 +120,13 @@ def test_unknown_tensor_is_an_error_not_a_guess():
         files[(t, 0, 0)][0]["decoder.layers.0.mlp.new_thing.weight"] = torch.ones(2)
     with pytest.raises(ValueError, match="new_thing.weight: no known tensor-parallel layout"):
         merge_legacy(files, lay)
+
+
+def test_expert_tp_ranks_must_hold_the_same_experts():
+    full = _full(torch.Generator().manual_seed(0))
+    lay = LegacyLayout(tp=2, pp=1, ep=1, etp=2, vpp=None, num_layers=L, num_experts=E,
+                       swiglu=True, tied=False)
+    files = _files(full, lay, False)
+    del files[(1, 0, 0)][0]["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
+    with pytest.raises(ValueError, match="expert TP rank 1 holds other experts"):
+        merge_legacy(files, lay)
