@@ -259,3 +259,53 @@ def test_megatron_common_state_admits_args_only(tmp_path):
         load_megatron_pickle(_megatron_blob({"args": crafted}), "iter_0000003/__0_0.distcp")
     assert "iter_0000003/__0_0.distcp" in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("trap", ["args", "rng", "model", "eval"])
+def test_megatron_legacy_rank_file_admits_its_types_only(tmp_path, trap):
+    """A legacy `model_optim_rng.pt` (torch.save, protocol 2) is read with its args
+    Namespace, tensors, the numpy RNG state (numpy's array reconstruction and
+    `_codecs.encode`) and a Transformer Engine `_extra_state` BytesIO (inert); a payload
+    hidden in the args, the RNG state or the weights is refused before it runs."""
+    import argparse
+
+    import numpy as np
+
+    from megamoe.training.checkpoint.megatron_common import (
+        ForeignValue,
+        load_megatron_torch_file,
+    )
+
+    marker, path = str(tmp_path / "payload-ran"), str(tmp_path / "model_optim_rng.pt")
+    state = {"args": argparse.Namespace(num_layers=2, params_dtype=torch.float32),
+             "iteration": 5, "checkpoint_version": 3.0,
+             "model": {"w": torch.ones(2, 3), "lin._extra_state": io.BytesIO(b"te")},
+             "rng_state": [{"np_rng_state": np.random.RandomState(3).get_state(),
+                            "torch_rng_state": torch.get_rng_state()}]}
+    torch.save(state, path)
+    got = load_megatron_torch_file(path)
+    assert got["iteration"] == 5 and torch.equal(got["model"]["w"], torch.ones(2, 3))
+    assert isinstance(got["model"]["lin._extra_state"], ForeignValue)
+    np_state = got["rng_state"][0]["np_rng_state"]
+    assert np.array_equal(np_state[1], np.random.RandomState(3).get_state()[1])
+    if trap == "args":
+        state["args"].trap = Payload(marker)
+    elif trap == "rng":
+        state["rng_state"][0]["random_rng_state"] = Payload(marker)
+    elif trap == "model":
+        state["model"]["w2"] = Payload(marker)
+    else:  # a builtin that runs code: refused like any other global
+        state["model"]["x"] = _Eval(marker)
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="refused") as e:
+        load_megatron_torch_file(path)
+    assert path in str(e.value) and "\n" not in str(e.value)
+    assert not os.path.exists(marker)
+
+
+class _Eval:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (eval, (f"open({self.marker!r}, 'w')",))

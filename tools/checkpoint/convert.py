@@ -1,5 +1,6 @@
 """Convert between Hugging Face MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE),
-Megatron-LM torch_dist checkpoints and megamoe checkpoints.
+Megatron-LM checkpoints (torch_dist both ways; the legacy per-rank torch format read) and
+megamoe checkpoints.
 
     python tools/checkpoint/convert.py hf-to-megamoe --input HF_DIR --output CKPT_DIR
     python tools/checkpoint/convert.py megamoe-to-hf --input CKPT_DIR --output HF_DIR
@@ -270,7 +271,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     to_mm = sub.add_parser("hf-to-megamoe", help="Hugging Face MoE model -> megamoe checkpoint")
     to_hf = sub.add_parser("megamoe-to-hf", help="megamoe checkpoint -> Hugging Face MoE model")
     from_mg = sub.add_parser("megatron-to-megamoe",
-                             help="Megatron-LM torch_dist checkpoint -> megamoe checkpoint")
+                             help="Megatron-LM checkpoint (torch_dist, or the legacy torch "
+                                  "format's mp_rank_* files) -> megamoe checkpoint")
     to_mg = sub.add_parser("megamoe-to-megatron",
                            help="megamoe checkpoint -> Megatron-LM torch_dist checkpoint")
     to_mg.add_argument("--megatron-spec", default="te", choices=["te", "local"],

@@ -1,10 +1,12 @@
-"""Megatron-LM torch_dist checkpoints <-> megamoe checkpoints (convert.py's
-megatron-to-megamoe and megamoe-to-megatron directions).
+"""Megatron-LM checkpoints <-> megamoe checkpoints (convert.py's megatron-to-megamoe and
+megamoe-to-megatron directions).
 
 Megatron side: a --save directory of Megatron-LM (megatron-core >= 0.14 torch_dist:
 `latest_checkpointed_iteration.txt`, `iter_0000NNN/` with DCP files, `.metadata`,
 `metadata.json`; the common state as a byte item or a legacy `common.pt`), or one
-`iter_N` directory. Names and layouts: megamoe/model/megatron_mapping.py; the saved args:
+`iter_N` directory. Reading also takes the legacy `--ckpt-format torch` layout
+(`mp_rank_*/model_optim_rng.pt` per rank, merged: megatron_legacy.py); writing is
+torch_dist only. Names and layouts: megamoe/model/megatron_mapping.py; the saved args:
 megamoe/cli/megatron_args.py; the common state's restricted unpickling:
 megamoe/training/checkpoint/megatron_common.py. Nothing is written until every tensor is
 read, mapped and shape-checked; the output is published by rename, the tracker last.
@@ -23,6 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoint
+from megatron_legacy import is_legacy, read_megatron_legacy
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -52,14 +55,12 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 # ---------------------------------------------------------------- reading Megatron
 
 def find_iteration_dir(path: str) -> str:
-    """`path` itself when it is an iteration directory, else the one its tracker names."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    """`path` itself when it is an iteration directory (torch_dist or legacy), else the
+    one its tracker names."""
+    if os.path.isfile(os.path.join(path, ".metadata")) or is_legacy(path):
         return path
     tracker = os.path.join(path, TRACKER)
     if not os.path.isfile(tracker):
-        if any(n.startswith("mp_rank_") for n in os.listdir(path)):
-            raise ConvertError(f"{path}: Megatron's legacy torch format (mp_rank_*): not "
-                               "supported yet (save with --ckpt-format torch_dist)")
         raise ConvertError(f"{tracker}: missing (--input must be a Megatron-LM --save "
                            "directory or one of its iter_N directories)")
     text = open(tracker, encoding="utf-8", errors="replace").read().strip()
@@ -72,11 +73,9 @@ def find_iteration_dir(path: str) -> str:
                            f"got {text[:40]!r}")
     if not os.path.isdir(it_dir):
         raise ConvertError(f"{it_dir}: missing (named by {tracker})")
-    if not os.path.isfile(os.path.join(it_dir, ".metadata")):
-        if any(n.startswith("mp_rank_") for n in os.listdir(it_dir)):
-            raise ConvertError(f"{it_dir}: Megatron's legacy torch format (mp_rank_*): not "
-                               "supported yet (save with --ckpt-format torch_dist)")
-        raise ConvertError(f"{it_dir}/.metadata: missing (not a torch_dist checkpoint)")
+    if not os.path.isfile(os.path.join(it_dir, ".metadata")) and not is_legacy(it_dir):
+        raise ConvertError(f"{it_dir}: neither a torch_dist checkpoint (.metadata) nor a "
+                           "legacy torch one (mp_rank_*/model_optim_rng.pt)")
     return it_dir
 
 
@@ -131,7 +130,8 @@ class _Schedule:
 def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[str, str]:
     """Convert; returns (the published directory, what travelled)."""
     it_dir = find_iteration_dir(path)
-    common, tensors = read_megatron(it_dir)
+    legacy = not os.path.isfile(os.path.join(it_dir, ".metadata"))
+    common, tensors = read_megatron_legacy(it_dir) if legacy else read_megatron(it_dir)
     where = f"{it_dir} (args)"
     try:
         ns = common["args"]
@@ -165,6 +165,7 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
                                  save_optim=False, save_rng=False, single=True)
     note = (f"iteration {iteration}, {consumed} consumed samples, LR schedule at {steps} "
             "samples; weights and schedule only: the optimizer state is not imported "
+            f"{'(model_optim_rng.pt optimizer, distrib_optim.pt) ' if legacy else ''}"
             "(training resumes with fresh optimizer moments)")
     return final, note
 

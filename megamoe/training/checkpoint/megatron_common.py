@@ -10,15 +10,22 @@ code, so they are unpickled here with an Unpickler that resolves only:
 
 - `argparse.Namespace`, `collections.OrderedDict`, torch dtypes, torch's tensor rebuild
   (tensors in the RNG states);
-- names under `megatron.` (Megatron's enums such as `AttnBackend` in `args`): never
-  imported, each becomes an inert `ForeignValue` recording its name and arguments.
+- numpy's array reconstruction and `_codecs.encode` (the numpy RNG state in a legacy
+  `model_optim_rng.pt`'s `rng_state`; protocol-2 pickles spell bytes through it);
+- names under `megatron.` (Megatron's enums such as `AttnBackend` in `args`) and
+  `_io.BytesIO` (Transformer Engine's `_extra_state` in a legacy file): never built as
+  themselves, each becomes an inert `ForeignValue` recording its name and arguments.
 
 Anything else fails with CheckpointError naming the file and the refused global.
+Megatron-LM's legacy `--ckpt-format torch` files (`mp_rank_*/model_optim_rng.pt`, whole
+torch.save dicts of args, weights, optimizer and RNG state) go through the same unpickler
+(`load_megatron_torch_file`).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import io
 import os
@@ -26,6 +33,7 @@ import pickle
 import types
 from typing import Any
 
+import numpy as np
 import torch
 import torch._utils
 
@@ -62,7 +70,11 @@ _ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,
+    ("_codecs", "encode"): codecs.encode,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
 }
+_NUMPY_RECONSTRUCT = {"numpy.core.multiarray", "numpy._core.multiarray"}
 
 
 class _MegatronUnpickler(pickle.Unpickler):
@@ -73,7 +85,11 @@ class _MegatronUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module.startswith("torch") and name.endswith("Storage"):
             return super().find_class(module, name)  # torch.load maps these to storages
-        if module == "megatron" or module.startswith("megatron."):
+        if module in _NUMPY_RECONSTRUCT and name == "_reconstruct":
+            core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+            return core.multiarray._reconstruct
+        if module == "megatron" or module.startswith("megatron.") or (
+                (module, name) == ("_io", "BytesIO")):
             return type(name, (ForeignValue,), {"qualname": f"{module}.{name}"})
         raise pickle.UnpicklingError(f"{module}.{name}")
 
@@ -97,6 +113,24 @@ def load_megatron_pickle(data: bytes, where: str) -> Any:
                               "loading could run as code") from None
     except Exception as e:
         raise CheckpointError(f"{where}: cannot be read ({e.__class__.__name__})") from None
+
+
+def load_megatron_torch_file(path: str) -> Any:
+    """torch.load of a Megatron-LM legacy `model_optim_rng.pt` through the restricted
+    unpickler, memory-mapped (the tensors are read when merged, not all up front);
+    CheckpointError naming `path` if it names anything else, is damaged or truncated."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True,
+                          pickle_module=_PICKLE_MODULE)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused: it pickles {e}, which loading could run "
+                              "as code") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e.__class__.__name__})"
+                              ) from None
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.__class__.__name__}; truncated "
+                              "or not a torch.save file)") from None
 
 
 def read_common_bytes(ckpt_dir: str, storage_data: dict) -> tuple[bytes, str]:

@@ -337,6 +337,10 @@ def checkpoint_file(path: str) -> Optional[str]:
         for old in sorted(glob.glob(iteration_dir(path, iteration) + ".old.*")):
             if _in_dir(old) is not None:
                 return _in_dir(old)
+        if glob.glob(os.path.join(iteration_dir(path, iteration), "mp_rank_*")):
+            raise CheckpointError(f"{iteration_dir(path, iteration)}: a Megatron-LM "
+                                  "--ckpt-format torch checkpoint (mp_rank_*); convert it "
+                                  "first: tools/checkpoint/convert.py megatron-to-megamoe")
         raise CheckpointError(f"{iteration_dir(path, iteration)}: missing or incomplete "
                               f"(named by {os.path.join(path, TRACKER)})")
     return found

@@ -23,6 +23,7 @@ KEY = f"py{PYTHON}-torch2.13.0-triton3.7.1-mcore0.19.2"
 ROOT = os.path.join(os.path.expanduser(os.environ.get("MEGAMOE_CACHE", "~/.cache/megamoe")),
                     "mcore-venv")
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py")
+PEER_LEGACY = os.path.join(os.path.dirname(PEER), "peer_legacy.py")
 
 
 class PeerUnavailable(RuntimeError):
@@ -78,14 +79,17 @@ def peer_python() -> str:
     return py
 
 
-def run_peer(args: list[str], timeout: float = 600, python: Optional[str] = None) -> None:
-    """`peer.py ARGS` in the peer venv; AssertionError with its output's tail if it fails."""
+def run_peer(args: list[str], timeout: float = 600, python: Optional[str] = None,
+             script: str = PEER) -> None:
+    """`peer.py ARGS` (or another `script` beside it) in the peer venv; AssertionError
+    with its output's tail if it fails."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    done = subprocess.run([python or peer_python(), PEER, *args], capture_output=True,
+    done = subprocess.run([python or peer_python(), script, *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
     if done.returncode != 0:
-        raise AssertionError(f"peer.py {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        raise AssertionError(f"{os.path.basename(script)} {' '.join(args)} failed:\n"
+                             f"{done.stderr[-3000:]}")
 
 
 if __name__ == "__main__":  # python -m tests.tools.megatron_peer.mcore_venv: build or find it

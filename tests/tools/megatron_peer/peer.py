@@ -41,6 +41,7 @@ VARIANTS = {
                       "moe_router_score_function": "sigmoid",
                       "moe_router_enable_expert_bias": True}, False),
     "qk_norm": ({"qk_layernorm": True}, True),
+    "mixtral4": ({"num_layers": 4}, False),  # enough layers for PP2 x 2 virtual stages
 }
 
 
@@ -55,7 +56,9 @@ def init_process_group() -> None:
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
-def transformer_config(variant: str):
+def transformer_config(variant: str, **layout):
+    """The variant's TransformerConfig; `layout`: parallel sizes (tensor_model_parallel_size,
+    ...) for the sharded runs of peer_legacy.py."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
@@ -69,19 +72,28 @@ def transformer_config(variant: str):
                   apply_rope_fusion=False, persist_layer_norm=False,
                   gradient_accumulation_fusion=False, init_method_std=0.05)
     fields.update(VARIANTS[variant][0])
+    fields.update(layout)
     return TransformerConfig(**fields)
 
 
-def build_model(variant: str):
+def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
+                stage: dict | None = None):
+    """The variant's model; `layout` and `stage` (vp_stage, pp_rank, pre_process,
+    post_process) build one pipeline chunk of a sharded run (peer_legacy.py)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    config = transformer_config(variant)
+    config = transformer_config(variant, **(layout or {}))
+    stage = stage or {}
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                      normalization="RMSNorm")
-    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                                      normalization="RMSNorm", vp_stage=stage.get("vp_stage"),
+                                      pp_rank=stage.get("pp_rank"))
+    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=SEQ, position_embedding_type="rope",
-                     rotary_base=10000, share_embeddings_and_output_weights=VARIANTS[variant][1])
+                     rotary_base=10000, share_embeddings_and_output_weights=VARIANTS[variant][1],
+                     pre_process=stage.get("pre_process", True),
+                     post_process=stage.get("post_process", True),
+                     vp_stage=stage.get("vp_stage"))
     gen = torch.Generator().manual_seed(99)
     with torch.no_grad():  # norms (all ones at init) and expert biases made distinct
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):

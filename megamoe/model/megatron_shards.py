@@ -1,0 +1,177 @@
+"""Megatron-LM's legacy per-rank model state dicts (`--ckpt-format torch`) -> one
+megatron-core state dict with global names, which megatron_mapping.to_megamoe then maps.
+
+Each `mp_rank_{tp}[_{pp}][_{ep}]/model_optim_rng.pt` holds its rank's pipeline chunk(s)
+(`model`, or `model0..` with interleaving) as `state_dict()` gives them, so:
+
+- layers are numbered within the chunk: global = offset + local, with megatron-core's
+  even-split offset (get_transformer_layer_offset): v * L/V + p * L/(PP*V);
+- experts are numbered within the expert-parallel rank: global = ep * E/EP + local, named
+  `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` (SequentialMLP) or
+  `mlp.experts.linear_fc{1,2}.weight{i}` (TEGroupedMLP);
+- tensor-parallel shards are merged as megatron-core splits them: column-parallel on dim 0
+  (vocabulary rows with their padding, the per-query-group qkv rows, which stay in
+  megatron-core's interleaved order), row-parallel on dim 1, and SwiGLU's fc1 as per-rank
+  [gate_r; up_r] halves (gate = cat(gate_r), up = cat(up_r)); expert weights split over
+  the expert-tensor-parallel size (ETP = TP, Megatron's default, or 1); replicated tensors
+  (norms, router, expert bias, shared-expert gate) are taken from the lowest rank.
+
+Every tensor name must have a known layout: an unknown one is an error, not a guess.
+The output uses per-layer, per-expert names (`decoder.layers.{i}.mlp.experts.experts.
+{e}.linear_fc1.weight`), one of the layouts to_megamoe reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+StateDict = dict[str, Tensor]
+
+COLUMN = {"embedding.word_embeddings.weight", "output_layer.weight",
+          "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"}
+ROW = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+       "mlp.shared_experts.linear_fc2.weight"}
+GLU = {"mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"}
+REPLICATED = {"decoder.final_layernorm.weight", "input_layernorm.weight",
+              "pre_mlp_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
+              "mlp.linear_fc1.layer_norm_weight", "self_attention.q_layernorm.weight",
+              "self_attention.k_layernorm.weight", "self_attention.linear_proj.bias",
+              "mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.gate_weight"}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight"
+                     r"|(linear_fc[12])\.weight(\d+))")
+
+
+@dataclass(frozen=True)
+class LegacyLayout:
+    """The parallel layout a legacy checkpoint was saved with (from its args)."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    vpp: Optional[int]
+    num_layers: int
+    num_experts: int
+    swiglu: bool
+    tied: bool
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def layers_per_chunk(self) -> int:
+        return self.num_layers // (self.pp * self.chunks)
+
+    def offset(self, pp_rank: int, vp_stage: int) -> int:
+        """megatron-core's first global layer of a chunk (even split)."""
+        return vp_stage * (self.num_layers // self.chunks) + pp_rank * self.layers_per_chunk
+
+
+def _merge_tp(name: str, shards: list[Tensor], glu: bool) -> Tensor:
+    """One tensor from its TP shards (`name` without the layer prefix)."""
+    if len(shards) == 1 or name in REPLICATED:
+        return shards[0]
+    if name in COLUMN or (name in GLU and not glu):
+        return torch.cat(shards, dim=0)
+    if name in ROW:
+        return torch.cat(shards, dim=1)
+    if name in GLU:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    raise ValueError(f"{name}: no known tensor-parallel layout")
+
+
+def _global_name(key: str, layout: LegacyLayout, offset: int) -> tuple[str, str]:
+    """(the global key, the name without the layer prefix) of a chunk's key."""
+    m = _LAYER.fullmatch(key)
+    if m is None:
+        return key, key
+    local = int(m.group(1))
+    if local >= layout.layers_per_chunk:
+        raise ValueError(f"{key}: a chunk holds {layout.layers_per_chunk} layers")
+    return f"decoder.layers.{offset + local}.{m.group(2)}", m.group(2)
+
+
+def _split_experts(sd: StateDict) -> tuple[StateDict, dict[tuple[int, int, str], Tensor]]:
+    """(the non-expert tensors, {(local layer, local expert, fc): tensor})."""
+    dense, experts = {}, {}
+    for key, t in sd.items():
+        m = _LAYER.fullmatch(key)
+        e = _EXPERT.fullmatch(m.group(2)) if m else None
+        if e is None:
+            if m and m.group(2).startswith("mlp.experts."):
+                raise ValueError(f"{key}: expert weights in a layout not supported yet "
+                                 "(legacy GroupedMLP weight1/weight2?)")
+            dense[key] = t
+            continue
+        i, fc = (e.group(1), e.group(2)) if e.group(1) is not None else (e.group(4), e.group(3))
+        experts[(int(m.group(1)), int(i), fc)] = t
+    return dense, experts
+
+
+def merge_chunk(files: dict[tuple[int, int], StateDict], layout: LegacyLayout, pp_rank: int,
+                vp_stage: int) -> StateDict:
+    """One pipeline chunk's global tensors. `files`: (tp, ep) -> that rank's state dict of
+    this chunk (`_extra_state` dropped)."""
+    offset = layout.offset(pp_rank, vp_stage)
+    split = {k: _split_experts(sd) for k, sd in files.items()}
+    dense_of = {t: split[min(k for k in split if k[0] == t)][0] for t in range(layout.tp)}
+    names = sorted(dense_of[0])
+    for t, sd in dense_of.items():
+        if sorted(sd) != names:
+            odd = sorted(set(sd) ^ set(names))[:3]
+            raise ValueError(f"TP rank {t} holds other tensors than TP rank 0 ({odd})")
+    out: StateDict = {}
+    last = pp_rank == layout.pp - 1 and vp_stage == layout.chunks - 1
+    for key in names:
+        if key == "output_layer.weight" and layout.tied and not (pp_rank == 0 and vp_stage == 0):
+            continue  # the last stage's copy of the (tied) word embeddings
+        name, short = _global_name(key, layout, offset)
+        if name == "output_layer.weight" and not last:
+            raise ValueError(f"{key} outside the last pipeline stage")
+        out[name] = _merge_tp(short, [dense_of[t][key] for t in range(layout.tp)],
+                              layout.swiglu)
+    local_e = layout.num_experts // layout.ep if layout.num_experts else 0
+    for ep in range(layout.ep):
+        expert_of = {t: split[min(k for k in split if k[1] == ep and (
+            layout.etp == 1 or k[0] == t))][1] for t in range(layout.etp)}
+        keys = sorted(expert_of[0])
+        for t, experts in expert_of.items():
+            if sorted(experts) != keys:
+                raise ValueError(f"EP rank {ep}: expert TP rank {t} holds other experts "
+                                 "than expert TP rank 0")
+        for (layer, i, fc) in keys:
+            if i >= local_e:
+                raise ValueError(f"layer {layer} expert {i}: an EP rank holds {local_e}")
+            if layer >= layout.layers_per_chunk:
+                raise ValueError(f"layer {layer}: a chunk holds {layout.layers_per_chunk}")
+            short = "mlp.linear_fc1.weight" if fc == "linear_fc1" else "mlp.linear_fc2.weight"
+            name = (f"decoder.layers.{offset + layer}.mlp.experts.experts."
+                    f"{ep * local_e + i}.{fc}.weight")
+            out[name] = _merge_tp(short, [expert_of[t][(layer, i, fc)]
+                                          for t in range(layout.etp)], layout.swiglu)
+    return out
+
+
+def merge_legacy(files: dict[tuple[int, int, int], list[StateDict]], layout: LegacyLayout
+                 ) -> StateDict:
+    """The whole model's megatron-core tensors from every rank's chunks: `files`
+    (tp, pp, ep) -> [chunk 0's state dict, ...]."""
+    out: StateDict = {}
+    for pp in range(layout.pp):
+        for v in range(layout.chunks):
+            chunk = {(t, e): {k: x for k, x in sds[v].items() if "_extra_state" not in k}
+                     for (t, p, e), sds in files.items() if p == pp}
+            merged = merge_chunk(chunk, layout, pp, v)
+            twice = set(merged) & set(out)
+            if twice:
+                raise ValueError(f"{sorted(twice)[0]} held by two pipeline chunks")
+            out.update(merged)
+    return out
