@@ -63,11 +63,11 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "num_experts_per_tok": (POSITIVE, "a positive integer", False),
     "n_shared_experts": (COUNT, "a non-negative integer", True),
     "n_group": (POSITIVE, "a positive integer", True),
-    "topk_group": (POSITIVE, "a positive integer", True),
-    "first_k_dense_replace": (COUNT, "a non-negative integer", True),
+    "topk_group": (POSITIVE, "a positive integer", False),
+    "first_k_dense_replace": (COUNT, "a non-negative integer", False),
     "decoder_sparse_step": (COUNT, "a non-negative integer", True),
     "moe_layer_freq": (POSITIVE, "a positive integer", True),
-    "num_nextn_predict_layers": (COUNT, "a non-negative integer", True),
+    "num_nextn_predict_layers": (COUNT, "a non-negative integer", False),
     "q_lora_rank": (POSITIVE, "a positive integer", True),
     "kv_lora_rank": (POSITIVE, "a positive integer", False),
     "qk_nope_head_dim": (POSITIVE, "a positive integer", False),
@@ -105,10 +105,16 @@ def _shown(v: Any) -> str:
     return type(v).__name__ if not isinstance(v, bool) else repr(v).lower()
 
 
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
 def config_field_error(cfg: Any) -> Optional[str]:
     """Why a parsed config.json cannot be read (the field and what it must be), or None."""
     if not isinstance(cfg, dict):
         return f"must hold a JSON object, found {type(cfg).__name__}"
+    missing = [f for f in REQUIRED if f not in cfg]
+    if missing:
+        return f"field {missing[0]!r} is missing"
     for field, (accepts, must, nullable) in FIELDS.items():
         if field in cfg and not (cfg[field] is None and nullable) and not accepts(cfg[field]):
             return f"field {field!r} must be {must}, found {_shown(cfg[field])}"

@@ -4,8 +4,8 @@
 deleted, and `pretrain_gpt.py --load` of the result either resumes (the value was valid)
 or stops with one line and exit 1: never a traceback, never a hang.
 
-The default suite runs a small sample of each file kind; the slow set every leaf against
-every replacement. A failing case prints its file, path and replacement, so it can be
+The default suite runs a small sample of each file kind; the slow set a larger seeded sample
+(every leaf against every replacement is some 2,000 resumes: about 40 minutes here). A failing case prints its file, path and replacement, so it can be
 rerun alone with the same seed."""
 
 from __future__ import annotations
@@ -177,13 +177,13 @@ def test_fuzzed_metadata_entries_resume_or_stop_in_one_line(saved, tmp_path, cap
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_every_field_fuzzed(saved, tmp_path, capsys, kind):
+def test_more_fields_fuzzed(saved, tmp_path, capsys, kind):
     fmt, name = KINDS[kind]
-    _fuzz(saved[fmt], str(tmp_path), name, _cases(_state(saved[fmt], name), n=10**9, seed=0),
+    _fuzz(saved[fmt], str(tmp_path), name, _cases(_state(saved[fmt], name), n=80, seed=0),
           capsys)
 
 
 @pytest.mark.slow
-def test_every_metadata_entry_fuzzed(saved, tmp_path, capsys):
+def test_more_metadata_entries_fuzzed(saved, tmp_path, capsys):
     _fuzz(saved["torch_dist"], str(tmp_path), ".metadata",
-          _metadata_cases(saved["torch_dist"], n=400, seed=0), capsys)
+          _metadata_cases(saved["torch_dist"], n=40, seed=0), capsys)

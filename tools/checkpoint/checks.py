@@ -10,8 +10,9 @@ import io
 import torch
 
 from megamoe.cli.arguments import build_parser
-from megamoe.cli.rules import ArgumentError, finalize_args
+from megamoe.cli.rules import finalize_args
 from megamoe.config import ModelConfig
+from megamoe.config.fields import ConfigError
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.reader import read_checkpoint
 from megamoe.training.checkpoint.safe_load import CheckpointError
@@ -38,7 +39,7 @@ def build_args(flags: list[str], where: str) -> argparse.Namespace:
                            f"flags ({why})") from None
     try:
         finalize_args(args, parser, world_size=1)
-    except ArgumentError as e:
+    except ConfigError as e:  # (ArgumentError is one)
         raise ConvertError(f"{where}: {e}") from None
     args.dry_run = False
     return args

@@ -48,6 +48,7 @@ from tqdm import tqdm  # noqa: E402
 
 from megamoe.cli.mapping import run_config_from_args  # noqa: E402
 from megamoe.config import ModelConfig, to_dict  # noqa: E402
+from megamoe.config.fields import ConfigError  # noqa: E402
 from megamoe.model.gpt_model import GPTModel  # noqa: E402
 from megamoe.model.hf_config_check import config_field_error  # noqa: E402
 from megamoe.model.hf_families import (  # noqa: E402
@@ -134,9 +135,11 @@ def hf_to_megamoe_checkpoint(hf_dir: str, out_dir: str, ckpt_format: str = "torc
     try:
         cfg = family.config_for_weights(cfg, hf_sd.keys())
         args = build_args(family.flags(cfg), config_path)
+        config = run_config_from_args(args, cfg["vocab_size"]).model
     except KeyError as e:
         raise ConvertError(f"{config_path}: missing field {e}") from None
-    config = run_config_from_args(args, cfg["vocab_size"]).model
+    except ConfigError as e:
+        raise ConvertError(f"{config_path}: {e}") from None
     try:
         sd = family.weights.to_megamoe(hf_sd, config)
     except (KeyError, ValueError, RuntimeError) as e:

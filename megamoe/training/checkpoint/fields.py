@@ -80,7 +80,8 @@ def _rng(path: str, field: str, rng: Any) -> None:
                                and t.dim() == 1):
             raise _fail(path, f"{field}.{key}", "is not a torch generator state "
                         "(a 1-D uint8 tensor)")
-    if not _accepted(torch.Generator().set_state, rng["torch"]):
+    cpu_generator = torch.Generator(device="cpu")  # the saved state is the CPU generator's
+    if not _accepted(cpu_generator.set_state, rng["torch"]):
         raise _fail(path, f"{field}.torch", "is not a torch CPU generator state")
 
 
