@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,8 +33,10 @@ from megamoe.config import OptimizerConfig
 
 
 def fp32(x: float) -> float:
-    """`x` rounded to fp32, as Megatron's scale tensor holds it (overflow: inf)."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    """`x` rounded to fp32, as Megatron's scale tensor holds it (overflow: inf). Host
+    arithmetic (numpy), so no tensor op: nothing a device would wait for."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 class ConstantGradScaler:
