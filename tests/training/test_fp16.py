@@ -9,7 +9,10 @@ the step it would have been.
 from __future__ import annotations
 
 import copy
+import os
+import random
 import shlex
+import shutil
 from typing import Callable
 
 import pytest
@@ -415,3 +418,65 @@ def test_fp16_layouts_follow_the_single_process(layout):
     for loss_norm in run_distributed(_history_rank, 2, 300, f"{base} {layout}"):
         for (loss, norm), (ref_loss, ref_norm) in zip(loss_norm, single):
             assert abs(loss - ref_loss) < 1e-4 and abs(norm - ref_norm) < 1e-3 * ref_norm
+
+
+@pytest.fixture(scope="module")
+def fp16_checkpoints(tmp_path_factory):
+    """One-iteration --fp16 checkpoints in both formats (their optimizer holds a scaler)."""
+    root = tmp_path_factory.mktemp("fp16_fuzz")
+    out = {}
+    for fmt, name in (("torch", "model_optim_rng.pt"), ("torch_dist", "common.pt")):
+        out[fmt] = (str(root / fmt), name)
+        pretrain(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --fp16 --save "
+                                        f"{root / fmt} --ckpt-format {fmt}"), world_size=1),
+                 print_fn=lambda _m: None)
+    return out
+
+
+def _scaler_cases(state: dict, n: int, seed: int) -> list:
+    from tests.training.test_checkpoint_fuzz import DELETE, REPLACEMENTS, _leaves
+
+    assert state["optimizer"]["grad_scaler"]["scale"] == 2.0**32
+    scaler = ("optimizer", "grad_scaler")
+    paths = [scaler, *_leaves(state["optimizer"]["grad_scaler"], scaler)]
+    cases = [(p, r) for p in paths for r in REPLACEMENTS + [DELETE]]
+    return cases if n >= len(cases) else random.Random(seed).sample(cases, n)
+
+
+def _fuzz_scaler(fp16_checkpoints, tmp_path, capsys, n: int, seed: int) -> None:
+    """Each case: one grad_scaler field of the checkpoint replaced (a wrong type, out of
+    range, deleted); `--fp16 --load` resumes or stops in one line with exit 1."""
+    from megamoe.cli.main import main
+    from tests.training.test_checkpoint_fuzz import _replaced
+
+    failures = []
+    for fmt, (saved, name) in fp16_checkpoints.items():
+        target = os.path.join(saved, "iter_0000001", name)
+        state = torch.load(target, map_location="cpu", weights_only=False)  # our own file
+        for path, value in _scaler_cases(state, n, seed):
+            root = str(tmp_path / "ckpt")
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.copytree(saved, root)
+            torch.save(_replaced(state, path, value),
+                       os.path.join(root, "iter_0000001", name))
+            capsys.readouterr()
+            case = f"{fmt} {path} <- {type(value).__name__}"
+            try:
+                code = main(shlex.split(f"{TINY_MOE} --train-iters 2 --fp16 --load {root}"))
+            except BaseException as e:  # noqa: BLE001 (what the fuzz looks for)
+                failures.append(f"{case}: {type(e).__name__}: {e}")
+                continue
+            err = capsys.readouterr().err
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            if code not in (0, 1) or (code == 1 and (len(lines) != 1 or "Traceback" in err)):
+                failures.append(f"{case}: exit {code}: {err[-300:]}")
+    assert not failures, f"{len(failures)} cases:\n" + "\n".join(failures)
+
+
+def test_fuzzed_scaler_fields_resume_or_stop_in_one_line(fp16_checkpoints, tmp_path, capsys):
+    _fuzz_scaler(fp16_checkpoints, tmp_path, capsys, n=3, seed=20261126)
+
+
+@pytest.mark.slow
+def test_every_scaler_field_fuzzed(fp16_checkpoints, tmp_path, capsys):
+    _fuzz_scaler(fp16_checkpoints, tmp_path, capsys, n=10**9, seed=0)
