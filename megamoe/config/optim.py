@@ -13,6 +13,7 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 (a loss scale is fp32)
 
 
 @dataclass
@@ -79,10 +80,11 @@ class OptimizerConfig:
     def _validate_loss_scaling(self) -> None:
         """Megatron's scaler assertions (grad_scaler.py), as one line naming the flag. The
         window is compared with an integer step counter there, so a fractional one would
-        never grow the scale: refused."""
-        check_range(self, "loss_scale", 0)
-        check_range(self, "initial_loss_scale", 0, low_open=True)
-        check_range(self, "min_loss_scale", 0, low_open=True)
+        never grow the scale: refused. The scales are fp32 there: one past fp32's range
+        would be Inf, and an Inf scale never backs off (Inf x 0.5): refused too."""
+        check_range(self, "loss_scale", 0, FP32_MAX, high_open=False)
+        check_range(self, "initial_loss_scale", 0, FP32_MAX, low_open=True, high_open=False)
+        check_range(self, "min_loss_scale", 0, FP32_MAX, low_open=True, high_open=False)
         check_range(self, "loss_scale_window", 1)
         check_range(self, "hysteresis", 1)
         require(float(self.loss_scale_window).is_integer(),
