@@ -291,6 +291,8 @@ def test_a_checkpoint_without_a_scaler_loads_into_fp16(tmp_path, monkeypatch):
      "optimizer.grad_scaler.scale"),
     ({"scale": -1.0, "growth_tracker": 0, "hysteresis_tracker": 2},
      "optimizer.grad_scaler.scale"),
+    ({"scale": 1e39, "growth_tracker": 0, "hysteresis_tracker": 2},
+     "optimizer.grad_scaler.scale"),
     ({"scale": 2.0, "growth_tracker": -1, "hysteresis_tracker": 2},
      "optimizer.grad_scaler.growth_tracker"),
     ({"scale": 2.0, "growth_tracker": 0, "hysteresis_tracker": "2"},

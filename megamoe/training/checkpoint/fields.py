@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from megamoe.config.optim import FP32_MAX
 from megamoe.training.checkpoint.safe_load import CheckpointError
 
 
@@ -103,7 +104,7 @@ def _step(path: str, optim: Any) -> None:
 def _grad_scaler(path: str, optim: Any) -> None:
     """The loss scaler's state (--fp16; optimizer["grad_scaler"]): absent (an older
     checkpoint, or no scaler), empty (a constant scale), or Megatron's three fields: a
-    finite positive scale, a non-negative growth tracker, an integer hysteresis tracker
+    positive scale finite in fp32, a non-negative growth tracker, an integer hysteresis tracker
     (it counts down through zero while overflows continue)."""
     if not isinstance(optim, dict) or "grad_scaler" not in optim:
         return
@@ -114,8 +115,8 @@ def _grad_scaler(path: str, optim: Any) -> None:
         return
     scale = scaler.get("scale")
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-            and math.isfinite(scale) and scale > 0):
-        raise _fail(path, f"{field}.scale", "must be a finite positive number")
+            and math.isfinite(scale) and 0 < scale <= FP32_MAX):
+        raise _fail(path, f"{field}.scale", "must be a positive number finite in fp32")
     if not _is_count(scaler.get("growth_tracker")):
         raise _fail(path, f"{field}.growth_tracker", "must be a non-negative integer")
     tracker = scaler.get("hysteresis_tracker")
