@@ -185,6 +185,7 @@ def test_overflow_skips_the_step_but_counts_the_iteration(monkeypatch):
     line = next(x for x in lines if "iteration        2/" in x)
     assert "loss scale: 2048.0" in line and "number of skipped iterations:   1" in line
     assert "number of nan iterations:   0" in line and "grad norm" not in line
+    assert "lm loss" not in line  # averaged over updating iterations only: none here
 
 
 def test_fp16_training_follows_fp32():
