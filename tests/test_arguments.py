@@ -135,7 +135,7 @@ def test_load_of_a_hugging_face_folder_names_the_converter(capsys, tmp_path):
 
 @pytest.mark.parametrize("flag", [
     "--expert-tensor-parallel-size 2",
-    "--use-megatron-fsdp", "--fp16",
+    "--use-megatron-fsdp",
 ])
 def test_not_supported_yet(capsys, flag):
     world = 2 if "parallel-size 2" in flag else 1

@@ -39,6 +39,7 @@ from megamoe.parallelize import apply_recompute, parallelize
 from megamoe.training.materialize import materialize
 from megamoe.training.optim import build_optimizer
 from megamoe.training.optim.distributed import DistributedOptimizer
+from megamoe.training.optim.grad_scaler import unscale_and_check
 
 ACCEL = torch.device("meta")  # the stand-in accelerator (module docstring)
 DENSE = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -115,6 +116,20 @@ def test_distributed_optimizer_buffers_and_step_on_the_device(dtype):
         for state in opt.optimizer.state.values():
             assert all(v.device == ACCEL for v in state.values() if torch.is_tensor(v)
                        and v.dim() > 0)
+
+
+def test_fp16_loss_scaling_stays_on_the_device():
+    """--fp16: the scaled backward, the unscale and the overflow flag (found_inf) are on
+    the device; the scale itself is a host number (no tensor to keep in step)."""
+    model, mesh = _parallelized(DENSE, torch.float16)
+    with _fake_mode():
+        model = materialize(model, mesh, seed=1)
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-3, fp16=True))
+        tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
+        model(tokens, labels=tokens).float().mean().mul(opt.get_loss_scale()).backward()
+        grads = opt.main_grads()
+        found_inf = unscale_and_check(grads, opt.grad_scaler, ACCEL, agree=False)
+        assert found_inf.device == ACCEL and all(g.device == ACCEL for g in grads)
 
 
 def test_checkpoint_load_buffers_are_made_on_the_tensors_device():

@@ -318,6 +318,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--lr-wsd-decay-style": ("--lr-decay-style WSD --lr-wsd-decay-iters 2 "
                              "--lr-wsd-decay-style cosine", 1, "cosine"),
     "--bf16": ("--bf16", 1, True),
+    "--fp16": ("--fp16", 1, True),
+    "--loss-scale": ("--fp16 --loss-scale 1024", 1, 1024.0),
+    "--initial-loss-scale": ("--fp16 --initial-loss-scale 65536", 1, 65536.0),
+    "--min-loss-scale": ("--fp16 --min-loss-scale 4", 1, 4.0),
+    "--loss-scale-window": ("--fp16 --loss-scale-window 50", 1, 50.0),
+    "--hysteresis": ("--fp16 --hysteresis 3", 1, 3),
     "--micro-batch-size": ("--micro-batch-size 4", 1, 4),
     "--global-batch-size": ("--global-batch-size 16", 1, 16),
     "--train-iters": ("--train-iters 5", 1, 5),

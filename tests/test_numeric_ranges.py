@@ -88,7 +88,15 @@ BAD = [
     ("--eval-iters", "-1", "", 1, "must be >= 0"),
     ("--exit-interval", "0", "", 1, "must be positive"),
     ("--exit-duration-in-mins", "0", "", 1, "must be positive"),
-    ("--initial-loss-scale", "0", "", 1, "must be > 0"),
+    ("--initial-loss-scale", "0", "--fp16", 1, "must be in (0, 3.40282e+38]"),
+    ("--loss-scale", "-1", "--fp16", 1, "must be in [0, 3.40282e+38]"),
+    ("--min-loss-scale", "0", "--fp16", 1, "must be in (0, 3.40282e+38]"),
+    ("--initial-loss-scale", "1e39", "--fp16", 1, "must be in (0, 3.40282e+38]"),
+    ("--loss-scale", "1e39", "--fp16", 1, "must be in [0, 3.40282e+38]"),
+    ("--min-loss-scale", "8", "--fp16 --initial-loss-scale 4", 1, "must not exceed"),
+    ("--loss-scale-window", "0", "--fp16", 1, "must be >= 1"),
+    ("--loss-scale-window", "2.5", "--fp16", 1, "must be a whole number"),
+    ("--hysteresis", "0", "--fp16", 1, "must be >= 1"),
     ("--distributed-timeout-minutes", "0", "", 1, "must be positive"),
     ("--empty-unused-memory-level", "3", "", 1, "invalid choice"),
     # optimizer and learning rate
@@ -149,7 +157,7 @@ BAD = [
 COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
     "--padded-vocab-size", "--check-weight-hash-across-dp-replicas-interval",
-    "--rotary-seq-len-interpolation-factor", "--loss-scale", "--null-tokenizer-pad-id",
+    "--rotary-seq-len-interpolation-factor", "--null-tokenizer-pad-id",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)
     "--train-samples", "--rampup-batch-size", "--lr-decay-samples", "--lr-warmup-samples",

@@ -79,12 +79,12 @@ def main() -> int:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     local = params + sum(b.numel() * b.element_size() for b in model.buffers())
     total, _ = num_parameters(run.model)
-    dtype_bytes = 2 if run.optim.bf16 else 4
+    dtype_bytes = 2 if run.optim.bf16 or run.optim.fp16 else 4
     growth = peak - before
     report = {
         "flags": " ".join(flags), "rank": opts.rank, "world_size": opts.world_size,
         "layout": {k: v for k, v in mesh.sizes.items()},
-        "dtype": "bf16" if run.optim.bf16 else "fp32",
+        "dtype": "bf16" if run.optim.bf16 else "fp16" if run.optim.fp16 else "fp32",
         "use_cpu_initialization": run.parallel.use_cpu_initialization,
         "local_parameter_bytes": params, "local_weight_bytes": local,
         "rss_before_build_bytes": before,

@@ -18,6 +18,7 @@ import yaml
 from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.extensions import add_negations, mark_extensions
+from megamoe.cli.loss_scale_args import add_loss_scale_args
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
@@ -255,9 +256,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-modules", nargs="*", default=None)
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=finite_float, default=None)
-    g.add_argument("--initial-loss-scale", type=finite_float, default=2.0**32)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="accepted; with --bf16 gradients always accumulate in fp32")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
@@ -391,6 +389,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_data_args(parser)
     _add_training_args(parser)
     _add_optimizer_args(parser)
+    add_loss_scale_args(parser)
     _add_parallel_args(parser)
     _add_checkpoint_and_logging_args(parser)
     add_runtime_args(parser)

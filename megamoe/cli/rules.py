@@ -97,8 +97,6 @@ def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads < 1:  # (the defaults below divide by it)
         raise ArgumentError(f"--num-attention-heads must be positive, got "
                             f"{args.num_attention_heads}")
-    if args.initial_loss_scale <= 0:  # (read with --fp16 only)
-        raise ArgumentError(f"--initial-loss-scale must be > 0, got {args.initial_loss_scale}")
     if args.num_experts == 0:
         args.num_experts = None
     if args.ffn_hidden_size is None:
@@ -262,6 +260,24 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
     # the same layers); a run that builds the model refuses it (cli/main.py).
 
 
+def _check_loss_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse, in one line, the loss-scaling flags Megatron would read nowhere in this run:
+    --loss-scale without --fp16 / --bf16 / --use-distributed-optimizer (Megatron's FP32
+    optimizer has no scaler), and a dynamic scaler's flag without dynamic scaling."""
+    if args.loss_scale and not (args.fp16 or args.bf16 or args.use_distributed_optimizer):
+        raise ArgumentError("--loss-scale needs --fp16, --bf16 or --use-distributed-optimizer "
+                            "(Megatron's fp32 optimizer has no loss scale)")
+    if args.fp16 and not args.loss_scale:
+        return
+    for flag in ("--initial-loss-scale", "--min-loss-scale", "--loss-scale-window",
+                 "--hysteresis"):  # the dynamic scaler's
+        dest = flag.lstrip("-").replace("-", "_")
+        if getattr(args, dest) != parser.get_default(dest):
+            why = "--loss-scale gives a constant scale" if args.fp16 else "it needs --fp16"
+            raise ArgumentError(f"{flag} sets the dynamic loss scaler, which this run does "
+                                f"not have ({why})")
+
+
 def _check_required(args: argparse.Namespace) -> None:
     """What a training launch must say (a dry run or --skip-train needs less), then the
     values the configs take in place of "not given"."""
@@ -311,4 +327,5 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _check_data(args)
     _check_load_is_not_hf(args.load)
     _check_not_supported(args, parser)
+    _check_loss_scale(args, parser)
     return args

@@ -13,6 +13,7 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 (a loss scale is fp32)
 
 
 @dataclass
@@ -33,6 +34,14 @@ class OptimizerConfig:
     clip_grad: float = flag("--clip-grad", 1.0)
     bf16: bool = flag("--bf16", False)
     fp16: bool = flag("--fp16", False)
+    # Loss scaling (Megatron's grad_scaler.py; training/optim/grad_scaler.py): a constant
+    # --loss-scale, else with --fp16 the dynamic scaler's start, floor, growth window and
+    # hysteresis. Megatron's defaults; --loss-scale 0 means unset, as Megatron's `if`.
+    loss_scale: Optional[float] = flag("--loss-scale", None)
+    initial_loss_scale: float = flag("--initial-loss-scale", 2.0**32)
+    min_loss_scale: float = flag("--min-loss-scale", 1.0)
+    loss_scale_window: float = flag("--loss-scale-window", 1000.0)
+    hysteresis: int = flag("--hysteresis", 2)
     # LR schedule: the *-iters flags with --train-iters, the *-samples flags with
     # --train-samples (RunConfig checks the pairing, as Megatron's validate_args).
     lr_warmup_iters: int = flag("--lr-warmup-iters", 0)
@@ -57,10 +66,33 @@ class OptimizerConfig:
             require(value in allowed,
                     f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
+        self._validate_loss_scaling()
         self._validate_weight_decay_schedule()
         check_positive(self, "lr_decay_samples")
         check_positive(self, "lr_warmup_samples", "lr_wsd_decay_samples", allow_zero=True)
         self._validate_ranges()
+
+    @property
+    def dynamic_loss_scaling(self) -> bool:
+        """--fp16 without a --loss-scale: Megatron's DynamicGradScaler."""
+        return self.fp16 and not self.loss_scale
+
+    def _validate_loss_scaling(self) -> None:
+        """Megatron's scaler assertions (grad_scaler.py), as one line naming the flag. The
+        window is compared with an integer step counter there, so a fractional one would
+        never grow the scale: refused. The scales are fp32 there: one past fp32's range
+        would be Inf, and an Inf scale never backs off (Inf x 0.5): refused too."""
+        check_range(self, "loss_scale", 0, FP32_MAX, high_open=False)
+        check_range(self, "initial_loss_scale", 0, FP32_MAX, low_open=True, high_open=False)
+        check_range(self, "min_loss_scale", 0, FP32_MAX, low_open=True, high_open=False)
+        check_range(self, "loss_scale_window", 1)
+        check_range(self, "hysteresis", 1)
+        require(float(self.loss_scale_window).is_integer(),
+                f"--loss-scale-window must be a whole number of iterations, got "
+                f"{self.loss_scale_window}")
+        require(not self.dynamic_loss_scaling or self.min_loss_scale <= self.initial_loss_scale,
+                f"--min-loss-scale ({self.min_loss_scale}) must not exceed "
+                f"--initial-loss-scale ({self.initial_loss_scale})")
 
     def _validate_weight_decay_schedule(self) -> None:
         """Megatron's validate_args: constant takes --weight-decay only; linear and cosine

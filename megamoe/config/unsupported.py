@@ -12,9 +12,6 @@ NOT_SUPPORTED_YET = (
     "--apply-layernorm-1p",
     "--moe-use-legacy-grouped-gemm",
     "--moe-shared-expert-overlap",
-    "--fp16",
-    "--loss-scale",
-    "--initial-loss-scale",  # fp16's dynamic loss scaler
     "--null-tokenizer-pad-id",  # a pad id masked out of the loss (Megatron's GPTDataset)
     # Megatron-FSDP (the DeepSeek-V3 script's FSDP branch); --ckpt-format fsdp_dtensor is
     # refused by value (cli/rules.py)

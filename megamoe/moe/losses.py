@@ -3,7 +3,11 @@
 The auxiliary losses never enter the LM loss tensor. Each MoE layer attaches its loss to
 its output with `attach_aux_loss`; the backward pass of that identity injects
 d(aux)/d(aux) = scale, where the schedule sets scale = 1 / num_microbatches, so the aux
-loss is scaled exactly like the LM loss and counted once per micro-batch.
+loss is scaled exactly like the LM loss and counted once per micro-batch. Under loss
+scaling (--fp16) the schedule also passes the loss scale, which multiplies every injected
+aux-loss gradient as the backward of the scaled LM loss is multiplied (Megatron's
+MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)): the unscaling of the
+gradients then divides both alike.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ from typing import Callable, Optional, Union
 import torch
 
 _AUX_LOSS_BACKWARD_SCALE: float = 1.0
+_LOSS_SCALE: float = 1.0
 
 
-def set_aux_loss_backward_scale(scale: float) -> None:
-    """Scale applied to every aux-loss gradient (the schedule passes 1/num_microbatches)."""
-    global _AUX_LOSS_BACKWARD_SCALE
+def set_aux_loss_backward_scale(scale: float, loss_scale: float = 1.0) -> None:
+    """Scale applied to every aux-loss gradient (the schedule passes 1/num_microbatches),
+    and the step's loss scale (--fp16), which also multiplies an explicit backward_scale
+    (attach_aux_loss): every gradient of the backward carries the loss scale."""
+    global _AUX_LOSS_BACKWARD_SCALE, _LOSS_SCALE
     _AUX_LOSS_BACKWARD_SCALE = float(scale)
+    _LOSS_SCALE = float(loss_scale)
 
 
 class _AuxLossAutoScaler(torch.autograd.Function):
@@ -35,7 +43,7 @@ class _AuxLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, None]:
         (aux_loss,) = ctx.saved_tensors
-        scale = _AUX_LOSS_BACKWARD_SCALE if ctx.scale is None else ctx.scale
+        scale = (_AUX_LOSS_BACKWARD_SCALE if ctx.scale is None else ctx.scale) * _LOSS_SCALE
         return grad_output, torch.ones_like(aux_loss) * scale, None
 
 

@@ -39,7 +39,7 @@ def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     """(device bytes one rank of this layout needs, by part and "total"; the memory
     model's transients) for the largest pipeline stage, from shapes alone."""
     layout = launch_layout(run)
-    bytes_per = 2 if run.optim.bf16 else 4
+    bytes_per = 2 if run.optim.bf16 or run.optim.fp16 else 4  # fp16 sizes as bf16
     static = model_bytes(run.model, layout, bytes_per)
     memory = {k: int(static[k]) for k in ("weights", "gradients", "optimizer")}
     memory["activations"] = int(activation_bytes(run.model, layout, run.model.seq_length,

@@ -35,7 +35,8 @@ def build_model(run: RunConfig, mesh: Optional[Mesh] = None) -> torch.nn.Module:
     """This rank's model of `run` on `mesh.device` (one process: default_device())."""
     mesh = mesh or single_process_mesh()
     seed = run.train.seed
-    dtype = torch.bfloat16 if run.optim.bf16 else torch.float32
+    dtype = torch.bfloat16 if run.optim.bf16 else torch.float16 if run.optim.fp16 \
+        else torch.float32
     set_seed(seed)
     if run.model.moe is not None and run.moe_training.use_upcycling:
         model = parallelize(_upcycled(run), mesh, run.parallel, run.moe_execution,

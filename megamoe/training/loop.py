@@ -103,7 +103,9 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     """One iteration (`iteration`: its number, for messages) of `global_batch_size` samples
     (default --global-batch-size). With the NaN/Inf check on, a non-finite loss or gradient
     on any rank raises NonFiniteError on every rank before the optimizer step: weights,
-    optimizer state and the schedule stay as they were."""
+    optimizer state and the schedule stay as they were. Under loss scaling (--fp16) the
+    backward is scaled by the optimizer's loss scale; an overflow skips the step
+    ("skipped": 1; the iteration and its samples still count, as Megatron's)."""
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
@@ -111,7 +113,8 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     with timers.timer("forward-backward", 1):
         lm_loss = forward_backward(model, data_iter, n_micro,
                                    grad_sync=getattr(optimizer, "grad_sync", None),
-                                   per_token=per_token_loss(run, mesh))
+                                   per_token=per_token_loss(run, mesh),
+                                   loss_scale=optimizer.get_loss_scale())
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging
@@ -131,7 +134,8 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     names = ["lm loss", *mtp.keys(), *moe.keys()]
     values = _dp_mean([float(lm_loss), *mtp.values(), *moe.values()], mesh)
     out = dict(zip(names, values))
-    out["grad norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    if grad_norm is not None:  # None: a loss-scale overflow skipped the step before it
+        out["grad norm"] = float(grad_norm)
     if num_zeros is not None:  # --log-num-zeros-in-grad
         out["num zeros"] = float(num_zeros)
     if lg.log_params_norm:  # after the update, as Megatron's calc_params_l2_norm
@@ -174,7 +178,9 @@ NOT_LOSSES = ("grad norm", "num zeros", "params norm")
 
 class _Interval:
     """The metrics of the iterations since the last console line (--log-interval), and
-    that line."""
+    that line. As Megatron's training_log, the losses (and here the grad norm) average
+    over the iterations that updated the model: a skipped step's (an fp16 overflow) would
+    pull the mean toward a loss no update followed."""
 
     def __init__(self, run: RunConfig, mesh: Mesh, observer: TrainingObserver,
                  print_fn: Callable[[str], None]) -> None:
@@ -183,12 +189,16 @@ class _Interval:
         self.sums: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.iters, self.samples, self.batch_size, self.tick = 0, 0, 0, time.time()
+        self.advanced = 0  # iterations that updated the model
 
-    def add(self, metrics: dict[str, float], global_batch_size: int) -> None:
+    def add(self, metrics: dict[str, float], global_batch_size: int, skipped: bool) -> None:
         for k, v in metrics.items():
+            if skipped and _advanced_only(k):
+                continue
             self.sums[k] = self.sums.get(k, 0.0) + v
         self.last = metrics
         self.iters += 1
+        self.advanced += not skipped
         self.samples += global_batch_size
         self.batch_size = global_batch_size  # the last step's, as Megatron's log line
 
@@ -198,7 +208,8 @@ class _Interval:
         run, lg, mesh = self.run, self.run.logging, self.mesh
         ms_per_iter = 1000.0 * (time.time() - self.tick) / self.iters
         tokens_per_iter = self.samples * run.model.seq_length / self.iters
-        means = {k: v / self.iters for k, v in self.sums.items()}
+        means = {k: v / (max(1, self.advanced) if _advanced_only(k) else self.iters)
+                 for k, v in self.sums.items()}
         extra = (self.observer.interval_scalars(ms_per_iter, tokens_per_iter)
                  if mesh.is_logging_rank and (logger is not None or lg.log_throughput) else {})
         if mesh.is_logging_rank:
@@ -209,7 +220,7 @@ class _Interval:
                 learning_rate=optimizer.param_groups[0]["lr"],
                 global_batch_size=self.batch_size,
                 losses={k: v for k, v in means.items() if k not in NOT_LOSSES and "/" not in k},
-                loss_scale=optimizer.get_loss_scale(), grad_norm=means["grad norm"],
+                loss_scale=optimizer.get_loss_scale(), grad_norm=means.get("grad norm"),
                 skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
                 tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
                 if lg.log_throughput else None,
@@ -220,6 +231,7 @@ class _Interval:
             logger.log_scalars(extra, state.iteration)
             self.observer.write_heatmap(logger, state.iteration)
         self.sums, self.iters, self.samples, self.tick = {}, 0, 0, time.time()
+        self.advanced = 0
 
     def _report_timers(self, iteration: int, ms_per_iter: float,
                        logger: Optional[MetricsLogger]) -> None:
@@ -234,14 +246,24 @@ class _Interval:
             logger.log_scalars(tensorboard_scalars(min_max, ms_per_iter / 1000.0), iteration)
 
 
+def _advanced_only(key: str) -> bool:
+    """Whether the interval averages metric `key` over its updating iterations only."""
+    return key == "grad norm" or key not in NOT_LOSSES and not key.startswith("moe/")
+
+
 def _record(state: TrainState, metrics: dict[str, float], global_batch_size: int,
-            lr: float) -> None:
+            lr: float) -> bool:
+    """Count the iteration (a skipped one too: its samples were read, as Megatron's);
+    a nan iteration is a skipped one whose loss is NaN/Inf (Megatron's training_log).
+    Returns whether the step was skipped."""
     state.iteration += 1
     state.consumed_train_samples += global_batch_size
-    state.skipped_iters += int(metrics.pop("skipped"))
-    if not math.isfinite(metrics["lm loss"]):
+    skipped = bool(metrics.pop("skipped"))
+    state.skipped_iters += skipped
+    if skipped and not math.isfinite(metrics["lm loss"]):
         state.nan_iters += 1
     state.history.append({"iteration": state.iteration, "lr": lr, **metrics})
+    return skipped
 
 
 def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
@@ -291,11 +313,11 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
                      f"(it compiles the layers; later iterations run the compiled code)")
         metrics.update(observer.after_step())  # expert load, summed over data parallel
         lr = optimizer.param_groups[0]["lr"]
-        _record(state, metrics, gbs, lr)
-        interval.add(metrics, gbs)
+        skipped = _record(state, metrics, gbs, lr)
+        interval.add(metrics, gbs, skipped)
         if logger is not None and state.iteration % lg.tensorboard_log_interval == 0:
             logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
-                                "learning_rate": lr, "loss_scale": optimizer.get_loss_scale(),
+                                "learning_rate": lr, "loss-scale": optimizer.get_loss_scale(),
                                 "consumed_samples": state.consumed_train_samples,
                                 "global_batch_size": gbs}, state.iteration)
         collector.after_step(state.iteration)

@@ -35,11 +35,12 @@ _WARNED: set[str] = set()  # optional features already reported missing in this 
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
                     elapsed_ms_per_iter: float, tokens_per_sec: float, learning_rate: float,
                     global_batch_size: int, losses: dict[str, float], loss_scale: float,
-                    grad_norm: float, skipped_iters: int, nan_iters: int,
+                    grad_norm: Optional[float], skipped_iters: int, nan_iters: int,
                     tflops_per_gpu: Optional[float] = None, num_zeros: Optional[int] = None,
                     params_norm: Optional[float] = None) -> str:
-    """Megatron's iteration line; "num zeros" (--log-num-zeros-in-grad) and "params norm"
-    (--log-params-norm) only when given, after the grad norm, as Megatron prints them."""
+    """Megatron's iteration line; "grad norm" (None: no step of the interval updated),
+    "num zeros" (--log-num-zeros-in-grad) and "params norm" (--log-params-norm) only when
+    given, as Megatron prints them."""
     parts = [
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
@@ -51,7 +52,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
         f"global batch size: {global_batch_size:5d}",
         *(f"{name}: {value:.6E}" for name, value in losses.items()),
         f"loss scale: {loss_scale:.1f}",
-        f"grad norm: {grad_norm:.3f}",
+        *([f"grad norm: {grad_norm:.3f}"] if grad_norm is not None else []),
         *([f"num zeros: {num_zeros}"] if num_zeros is not None else []),
         *([f"params norm: {params_norm:.3f}"] if params_norm is not None else []),
         f"number of skipped iterations: {skipped_iters:3d}",

@@ -13,7 +13,9 @@ reads anyway: the check adds no device->host synchronisation to a step.
 With --no-check-for-nan-in-loss-and-grad a non-finite step is skipped instead (the
 optimizer's non-finite grad norm rule; counted in the log line's skipped and nan
 iterations). As in Megatron, --fp16 with dynamic loss scaling turns the check off:
-overflowing gradients are the loss scaler's signal there (cli/rules.py).
+overflowing gradients are the loss scaler's signal there (cli/rules.py), and the step is
+skipped while the scale backs off (training/optim/grad_scaler.py). With a constant
+--loss-scale the check stays on and, as in Megatron, stops the run first.
 
 With the check on, the parameters are also checked after the update on the iterations
 that save (check_params_before_save): no checkpoint is ever written holding NaN/Inf weights.
@@ -91,22 +93,36 @@ class NonFiniteCheck:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         return first
 
-    def read(self, norm: torch.Tensor) -> float:
-        """The global gradient norm as a float, read in the same host sync as the agreed
-        verdict; raises NonFiniteError (on every rank) when a rank saw a NaN/Inf."""
-        values = torch.cat([norm.detach().float().reshape(1), self._agreed()]).tolist()
-        loss_rank, grads_rank = int(values[1]), int(values[2])
+    def read(self, norm: torch.Tensor, found_inf: Optional[torch.Tensor] = None
+             ) -> tuple[float, bool]:
+        """(the global gradient norm, the loss scaler's overflow flag `found_inf`: False
+        without one), read in the same host sync as the agreed verdict; raises
+        NonFiniteError (on every rank) when a rank saw a NaN/Inf."""
+        values = torch.cat([_row(norm, found_inf), self._agreed()]).tolist()
+        loss_rank, grads_rank = int(values[2]), int(values[3])
         if loss_rank < self.world_size:
             raise NonFiniteError(self._message("the loss", loss_rank))
         if grads_rank < self.world_size:
             raise NonFiniteError(self._message("the gradients", grads_rank))
-        return values[0]
+        return values[0], values[1] > 0
 
     def _message(self, what: str, rank: int) -> str:
         return (f"iteration {self.iteration}: NaN/Inf in {what} on rank {rank}, before the "
                 f"optimizer step ({OFF_FLAG} skips such steps instead)")
 
 
-def read_grad_norm(norm: torch.Tensor, check: Optional[NonFiniteCheck]) -> float:
-    """The optimizer's one host read of a step: the norm, with the check's verdict."""
-    return float(norm) if check is None else check.read(norm)
+def _row(norm: torch.Tensor, found_inf: Optional[torch.Tensor]) -> torch.Tensor:
+    """[norm, found_inf (0 without a loss scaler)] as one fp32 tensor on the norm's device."""
+    flag = (torch.zeros(1, dtype=torch.float32, device=norm.device) if found_inf is None
+            else found_inf.detach().float().reshape(1).to(norm.device))
+    return torch.cat([norm.detach().float().reshape(1), flag])
+
+
+def read_grad_norm(norm: torch.Tensor, check: Optional[NonFiniteCheck],
+                   found_inf: Optional[torch.Tensor] = None) -> tuple[float, bool]:
+    """The optimizer's one host read of a step: (the norm, whether the loss scaler's
+    `found_inf` says a rank overflowed), with the check's verdict."""
+    if check is not None:
+        return check.read(norm, found_inf)
+    norm_value, flag = _row(norm, found_inf).tolist()
+    return norm_value, flag > 0

@@ -51,7 +51,7 @@ def test_tensorboard_has_every_scalar_family_and_the_heatmap(logged_run):
     acc = _events(str(out / "tb"))
     tags = set(acc.Tags()["scalars"])
     expected = {
-        "lm_loss", "grad_norm", "learning_rate", "loss_scale", "consumed_samples",
+        "lm_loss", "grad_norm", "learning_rate", "loss-scale", "consumed_samples",
         "load_balancing_loss", "z_loss",
         "load_balancing_loss/layer_00", "load_balancing_loss/layer_01",
         "z_loss/layer_00", "z_loss/layer_01",

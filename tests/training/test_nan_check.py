@@ -59,8 +59,7 @@ def test_flag_defaults_on_as_in_megatron():
 @pytest.mark.parametrize("extra, check", [("--fp16", False), ("--fp16 --loss-scale 1024", True),
                                           ("--bf16", True)])
 def test_fp16_dynamic_loss_scaling_turns_the_check_off(extra, check):
-    """Megatron (arguments.py): NaN/Inf gradients are the dynamic loss scaler's signal.
-    (--fp16 itself is still refused as not supported; the derived default is ready.)"""
+    """Megatron (arguments.py): NaN/Inf gradients are the dynamic loss scaler's signal."""
     args = build_parser().parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}"))
     assert isinstance(args, argparse.Namespace)
     _derive_defaults(args, world_size=1)

@@ -132,7 +132,9 @@ def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: boo
             for name, t in st.items():
                 for part in e.parts:
                     put(f"optimizer.{part.key}.{name}", part, t)
-    return state, {"step": step, "names": sorted(names)}
+    scaler = getattr(optimizer, "grad_scaler", None)  # --fp16: Megatron's grad_scaler
+    return state, {"step": step, "names": sorted(names),
+                   **({"grad_scaler": scaler.state_dict()} if scaler is not None else {})}
 
 
 class _AlreadyStaged(AsyncStager):
@@ -425,6 +427,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     if optimizer is not None:
         if use_optim:
             optimizer.load_param_states(per_param, optim.get("step"))
+            optimizer.load_grad_scaler_state(optim.get("grad_scaler"))
         else:
             optimizer.reload_model_params()
     common["rng_restored"] = False

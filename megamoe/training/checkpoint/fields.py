@@ -1,5 +1,5 @@
 """The non-tensor fields a checkpoint file carries (iteration, data position, scheduler,
-optimizer step, RNG states), checked for type and range before anything uses them.
+optimizer step, loss scaler, RNG states), checked for type and range before anything uses them.
 
 A checkpoint may come from elsewhere and be damaged or edited: a field of the wrong type
 would otherwise surface as a traceback deep in the load (int("abc"), a KeyError, numpy
@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from megamoe.config.optim import FP32_MAX
 from megamoe.training.checkpoint.safe_load import CheckpointError
 
 
@@ -101,6 +102,30 @@ def _step(path: str, optim: Any) -> None:
                     "(a 1-element float tensor)")
 
 
+def _grad_scaler(path: str, optim: Any) -> None:
+    """The loss scaler's state (--fp16; optimizer["grad_scaler"]): absent (an older
+    checkpoint, or no scaler), empty (a constant scale), or Megatron's three fields: a
+    positive scale finite in fp32, a non-negative growth tracker, an integer hysteresis tracker
+    (it counts down through zero while overflows continue)."""
+    if not isinstance(optim, dict) or "grad_scaler" not in optim:
+        return
+    field, scaler = "optimizer.grad_scaler", optim["grad_scaler"]
+    if not isinstance(scaler, dict):
+        raise _fail(path, field, f"must be a dict, found {type(scaler).__name__}")
+    if not scaler:
+        return
+    scale = scaler.get("scale")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and math.isfinite(scale) and 0 < scale <= FP32_MAX):
+        raise _fail(path, f"{field}.scale", "must be a positive number finite in fp32")
+    if not _is_count(scaler.get("growth_tracker")):
+        raise _fail(path, f"{field}.growth_tracker", "must be a non-negative integer")
+    tracker = scaler.get("hysteresis_tracker")
+    if not (isinstance(tracker, int) and not isinstance(tracker, bool)
+            and abs(tracker) < 2**62):
+        raise _fail(path, f"{field}.hysteresis_tracker", "must be an integer")
+
+
 def check_fields(path: str, state: Any, dist: bool = False) -> dict:
     """`state` (a single file's, or with `dist` common.pt's: one RNG state per saved rank,
     the optimizer's step) with checked fields; CheckpointError naming `path` and the
@@ -111,6 +136,7 @@ def check_fields(path: str, state: Any, dist: bool = False) -> dict:
     _count(path, state, "consumed_train_samples")
     _scheduler(path, state.get("scheduler"))
     rng = state.get("rng")
+    _grad_scaler(path, state.get("optimizer"))
     if not dist:
         if rng is not None:
             _rng(path, "rng", rng)

@@ -42,7 +42,8 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
     opt = MixedPrecisionOptimizer(
         model, config, reduce_grads_fn, overlap=overlap,
         dp_group=None if mesh is None else _dense_dp(mesh),
-        edp_group=None if mesh is None else mesh.group("edp"))
+        edp_group=None if mesh is None else mesh.group("edp"),
+        use_distributed_optimizer=distributed)
     if mesh is not None and reduce_grads_fn is None:
         params = opt.model_params  # aligned with the grads the hooks receive
         tp, pp = mesh.group("tp"), mesh.group("pp")
@@ -52,6 +53,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
         embd, ep, etp = mesh.group("embd"), mesh.group("ep"), mesh.group("etp")
         opt.model_parallel_groups = (tp, pp, ep, etp)
         opt.single_rank = mesh.world_size == 1
+        opt.agree_found_inf = mesh.world_size > 1
         opt.reduce_grads_fn = lambda grads: reduce_gradients(grads, params, tp, dp,
                                                              embd_group=embd, edp_group=edp)
         if tp is not None or pp is not None or ep is not None:

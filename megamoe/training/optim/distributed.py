@@ -44,6 +44,7 @@ from megamoe.training.optim.common import (
     step_count,
 )
 from megamoe.training.optim.flat_shards import FlatShards, Piece
+from megamoe.training.optim.grad_scaler import build_grad_scaler, unscale_and_check
 from megamoe.training.optim.grads import clip_coefficient, sum_marked
 from megamoe.training.optim.overlap import (
     Bucket,
@@ -93,6 +94,10 @@ class DistributedOptimizer:
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.embd_group, self.ep_group, self.edp_group = embd_group, ep_group, edp_group
         self.etp_group = etp_group
+        # --fp16 / --loss-scale; the overflow flag is agreed over every rank (Megatron's
+        # distributed optimizer reduces its gradient statistics over the whole world)
+        self.grad_scaler = build_grad_scaler(config, distributed=True)
+        self.agree_found_inf = dist.is_initialized() and dist.get_world_size() > 1
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
@@ -144,7 +149,8 @@ class DistributedOptimizer:
         return [piece for buf in self.buffers for piece in buf.pieces]
 
     def get_loss_scale(self) -> float:
-        return 1.0
+        """The loss scale the next backward uses (1 without a scaler)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -213,14 +219,25 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
              ) -> tuple[bool, float, Optional[int]]:
-        """As MixedPrecisionOptimizer.step: reading the norm is the one host sync; a
-        `check` sees the whole local grad buffers before they are reduced (with overlap,
-        each bucket's before its collective started)."""
+        """As MixedPrecisionOptimizer.step: reading the norm is the one host sync (with the
+        loss scaler's overflow flag: this rank unscales its slices, the flag is agreed over
+        every rank); a `check` sees the whole local grad buffers before they are reduced
+        (with overlap, each bucket's before its collective started)."""
         self.wait_param_gather()
         if check is not None and self.grad_sync is None:
             check.see_grads(self.grad_buffers)
-        norm = self.reduce_and_norm(check)
-        grad_norm = read_grad_norm(norm, check)
+        self.reduce(check)
+        found_inf = None
+        if self.grad_scaler is not None:
+            device = self.buffers[0].grad_buffer.device if self.buffers else "cpu"
+            found_inf = unscale_and_check([piece.grad for piece in self._pieces()],
+                                          self.grad_scaler, device, self.agree_found_inf)
+        norm = self._grad_norm()
+        grad_norm, overflow = read_grad_norm(norm, check, found_inf)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(overflow)
+            if overflow:  # skipped on every rank; the model keeps its parameters
+                return False, None, None
         zeros = self.count_zeros() if count_zeros else None
         if not math.isfinite(grad_norm):
             return False, grad_norm, zeros
@@ -229,12 +246,19 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def reduce_and_norm(self, check: Optional[NonFiniteCheck] = None) -> torch.Tensor:
-        """Sum the TP / embedding partial gradients, reduce-scatter every grad buffer (this
-        rank keeps its slice of the mean), and return the global norm (a device tensor).
-        With overlap the reduce-scatters ran from the backward: wait for them, then sum the
-        partial gradients' slices (the same slices on the TP peers, which lay their buffers
-        out alike, and on the two embedding stages, where the embedding is a bucket of its
-        own): sums commute with the data-parallel one."""
+        """`reduce`, then the global norm (a device tensor; of the gradients as they are:
+        still scaled under loss scaling)."""
+        self.reduce(check)
+        return self._grad_norm()
+
+    @torch.no_grad()
+    def reduce(self, check: Optional[NonFiniteCheck] = None) -> None:
+        """Sum the TP / embedding partial gradients and reduce-scatter every grad buffer
+        (this rank keeps its slice of the mean). With overlap the reduce-scatters ran from
+        the backward: wait for them, then sum the partial gradients' slices (the same
+        slices on the TP peers, which lay their buffers out alike, and on the two
+        embedding stages, where the embedding is a bucket of its own): sums commute with
+        the data-parallel one."""
         if self.grad_sync is not None:
             bad = self.grad_sync.finish()
             if check is not None:
@@ -243,14 +267,13 @@ class DistributedOptimizer:
             grads, params = [pc.grad for pc in pieces], [pc.param for pc in pieces]
             sum_marked(grads, params, "sequence_parallel", self.tp_group, 1 << 62)
             sum_marked(grads, params, "shared_embedding", self.embd_group, 1 << 62)
-            return self._grad_norm()
+            return
         grads = self._grad_views()
         sum_marked(grads, self.model_params, "sequence_parallel", self.tp_group, 1 << 62)
         sum_marked(grads, self.model_params, "shared_embedding", self.embd_group, 1 << 62)
         dp_size = group_size(self.dp_group)
         for buf in self.buffers:
             buf.reduce_scatter(dp_size)
-        return self._grad_norm()
 
     @torch.no_grad()
     def clip_and_update(self, norm: torch.Tensor) -> None:
@@ -281,13 +304,22 @@ class DistributedOptimizer:
     def state_dict(self) -> dict:
         """This rank's shard only (checkpoints with DP > 1 are rejected by the flags)."""
         self.wait_param_gather()
-        return {"optimizer": self.optimizer.state_dict(),
-                "main_params": [piece.main.detach().clone() for piece in self._pieces()]}
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "main_params": [piece.main.detach().clone() for piece in self._pieces()]}
+        if self.grad_scaler is not None:  # the same on every rank
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_grad_scaler_state(self, state: Optional[dict]) -> None:
+        """As MixedPrecisionOptimizer.load_grad_scaler_state."""
+        if self.grad_scaler is not None and state is not None:
+            self.grad_scaler.load_state_dict(state)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.wait_param_gather()
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_grad_scaler_state(state.get("grad_scaler"))
         for piece, saved in zip(self._pieces(), state["main_params"]):
             piece.main.copy_(saved)
         for buf in self.buffers:

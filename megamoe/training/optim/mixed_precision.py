@@ -1,15 +1,18 @@
 """The optimizer wrapper: fp32 main parameters, fp32 gradient accumulation, clipping, skip.
 
-With --bf16 the model holds bf16 parameters; Adam must not update those directly (bf16 has
-8 bits of mantissa, so small updates vanish). Like Megatron's Float16OptimizerWithFloat16
-Params, we keep an fp32 "main" copy of every parameter and accumulate gradients in fp32:
-each parameter's bf16 gradient is added to an fp32 `main_grad` as soon as autograd has
-produced it (a post-accumulate-grad hook), so gradient accumulation over micro-batches
-never rounds in bf16. In fp32 the model parameters are the main parameters.
+With --bf16 (or --fp16) the model holds bf16 (fp16) parameters; Adam must not update
+those directly (bf16 has 8 bits of mantissa, so small updates vanish). Like Megatron's
+Float16OptimizerWithFloat16Params, we keep an fp32 "main" copy of every parameter and
+accumulate gradients in fp32: each parameter's bf16 gradient is added to an fp32
+`main_grad` as soon as autograd has produced it (a post-accumulate-grad hook), so
+gradient accumulation over micro-batches never rounds in bf16. In fp32 the model
+parameters are the main parameters.
 
-`step()` reduces gradients (data parallel, supplied by the caller), computes the global
-gradient norm, skips the update when it is not finite, clips, runs the inner torch
-optimizer and copies the result back to the model parameters.
+`step()` reduces gradients (data parallel, supplied by the caller), unscales them when a
+loss scaler is in use (--fp16, --loss-scale: grad_scaler.py) and skips the update when a
+rank overflowed, computes the global gradient norm, skips the update when it is not
+finite, clips, runs the inner torch optimizer and copies the result back to the model
+parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megamoe.training.optim.common import (
     set_step_count,
     step_count,
 )
+from megamoe.training.optim.grad_scaler import build_grad_scaler, unscale_and_check
 from megamoe.training.optim.grads import (
     clip_coefficient,
     local_grad_norm,
@@ -54,11 +58,14 @@ class MixedPrecisionOptimizer:
                  reduce_grads_fn: Optional[ReduceGradsFn] = None,
                  grad_norm_fn: Optional[GradNormFn] = None, *,
                  overlap: Optional[OverlapOptions] = None, dp_group=None,
-                 edp_group=None) -> None:
+                 edp_group=None, use_distributed_optimizer: bool = False) -> None:
         """With `overlap` (--overlap-grad-reduce) the fp32 main gradients are views of
         buckets all-reduced over `dp_group` / `edp_group` from the backward (overlap.py);
-        `reduce_grads_fn` then does only what follows the data-parallel reduction."""
+        `reduce_grads_fn` then does only what follows the data-parallel reduction.
+        `use_distributed_optimizer`: the flag (on one data-parallel rank this optimizer
+        runs), which gives a constant --loss-scale to an fp32 model too, as Megatron."""
         self.config = config
+        self.grad_scaler = build_grad_scaler(config, use_distributed_optimizer)
         self.reduce_grads_fn = reduce_grads_fn
         self.grad_norm_fn = grad_norm_fn or local_grad_norm
         # (tp, pp, ep, etp): how params norm and zero counts count each parameter once
@@ -67,6 +74,9 @@ class MixedPrecisionOptimizer:
         # One rank and nothing to reduce (build_optimizer sets it from the mesh): the NaN
         # check reads the step's norm instead of a norm pass of its own.
         self.single_rank = False
+        # Other ranks exist (build_optimizer sets it from the mesh): the loss scaler's
+        # overflow flag is agreed over all of them.
+        self.agree_found_inf = False
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
@@ -102,7 +112,8 @@ class MixedPrecisionOptimizer:
         return self.optimizer.param_groups
 
     def get_loss_scale(self) -> float:
-        return 1.0  # bf16 and fp32 need no loss scaling
+        """The loss scale the next backward uses (1 without a scaler: bf16 and fp32)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -137,10 +148,12 @@ class MixedPrecisionOptimizer:
              ) -> tuple[bool, float, Optional[int]]:
         """Returns (updated, grad norm before clipping, number of zero gradient elements
         when `count_zeros` (--log-num-zeros-in-grad), else None). Reading the norm is the
-        step's one device->host synchronisation (the skip decision and the log need it);
-        clipping uses it on the device. With a `check` (--check-for-nan-in-loss-and-grad)
-        the local gradients are checked before the reduction, and a NaN/Inf on any rank
-        raises NonFiniteError before the update."""
+        step's one device->host synchronisation (the skip decision and the log need it;
+        the loss scaler's overflow flag is read with it); clipping uses it on the device.
+        With a `check` (--check-for-nan-in-loss-and-grad) the local gradients are checked
+        before the reduction, and a NaN/Inf on any rank raises NonFiniteError before the
+        update. An overflow under loss scaling skips the step on every rank (the scaler
+        backs off); its norm and zero count are not computed (None), as Megatron."""
         grads = self.main_grads()
         if self.grad_sync is not None:  # waits for the buckets the backward launched
             bad = self.grad_sync.finish()
@@ -150,12 +163,20 @@ class MixedPrecisionOptimizer:
             check.see_grads(grads)
         if self.reduce_grads_fn is not None:
             self.reduce_grads_fn(grads)
+        found_inf = None
+        if self.grad_scaler is not None:  # after the reduction of the scaled gradients
+            found_inf = unscale_and_check(grads, self.grad_scaler, _device(grads),
+                                          self.agree_found_inf)
         norm = self.grad_norm_fn(grads)
         if check is not None and self.single_rank and self.grad_sync is None:
             # One rank: no reduction changes the gradients, so the norm of the step is the
             # local norm the check needs (Megatron checks a norm too): one pass, not two.
             check.see_local_verdict(~torch.isfinite(norm))
-        grad_norm = read_grad_norm(norm, check)
+        grad_norm, overflow = read_grad_norm(norm, check, found_inf)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(overflow)
+            if overflow:
+                return False, None, None
         zeros = self.count_zeros(grads) if count_zeros else None
         if not math.isfinite(grad_norm):
             return False, grad_norm, zeros
@@ -192,11 +213,20 @@ class MixedPrecisionOptimizer:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.separate_main:
             state["main_params"] = [m.detach().clone() for m in self.main_params]
+        if self.grad_scaler is not None:  # Megatron's key; plain numbers: a snapshot
+            state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
+
+    def load_grad_scaler_state(self, state: Optional[dict]) -> None:
+        """A checkpoint's loss-scaler state (None: an older checkpoint, or a run without
+        a scaler: this run's scaler keeps its initial state, as Megatron's)."""
+        if self.grad_scaler is not None and state is not None:
+            self.grad_scaler.load_state_dict(state)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_grad_scaler_state(state.get("grad_scaler"))
         if self.separate_main and "main_params" in state:
             for p, main, saved in zip(self.model_params, self.main_params,
                                       state["main_params"]):
@@ -248,3 +278,7 @@ class MixedPrecisionOptimizer:
         if self.separate_main:
             for p, main in zip(self.model_params, self.main_params):
                 main.copy_(p.float())
+
+
+def _device(grads: list[torch.Tensor]) -> torch.device:
+    return grads[0].device if grads else torch.device("cpu")

@@ -5,7 +5,9 @@ its share of the step's loss (by default its mean over unmasked tokens / num_mic
 with --calculate-per-token-loss its sum x dp x cp / the step's token count), and the MoE
 auxiliary losses, which the MoE layers attach to the graph, are scaled by
 1 / num_microbatches through `set_aux_loss_backward_scale`. Data-parallel averaging of
-gradients then yields the global batch's loss gradient in any layout.
+gradients then yields the global batch's loss gradient in any layout. Under loss scaling
+(--fp16) each share is multiplied by the loss scale before its backward, and the aux-loss
+gradients with it (Megatron's grad_scale_func); the optimizer unscales.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ def forward_step(model: torch.nn.Module, batch: Batch, num_microbatches: int = 1
 def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[Batch],
                                    num_microbatches: int, *, forward_only: bool = False,
                                    grad_sync: Optional[GradSync] = None,
-                                   per_token: Optional[PerTokenLoss] = None) -> torch.Tensor:
+                                   per_token: Optional[PerTokenLoss] = None,
+                                   loss_scale: float = 1.0) -> torch.Tensor:
     """Run `num_microbatches` micro-batches; returns this rank's part of the step's LM
-    loss (detached, fp32). `grad_sync` learns which backward is the step's last (its
-    buckets launch then); `per_token`: --calculate-per-token-loss (the step's micro-batches
-    are read before the first forward, to count their tokens)."""
+    loss (detached, fp32, unscaled). `grad_sync` learns which backward is the step's last
+    (its buckets launch then); `per_token`: --calculate-per-token-loss (the step's
+    micro-batches are read before the first forward, to count their tokens);
+    `loss_scale`: the optimizer's (--fp16), multiplying every backward."""
     total = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
-    set_aux_loss_backward_scale(1.0 / num_microbatches)
+    set_aux_loss_backward_scale(1.0 / num_microbatches, loss_scale)
     if not forward_only:
         start_global_batch(model)  # global_aux_loss counts restart with each global batch
     batches: Iterator[Batch] = data_iter
@@ -69,7 +73,7 @@ def forward_backward_no_pipelining(model: torch.nn.Module, data_iter: Iterator[B
         if not forward_only:
             if grad_sync is not None:
                 grad_sync.last_microbatch = i == num_microbatches - 1
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         total += loss.detach()
     if grad_sync is not None:
         grad_sync.last_microbatch = False

@@ -160,8 +160,9 @@ class _Stages:
 
     def __init__(self, model: PipelineModel, batches: list[Batch], forward_only: bool,
                  grad_sync: Optional[GradSync] = None,
-                 per_token: Optional[PerTokenLoss] = None):
+                 per_token: Optional[PerTokenLoss] = None, loss_scale: float = 1.0):
         self.model, self.batches, self.forward_only = model, batches, forward_only
+        self.loss_scale = loss_scale  # (--fp16) the last stage's backward starts with it
         self.cp = context_parallel_of(model)
         self.grad_sync, self.per_token = grad_sync, per_token
         self.num_virtual = model.pp_size * len(model.chunks)
@@ -221,7 +222,7 @@ class _Stages:
         if self.grad_sync is not None:  # a chunk's backwards run in micro-batch order
             self.grad_sync.last_microbatch = mb == len(self.batches) - 1
         if v == self.num_virtual - 1:  # out is the loss share
-            out.backward()
+            (out * self.loss_scale if self.loss_scale != 1.0 else out).backward()
         else:
             torch.autograd.backward(out, grad)
         return {"prev": (inp.grad, self._tag(v, mb, grad=True))} if v > 0 else {}
@@ -270,21 +271,23 @@ def _sync_mtp_logging(model: PipelineModel, device: torch.device) -> None:
 def forward_backward_pipelining(model: PipelineModel, data_iter: Iterator[Batch],
                                 num_microbatches: int, *, forward_only: bool = False,
                                 grad_sync: Optional[GradSync] = None,
-                                per_token: Optional[PerTokenLoss] = None) -> torch.Tensor:
+                                per_token: Optional[PerTokenLoss] = None,
+                                loss_scale: float = 1.0) -> torch.Tensor:
     """Run one global batch through the pipeline; returns this rank's part of the step's
-    LM loss (fp32, on every rank of the pipeline group). Gradients accumulate in the
-    chunks' parameters; `grad_sync` learns which backward is each chunk's last of the
-    step; `per_token`: --calculate-per-token-loss."""
+    LM loss (fp32, on every rank of the pipeline group, unscaled). Gradients accumulate in
+    the chunks' parameters; `grad_sync` learns which backward is each chunk's last of the
+    step; `per_token`: --calculate-per-token-loss; `loss_scale` (--fp16) multiplies the
+    backward, the gradients sent between stages included."""
     m = num_microbatches
     cp = context_parallel_of(model)  # this cp rank's chunks of each batch
     read = [next(data_iter) for _ in range(m)]  # the same on every stage
     if per_token is not None:  # every stage counts (evaluation reads the count)
         per_token.start_step(read, cp)
     batches = [split_batch(b, cp) for b in read]
-    set_aux_loss_backward_scale(1.0 / m)
+    set_aux_loss_backward_scale(1.0 / m, loss_scale)
     if not forward_only:
         start_global_batch(model)
-    stages = _Stages(model, batches, forward_only, grad_sync, per_token)
+    stages = _Stages(model, batches, forward_only, grad_sync, per_token, loss_scale)
     p2p = _P2P(model, _activation_template(model, batches[0]))
     steps = pipeline_steps(m, model.pp_size, model.pp_rank, len(model.chunks), forward_only)
     received = p2p.exchange({}, stages.inbound(steps[0]))
