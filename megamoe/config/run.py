@@ -55,6 +55,11 @@ class RunConfig:
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
         self._validate_attention_backend()
+        # Megatron's get_megatron_optimizer: TE's FusedAdam runs on the distributed
+        # optimizer's shards only
+        require(not self.optim.use_precision_aware_optimizer
+                or self.parallel.use_distributed_optimizer,
+                "--use-precision-aware-optimizer only supported with --use-distributed-optimizer")
 
     def _validate_attention_backend(self) -> None:
         """Where the chosen SDPA kernels cannot run: flash takes no mask (the document
