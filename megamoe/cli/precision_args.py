@@ -30,7 +30,14 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
 
 def check_precision_args(args: argparse.Namespace) -> None:
     """Megatron's validate_args: with --bf16, --accumulate-allreduce-grads-in-fp32 asks for
-    fp32 main gradients."""
+    fp32 main gradients. --main-params-dtype fp16 (TE's per-tensor-scaled fp16 main
+    parameters) is not built: refused, so no config field holds it."""
+    if args.main_params_dtype != "fp32":
+        if not args.use_precision_aware_optimizer:
+            raise ConfigError(f"--main-params-dtype {args.main_params_dtype} needs "
+                              "--use-precision-aware-optimizer (without it Megatron keeps "
+                              "every optimizer tensor in fp32)")
+        raise ConfigError(f"not supported yet: --main-params-dtype {args.main_params_dtype}")
     if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32":
         raise ConfigError("--main-grads-dtype can only be fp32 when "
                           "--accumulate-allreduce-grads-in-fp32 is set")

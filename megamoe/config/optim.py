@@ -42,7 +42,6 @@ class OptimizerConfig:
     # reduced in --main-grads-dtype; the update runs in fp32 (training/optim/state_precision.py).
     use_precision_aware_optimizer: bool = flag("--use-precision-aware-optimizer", False)
     main_grads_dtype: str = flag("--main-grads-dtype", "fp32")
-    main_params_dtype: str = flag("--main-params-dtype", "fp32")
     exp_avg_dtype: str = flag("--exp-avg-dtype", "fp32")
     exp_avg_sq_dtype: str = flag("--exp-avg-sq-dtype", "fp32")
     # LR schedule: the *-iters flags with --train-iters, the *-samples flags with
@@ -93,11 +92,10 @@ class OptimizerConfig:
 
     def _validate_precision_aware(self) -> None:
         """Megatron's OptimizerConfig rules: the dtypes other than fp32 need the flag, which
-        needs Adam. Refused here: fp8 moments (TE's Float8Tensor scaling is not matched),
-        fp16 main parameters (not built), and the two main-copy dtypes without --bf16,
-        where Megatron keeps no separate main copy and would ignore them."""
+        needs Adam. Refused here: fp8 moments (TE's Float8Tensor scaling is not matched)
+        and --main-grads-dtype bf16 without --bf16, where Megatron has no separate main
+        gradient and would ignore it. (--main-params-dtype: cli/precision_args.py.)"""
         dtypes = (("--main-grads-dtype", self.main_grads_dtype, MAIN_GRADS_DTYPES),
-                  ("--main-params-dtype", self.main_params_dtype, MAIN_PARAMS_DTYPES),
                   ("--exp-avg-dtype", self.exp_avg_dtype, STATE_DTYPES),
                   ("--exp-avg-sq-dtype", self.exp_avg_sq_dtype, STATE_DTYPES))
         for name, value, allowed in dtypes:
@@ -110,10 +108,9 @@ class OptimizerConfig:
             return
         require(self.optimizer == "adam",
                 "--use-precision-aware-optimizer only supported with --optimizer adam")
-        for name, value, _ in dtypes[2:]:
+        for name, value, _ in dtypes[1:]:
             require(value != "fp8", f"not supported yet: {name} fp8 (Transformer Engine's "
                     "per-tensor FP8 scaling)")
-        require(self.main_params_dtype == "fp32", "not supported yet: --main-params-dtype fp16")
         require(self.main_grads_dtype == "fp32" or self.bf16, "--main-grads-dtype bf16 "
                 "needs --bf16 (an fp32 model's gradients are its main gradients)")
 

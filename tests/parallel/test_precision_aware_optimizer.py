@@ -25,6 +25,7 @@ from megamoe.config import OptimizerConfig
 from megamoe.training.optim.common import build_inner_optimizer
 from megamoe.training.optim.distributed import DistributedOptimizer
 from tests.distributed import run_distributed
+from tests.flags import parse_error
 from tests.training.test_pretrain import TINY_MOE
 
 AWARE = dict(lr=1e-2, weight_decay=0.1, adam_beta2=0.95, use_precision_aware_optimizer=True)
@@ -198,3 +199,28 @@ def test_dp2_sharded_bf16_states_and_grads_match_single_process():
     worst = max(abs(a - b) / b for a, b in zip(per_rank[0], single))
     print(f"DP2 vs single process, largest relative loss difference: {worst:.2e}")
     assert worst < 2e-4, (per_rank[0], single)
+
+
+@pytest.mark.parametrize("flags, world, says", [
+    ("--exp-avg-dtype bf16", 1, "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+    ("--main-params-dtype fp16", 1, "--main-params-dtype fp16 needs "
+                                    "--use-precision-aware-optimizer"),
+    (f"{BF16_MOMENTS}", 1, "--use-precision-aware-optimizer only supported with "
+                           "--use-distributed-optimizer"),
+    (f"{BF16_MOMENTS} --use-distributed-optimizer --optimizer sgd", 1,
+     "--use-precision-aware-optimizer only supported with --optimizer adam"),
+    (f"{BF16_MOMENTS} --use-distributed-optimizer --exp-avg-sq-dtype fp8", 1,
+     "not supported yet: --exp-avg-sq-dtype fp8"),
+    (f"{BF16_MOMENTS} --use-distributed-optimizer --main-params-dtype fp16", 1,
+     "not supported yet: --main-params-dtype fp16"),
+    (f"{BF16_MOMENTS} --use-distributed-optimizer --main-grads-dtype bf16", 1,
+     "--main-grads-dtype bf16 needs --bf16"),
+    (f"{BF16_MOMENTS} --use-distributed-optimizer --main-grads-dtype bf16 --bf16 "
+     "--accumulate-allreduce-grads-in-fp32", 1,
+     "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32"),
+])
+def test_unbuilt_and_invalid_combinations_are_one_line(capsys, flags, world, says):
+    """Megatron's rules (OptimizerConfig.__post_init__, get_megatron_optimizer,
+    validate_args) and what is not built yet: one line naming the flag, exit 2."""
+    err = parse_error(capsys, f"{TINY_MOE} --train-iters 1 {flags}", world)
+    assert says in err, err
