@@ -270,6 +270,9 @@ class DistributedOptimizer:
             piece.main.grad = piece.grad if piece.grad.dtype == torch.float32 \
                 else piece.grad.float()
         self.optimizer.step()
+        for piece in pieces:
+            if piece.grad.dtype != torch.float32:
+                piece.main.grad = None  # (the copy: freed)
         if self.param_gather is not None:  # waited for by the next forward's pre-hooks
             self.param_gather.launch()
             return

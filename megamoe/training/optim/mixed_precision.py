@@ -191,10 +191,14 @@ class MixedPrecisionOptimizer:
         parameters, copy them into the model's."""
         if self.config.clip_grad > 0:
             torch._foreach_mul_(grads, clip_coefficient(norm, self.config.clip_grad))
-        if self.grad_views is not None:  # (bf16 main grads: an fp32 copy for the update)
+        upcast = []  # (bf16 main grads: an fp32 copy for the update, freed after it)
+        if self.grad_views is not None:
             for main, grad in zip(self.main_params, grads):
                 main.grad = grad if grad.dtype == main.dtype else grad.float()
+                upcast += [main] if grad.dtype != main.dtype else []
         self.optimizer.step()
+        for main in upcast:
+            main.grad = None
         if self.separate_main:
             torch._foreach_copy_(self.model_params, self.main_params)
 
