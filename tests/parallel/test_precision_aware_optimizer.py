@@ -172,6 +172,15 @@ def test_checkpoint_keeps_state_dtypes_and_loads_into_other_dtypes(tmp_path):
     as_fp32 = _train(f"--load {ckpt}", 4)  # fp32 moments from bf16 ones: exact upcast
     assert max(abs(a - b) / b for a, b in zip(as_fp32, straight[2:])) < 2e-4
 
+    # --ckpt-format torch keeps the optimizer's state_dict: fp16 states as fp32 values,
+    # scaled again on load (the scale may move by an ulp: 1e-6 relative)
+    single, mixed = tmp_path / "single_file", f"{BF16_MOMENTS} --exp-avg-sq-dtype fp16"
+    straight_mixed = _train(mixed, 4)
+    _train(f"{mixed} --ckpt-format torch --exit-interval 2 --save {single} --save-interval 2",
+           4)
+    resumed = _train(f"{mixed} --ckpt-format torch --load {single}", 4)
+    assert max(abs(a - b) / b for a, b in zip(resumed, straight_mixed[2:])) < 1e-6
+
     fp16 = tmp_path / "fp16"
     _train(f"--use-precision-aware-optimizer --exp-avg-dtype fp16 --exit-interval 2 "
            f"--save {fp16} --save-interval 2", 4)
@@ -224,3 +233,34 @@ def test_unbuilt_and_invalid_combinations_are_one_line(capsys, flags, world, say
     validate_args) and what is not built yet: one line naming the flag, exit 2."""
     err = parse_error(capsys, f"{TINY_MOE} --train-iters 1 {flags}", world)
     assert says in err, err
+
+
+def test_precision_aware_step_adds_no_host_sync():
+    """A training step of the distributed optimizer (one rank) with fp16-scaled and bf16
+    moments and bf16 grad buffers makes exactly the host syncs of the plain one: scales,
+    upcasts and rounding stay on the device."""
+    from megamoe.cli.mapping import run_config_from_args
+    from megamoe.parallel.mesh import single_process_mesh
+    from megamoe.training.build import build_model
+    from megamoe.training.loop import train_step
+    from megamoe.training.schedules.lr import LRScheduler
+    from tests.moe.test_host_syncs import HostSyncCounter
+    from tests.training.test_nan_check import _batches
+
+    counts = {}
+    for flags in ("", "--use-precision-aware-optimizer --exp-avg-dtype fp16 "
+                      "--exp-avg-sq-dtype bf16 --main-grads-dtype bf16"):
+        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 --bf16 "
+                                      f"--use-distributed-optimizer {flags}"), world_size=1)
+        run = run_config_from_args(args, 97)
+        mesh = single_process_mesh(torch.device("cpu"))
+        model = build_model(run, mesh)
+        opt = DistributedOptimizer(model, run.optim, tp_group=None, dp_group=None)
+        scheduler = LRScheduler(opt, run.optim, run.train.train_iters)
+        data = _batches(0)
+        train_step(run, mesh, model, opt, scheduler, data, 1)
+        with HostSyncCounter() as counter:
+            train_step(run, mesh, model, opt, scheduler, data, 2)
+        counts[flags] = counter.by_op
+    plain, aware = counts.values()
+    assert aware == plain
