@@ -28,8 +28,9 @@ def saved_padded_vocab_size(saved: dict) -> Optional[int]:
     if not isinstance(saved.get("vocab_size"), int):
         return None
     for name in ("fixed_padded_vocab_size", "padded_vocab_size_from_checkpoint"):
-        if isinstance(saved.get(name), int):  # --padded-vocab-size, or a kept size
-            return saved[name]
+        v = saved.get(name)  # --padded-vocab-size, or a kept size (a file's: checked)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
     tp = saved.get("vocab_padding_tp", 1)  # absent: written when padding ignored TP
     m = saved.get("make_vocab_size_divisible_by", 1) * (tp if isinstance(tp, int) else 1)
     return -(-saved["vocab_size"] // m) * m
