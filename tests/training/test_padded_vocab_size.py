@@ -1,6 +1,6 @@
 """--padded-vocab-size with checkpoints: the command line's value is the run's, never
 replaced by the --load checkpoint's row count (Megatron's `_set_arg('padded_vocab_size')`
-fills it only when unset, under --use-checkpoint-args); a checkpoint with other rows then
+fills it only when unset, under --use-checkpoint-args, as here); a checkpoint with other rows then
 fails to load in one line that names the flag."""
 
 from __future__ import annotations
@@ -28,3 +28,8 @@ def test_padded_vocab_size_is_not_replaced_by_the_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="--padded-vocab-size") as err:
         _losses(f"--padded-vocab-size 192 --load {ckpt}")
     assert "padded_vocab_size=160 but this run has 192" in str(err.value)
+    # --use-checkpoint-args fills it when the command line left it unset, not otherwise
+    for given, rows in (("", 160), ("--padded-vocab-size 192", 192)):
+        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 --load {ckpt} "
+                                      f"--use-checkpoint-args {given}"), world_size=1)
+        assert args.padded_vocab_size == rows
