@@ -264,3 +264,32 @@ def test_precision_aware_step_adds_no_host_sync():
         counts[flags] = counter.by_op
     plain, aware = counts.values()
     assert aware == plain
+
+
+@pytest.mark.parametrize("which", ["plain", "distributed"])
+@pytest.mark.parametrize("kind", ["torch-fused", "apex"])
+def test_bf16_moments_survive_two_resumes_bitwise(monkeypatch, kind, which):
+    """tests/parallel/test_adam_step_resume.py's check with bf16 moments: saved at 3 and 5
+    (in bf16), resumed, and at 7 bitwise the run that never stopped, under torch's fused
+    AdamW (a step per parameter) and apex's FusedAdam (a step per group: the stand-in)."""
+    from megamoe.training.optim.state_precision import StoredStates
+    from tests.parallel import test_adam_step_resume as resume
+
+    monkeypatch.setattr(resume, "CONFIG", OptimizerConfig(**AWARE, exp_avg_dtype="bf16",
+                                                          exp_avg_sq_dtype="bf16"))
+    resume._use(kind, monkeypatch)
+    model = resume._model()
+    opt = resume._build(which, model)
+    assert isinstance(opt.optimizer, StoredStates)
+    straight = {}
+    for stop in (3, 5, 7):
+        resume._train(model, opt, range(stop - 2 if stop > 3 else 0, stop))
+        straight[stop] = resume._snapshot(model, opt)
+    assert straight[7]["states"][0]["exp_avg"].dtype == torch.bfloat16
+    model, opt = resume._resume(which, resume._init_then_train(which, 3))
+    resume._train(model, opt, range(3, 5))
+    at5 = resume._snapshot(model, opt)
+    resume._assert_same(at5, straight[5], "saved at 5")
+    model, opt = resume._resume(which, at5)
+    resume._train(model, opt, range(5, 7))
+    resume._assert_same(resume._snapshot(model, opt), straight[7], "after the second resume")
