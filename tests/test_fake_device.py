@@ -96,26 +96,38 @@ def test_dense_model_built_trained_and_stepped_on_the_device(dtype):
                        and v.dim() > 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_distributed_optimizer_buffers_and_step_on_the_device(dtype):
+# --use-precision-aware-optimizer: fp16 (scaled) and bf16 moments, bf16 grad buffers
+AWARE = dict(use_precision_aware_optimizer=True, exp_avg_dtype="fp16",
+             exp_avg_sq_dtype="bf16", main_grads_dtype="bf16", bf16=True)
+
+
+@pytest.mark.parametrize("dtype, aware", [(torch.float32, {}), (torch.bfloat16, {}),
+                                          (torch.bfloat16, AWARE)],
+                         ids=["fp32", "bf16", "bf16-precision-aware"])
+def test_distributed_optimizer_buffers_and_step_on_the_device(dtype, aware):
     """--use-distributed-optimizer (one rank): flat parameter and grad buffers, main
-    slices, the norm, clipping, AdamW's states and the all-gather all on the device."""
+    slices, the norm, clipping, AdamW's states (stored below fp32 and their scales, two
+    steps) and the all-gather all on the device."""
     model, mesh = _parallelized(DENSE, dtype)
     with _fake_mode():
         model = materialize(model, mesh, seed=1)
-        opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-3, clip_grad=1.0),
+        opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-3, clip_grad=1.0, **aware),
                                    tp_group=None, dp_group=None)
         for buf in opt.buffers:
             assert buf.param_buffer.device == ACCEL and buf.grad_buffer.device == ACCEL
         tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
-        model(tokens, labels=tokens).float().mean().backward()
-        norm = opt.reduce_and_norm()
-        assert norm.device == ACCEL and norm.dim() == 0
-        opt.clip_and_update(norm)
+        for _ in range(2 if aware else 1):  # (the second step reads the stored states)
+            opt.zero_grad()
+            model(tokens, labels=tokens).float().mean().backward()
+            norm = opt.reduce_and_norm()
+            assert norm.device == ACCEL and norm.dim() == 0
+            opt.clip_and_update(norm)
         assert all(p.device == ACCEL for p in model.parameters())
         for state in opt.optimizer.state.values():
             assert all(v.device == ACCEL for v in state.values() if torch.is_tensor(v)
                        and v.dim() > 0)
+        for scales in getattr(opt.optimizer, "scales", {}).values():
+            assert all(s.device == ACCEL for s in scales.values())
 
 
 def test_fp16_loss_scaling_stays_on_the_device():

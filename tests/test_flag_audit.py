@@ -41,6 +41,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
            C.RecomputeConfig: "recompute"}
 
 MLA = "--multi-latent-attention"  # (TINY_MOE's --group-query-attention is dropped with it)
+AWARE = "--use-precision-aware-optimizer --use-distributed-optimizer"
 CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
@@ -79,6 +80,10 @@ EQUIVALENT = {
 
 # Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py).
 REFUSED_VALUES = {
+    "--main-params-dtype": "fp16 (Transformer Engine's scaled fp16 main parameters) is not "
+                           "built; fp32 main parameters are what runs "
+                           "(tests/parallel/test_precision_aware_optimizer.py::"
+                           "test_unbuilt_and_invalid_combinations_are_one_line)",
     "--transformer-impl": "transformer_engine: --dry-run and the planner accept it, a run "
                           "that builds the model refuses it; local is what runs",
 }
@@ -189,6 +194,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--seq-length": ("--seq-length 8", 1, 8),
     "--max-position-embeddings": ("--max-position-embeddings 64", 1, 64),
     "--make-vocab-size-divisible-by": ("--make-vocab-size-divisible-by 64", 1, 64),
+    "--padded-vocab-size": ("--padded-vocab-size 256", 1, 256),
     "--normalization": ("--normalization RMSNorm", 1, "RMSNorm"),
     "--norm-epsilon": ("--norm-epsilon 1e-3", 1, 1e-3),
     "--position-embedding-type": ("--position-embedding-type none", 1, "none"),
@@ -406,6 +412,10 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
                                "--recompute-num-layers 2", 1, 2),
     "--recompute-modules": ("--recompute-granularity selective --recompute-modules moe "
                             "layernorm", 1, ["moe", "layernorm"]),
+    "--use-precision-aware-optimizer": (AWARE, 1, True),
+    "--main-grads-dtype": (f"{AWARE} --bf16 --main-grads-dtype bf16", 1, "bf16"),
+    "--exp-avg-dtype": (f"{AWARE} --exp-avg-dtype fp16", 1, "fp16"),
+    "--exp-avg-sq-dtype": (f"{AWARE} --exp-avg-sq-dtype bf16", 1, "bf16"),
 }
 
 

@@ -1,7 +1,9 @@
-"""Five flags that megamoe once read differently from current Megatron-LM, each checked
-against Megatron's own formula (NVIDIA/Megatron-LM d98e8a64, August 2026):
+"""Flags that megamoe once read differently from current Megatron-LM (or refused), each
+checked against Megatron's own formula (NVIDIA/Megatron-LM d98e8a64, August 2026):
 
 - --make-vocab-size-divisible-by m: padded to a multiple of m x TP (vocab_size_with_padding);
+- --padded-vocab-size N: N rows as given (TokenizerConfig.padded_vocab_size skips the
+  padding), which TP must divide (VocabParallelEmbedding) and which must hold the vocabulary;
 - NullTokenizer --vocab-size V: V ids, EOD = V - 1 (--null-tokenizer-eod-id overrides);
 - --eval-interval: default None (no evaluation during training);
 - --data-path p1 p2 without weights: blended by the datasets' sizes, each used once;
@@ -42,6 +44,26 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp(tp, vocab, m):
                world=tp, vocab=vocab)
     assert run.model.padded_vocab_size == megatron_vocab_size_with_padding(vocab, m, tp)
     assert run.model.padded_vocab_size % tp == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_padded_vocab_size_is_taken_as_given(tp):
+    """1040 is no multiple of 128 x TP (the computed size is 1024): the flag's value wins."""
+    sp = "--sequence-parallel" if tp > 1 else ""
+    run = _run(f"--tensor-model-parallel-size {tp} {sp} --padded-vocab-size 1040",
+               world=tp, vocab=1000)
+    assert run.model.padded_vocab_size == 1040
+    assert megatron_vocab_size_with_padding(1000, 128, tp) == 1024
+
+
+def test_padded_vocab_size_below_the_vocabulary_is_one_line():
+    """(Megatron would index past the table; a TP that does not divide the size:
+    tests/test_numeric_ranges.py.)"""
+    from megamoe.config import ConfigError
+    with pytest.raises(ConfigError) as err:
+        _run("--padded-vocab-size 999", vocab=1000)
+    assert str(err.value) == ("--padded-vocab-size 999 is smaller than the tokenizer's "
+                              "vocabulary (1000)")
 
 
 def test_qwen3_vocab_at_tp4_matches_megatron_checkpoints():

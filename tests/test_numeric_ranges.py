@@ -118,6 +118,9 @@ BAD = [
     ("--clip-grad", "-1", "", 1, "must be >= 0"),
     # parallelism
     ("--tensor-model-parallel-size", "0", "", 1, "must be positive"),
+    ("--padded-vocab-size", "0", "", 1, "must be positive"),
+    ("--padded-vocab-size", "1042", "--tensor-model-parallel-size 4 --sequence-parallel", 4,
+     "must be divisible by --tensor-model-parallel-size"),
     ("--pipeline-model-parallel-size", "-1", "", 1, "must be positive"),
     ("--context-parallel-size", "0", "", 1, "must be positive"),
     ("--num-layers-per-virtual-pipeline-stage", "0", PP2, 2, "must be positive"),
@@ -156,7 +159,7 @@ BAD = [
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
-    "--padded-vocab-size", "--check-weight-hash-across-dp-replicas-interval",
+    "--check-weight-hash-across-dp-replicas-interval",
     "--rotary-seq-len-interpolation-factor", "--null-tokenizer-pad-id",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)

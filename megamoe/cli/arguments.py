@@ -19,6 +19,7 @@ from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.loss_scale_args import add_loss_scale_args
+from megamoe.cli.precision_args import add_precision_args
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
@@ -393,6 +394,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_checkpoint_and_logging_args(parser)
     add_runtime_args(parser)
+    add_precision_args(parser)
     add_equivalent_args(parser)
     add_refused_args(parser)
     parser.add_argument("--config", metavar="FILE",

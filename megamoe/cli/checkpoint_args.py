@@ -1,11 +1,12 @@
 """--use-checkpoint-args: the model's shape from the --load checkpoint's saved arguments,
 with Megatron-LM's semantics (megatron/training/checkpointing.py load_args_from_checkpoint):
 the sizes it sets without `force` (layers, hidden, FFN, sequence, heads, kv channels,
-positions) fill only what the command line left unset; the rest (attention grouping,
-positions, biases, activation, norms, tying, and the MoE/MLA/MTP shape) are taken from the
-checkpoint over the command line. Read before the rules run, so the checked arguments are
-the ones the run will use. A checkpoint from Megatron-LM itself is converted first
-(tools/checkpoint/convert.py megatron-to-megamoe), which writes these same names.
+positions, the padded vocabulary) fill only what the command line left unset; the rest
+(attention grouping, positions, biases, activation, norms, tying, and the MoE/MLA/MTP
+shape) are taken from the checkpoint over the command line. Read before the rules run, so
+the checked arguments are the ones the run will use. A checkpoint from Megatron-LM itself
+is converted first (tools/checkpoint/convert.py megatron-to-megamoe), which writes these
+same names.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megamoe.training.checkpoint.safe_load import CheckpointError, load_torch_fi
 
 # Set only where the command line left them None (Megatron: _set_arg without force).
 FILL = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
-        "kv_channels", "max_position_embeddings")
+        "kv_channels", "max_position_embeddings", "padded_vocab_size")
 # Taken from the checkpoint over the command line (Megatron: force=True).
 FORCE = ("num_query_groups", "group_query_attention", "position_embedding_type",
          "rotary_percent", "rotary_base", "add_bias_linear", "add_qkv_bias", "swiglu",

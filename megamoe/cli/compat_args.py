@@ -7,7 +7,7 @@
 * deprecated spellings Megatron still accepts: mapped to the current flag, as Megatron's
   validate_args does.
 * features megamoe does not have (Megatron-FSDP, TE's
-  userbuffer TP overlap, a fixed padded vocabulary, tokenizers that run their own Python
+  userbuffer TP overlap, tokenizers that run their own Python
   code (megamoe reads tokenizer.json only)): parsed so that a script reaches the
   one "not supported yet: --flag" line (config/unsupported.py) instead of argparse's
   "unrecognized arguments".
@@ -72,6 +72,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", type=int, nargs="*", default=[0],
                    help="ranks that profile (none given: all)")
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="the embedding's rows, fixed (at least the tokenizer's vocabulary, "
+                        "divisible by TP) instead of the vocabulary padded to a multiple of "
+                        "--make-vocab-size-divisible-by x TP")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="deprecated spelling of --position-embedding-type rope")
 
@@ -105,7 +109,6 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-FSDP's sharding: not supported yet")
     for flag in ("--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"):
         g.add_argument(flag, default=None, choices=["fp32", "bf16"], help="not supported yet")
-    g.add_argument("--padded-vocab-size", type=int, default=None, help="not supported yet")
     # Megatron's run-health checks (its rerun state machine, weight-hash comparison across
     # data-parallel replicas): refused by name rather than unknown to the parser.
     g.add_argument("--check-for-spiky-loss", action="store_true", help="not supported yet")

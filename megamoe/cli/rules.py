@@ -18,6 +18,7 @@ import torch
 
 from megamoe.cli.compat_args import derive_compat
 from megamoe.cli.mapping import run_config_from_args
+from megamoe.cli.precision_args import check_precision_args
 from megamoe.config import ConfigError
 from megamoe.config.batch_schedule import parse_step_schedule
 from megamoe.config.fields import flag_dest
@@ -321,6 +322,7 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
     _derive_defaults(args, env_world_size() if world_size is None else world_size)
     _check_required(args)
+    check_precision_args(args)
     _check_fsdp(args)  # (before the configs, which know no fsdp_dtensor format)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)

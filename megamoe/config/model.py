@@ -59,6 +59,9 @@ class ModelConfig:
     # (vocab_size_with_padding). Checkpoints written before this field existed padded to
     # the divisor alone: their dicts lack it, so from_dict's default 1 rebuilds them as saved.
     vocab_padding_tp: int = derived("--tensor-model-parallel-size (Megatron's padding rule)", 1)
+    # --padded-vocab-size (Megatron's TokenizerConfig.padded_vocab_size): the embedding rows,
+    # fixed instead of computed; at least the vocabulary and divisible by TP (run.py).
+    fixed_padded_vocab_size: Optional[int] = flag("--padded-vocab-size", None)
     # Set when a resumed run keeps its checkpoint's padded size (training/vocab_padding.py).
     padded_vocab_size_from_checkpoint: Optional[int] = derived(
         "the --load checkpoint's embedding rows, when this run's padding differs", None)
@@ -132,7 +135,12 @@ class ModelConfig:
         check_positive(self, "num_layers", "hidden_size", "num_attention_heads",
                        "ffn_hidden_size", "seq_length", "num_query_groups", "kv_channels",
                        "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings",
-                       "vocab_padding_tp", "padded_vocab_size_from_checkpoint")
+                       "vocab_padding_tp", "padded_vocab_size_from_checkpoint",
+                       "fixed_padded_vocab_size")
+        require(self.fixed_padded_vocab_size is None
+                or self.fixed_padded_vocab_size >= self.vocab_size,
+                f"--padded-vocab-size {self.fixed_padded_vocab_size} is smaller than the "
+                f"tokenizer's vocabulary ({self.vocab_size})")
         require(self.padded_vocab_size >= self.vocab_size,
                 f"padded vocabulary {self.padded_vocab_size} < vocabulary {self.vocab_size}")
         check_positive(self, "mtp_num_layers")
@@ -230,10 +238,13 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         """Megatron's vocab_size_with_padding: the vocabulary rounded up to a multiple of
         --make-vocab-size-divisible-by x TP (so every TP rank's slice is a multiple of the
-        divisor), unless a resumed checkpoint's padded size is kept.
+        divisor), unless --padded-vocab-size fixes it or a resumed checkpoint's padded size
+        is kept.
 
         The extra rows are masked out of the softmax, so padding never changes the loss.
         """
+        if self.fixed_padded_vocab_size is not None:
+            return self.fixed_padded_vocab_size
         if self.padded_vocab_size_from_checkpoint is not None:
             return self.padded_vocab_size_from_checkpoint
         m = self.make_vocab_size_divisible_by * self.vocab_padding_tp

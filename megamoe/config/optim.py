@@ -14,6 +14,10 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 (a loss scale is fp32)
+# Megatron's precision-aware optimizer: the choices its parser offers
+MAIN_GRADS_DTYPES = ("fp32", "bf16")
+MAIN_PARAMS_DTYPES = ("fp32", "fp16")
+STATE_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 
 
 @dataclass
@@ -42,6 +46,13 @@ class OptimizerConfig:
     min_loss_scale: float = flag("--min-loss-scale", 1.0)
     loss_scale_window: float = flag("--loss-scale-window", 1000.0)
     hysteresis: int = flag("--hysteresis", 2)
+    # Megatron's --use-precision-aware-optimizer (Transformer Engine's FusedAdam): Adam's
+    # moments stored in --exp-avg-dtype / --exp-avg-sq-dtype, main gradients accumulated and
+    # reduced in --main-grads-dtype; the update runs in fp32 (training/optim/state_precision.py).
+    use_precision_aware_optimizer: bool = flag("--use-precision-aware-optimizer", False)
+    main_grads_dtype: str = flag("--main-grads-dtype", "fp32")
+    exp_avg_dtype: str = flag("--exp-avg-dtype", "fp32")
+    exp_avg_sq_dtype: str = flag("--exp-avg-sq-dtype", "fp32")
     # LR schedule: the *-iters flags with --train-iters, the *-samples flags with
     # --train-samples (RunConfig checks the pairing, as Megatron's validate_args).
     lr_warmup_iters: int = flag("--lr-warmup-iters", 0)
@@ -68,6 +79,7 @@ class OptimizerConfig:
         require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are mutually exclusive")
         self._validate_loss_scaling()
         self._validate_weight_decay_schedule()
+        self._validate_precision_aware()
         check_positive(self, "lr_decay_samples")
         check_positive(self, "lr_warmup_samples", "lr_wsd_decay_samples", allow_zero=True)
         self._validate_ranges()
@@ -109,6 +121,30 @@ class OptimizerConfig:
                     "--start-weight-decay and --end-weight-decay")
         check_range(self, "start_weight_decay", 0)
         check_range(self, "end_weight_decay", 0)
+
+    def _validate_precision_aware(self) -> None:
+        """Megatron's OptimizerConfig rules: the dtypes other than fp32 need the flag, which
+        needs Adam. Refused here: fp8 moments (TE's Float8Tensor scaling is not matched)
+        and --main-grads-dtype bf16 without --bf16, where Megatron has no separate main
+        gradient and would ignore it. (--main-params-dtype: cli/precision_args.py.)"""
+        dtypes = (("--main-grads-dtype", self.main_grads_dtype, MAIN_GRADS_DTYPES),
+                  ("--exp-avg-dtype", self.exp_avg_dtype, STATE_DTYPES),
+                  ("--exp-avg-sq-dtype", self.exp_avg_sq_dtype, STATE_DTYPES))
+        for name, value, allowed in dtypes:
+            require(value in allowed, f"{name} must be one of {', '.join(allowed)}, "
+                    f"got {value!r}")
+            require(value == "fp32" or self.use_precision_aware_optimizer,
+                    f"{name} {value} needs --use-precision-aware-optimizer (without it "
+                    "Megatron keeps every optimizer tensor in fp32)")
+        if not self.use_precision_aware_optimizer:
+            return
+        require(self.optimizer == "adam",
+                "--use-precision-aware-optimizer only supported with --optimizer adam")
+        for name, value, _ in dtypes[1:]:
+            require(value != "fp8", f"not supported yet: {name} fp8 (Transformer Engine's "
+                    "per-tensor FP8 scaling)")
+        require(self.main_grads_dtype == "fp32" or self.bf16, "--main-grads-dtype bf16 "
+                "needs --bf16 (an fp32 model's gradients are its main gradients)")
 
     def _validate_ranges(self) -> None:
         """Each value within what it means (torch.optim's and Megatron's

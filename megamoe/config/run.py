@@ -55,6 +55,11 @@ class RunConfig:
         if self.parallel.context_parallel_size > 1:
             self._validate_context_parallel()
         self._validate_attention_backend()
+        # Megatron's get_megatron_optimizer: TE's FusedAdam runs on the distributed
+        # optimizer's shards only
+        require(not self.optim.use_precision_aware_optimizer
+                or self.parallel.use_distributed_optimizer,
+                "--use-precision-aware-optimizer only supported with --use-distributed-optimizer")
 
     def _validate_attention_backend(self) -> None:
         """Where the chosen SDPA kernels cannot run: flash takes no mask (the document
@@ -104,14 +109,16 @@ class RunConfig:
 
     def _validate_tensor_parallel(self) -> None:
         """Every tensor-parallel split must be even (the padded vocabulary is a multiple of
-        TP by construction, or checked where a checkpoint's padded size is kept)."""
+        TP by construction, checked where a checkpoint's padded size is kept, and here for
+        --padded-vocab-size: Megatron's VocabParallelEmbedding divides it by TP)."""
         tp = self.parallel.tensor_model_parallel_size
         if tp == 1:
             return
         m = self.model
         for name, value in (("--num-attention-heads", m.num_attention_heads),
                             ("--num-query-groups", m.num_query_groups),
-                            ("--ffn-hidden-size", m.ffn_hidden_size)):
+                            ("--ffn-hidden-size", m.ffn_hidden_size),
+                            ("--padded-vocab-size", m.fixed_padded_vocab_size or 0)):
             require(value % tp == 0,
                     f"{name} ({value}) must be divisible by --tensor-model-parallel-size ({tp})")
         require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,

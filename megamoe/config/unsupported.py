@@ -22,7 +22,6 @@ NOT_SUPPORTED_YET = (
     "--megatron-fsdp-grad-comm-dtype",
     "--megatron-fsdp-main-grads-dtype",
     "--tp-comm-overlap",  # Transformer Engine's userbuffer overlap
-    "--padded-vocab-size",
     "--trust-remote-code",  # a tokenizer's own Python code (megamoe reads tokenizer.json)
     # Megatron's run-health checks (issue 26): the rerun state machine and DP weight hashes
     "--check-for-spiky-loss", "--rerun-mode", "--check-weight-hash-across-dp-replicas-interval",

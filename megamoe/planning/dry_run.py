@@ -9,11 +9,11 @@ from typing import Callable
 
 import torch
 
-from megamoe.config import ConfigError, RunConfig
+from megamoe.config import ConfigError, OptimizerConfig, RunConfig
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.planning.activations import recompute_name
-from megamoe.planning.memory import Layout, activation_bytes, model_bytes
+from megamoe.planning.memory import Layout, StateBytes, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 
 
@@ -32,6 +32,15 @@ def launch_layout(run: RunConfig) -> Layout:
                   micro_batch_size=run.train.micro_batch_size)
 
 
+def state_bytes(optim: OptimizerConfig) -> StateBytes:
+    """The memory model's bytes per main-gradient and moment element of a run's flags."""
+    if not optim.use_precision_aware_optimizer:
+        return StateBytes()
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}
+    return StateBytes(size[optim.main_grads_dtype], size[optim.exp_avg_dtype],
+                      size[optim.exp_avg_sq_dtype])
+
+
 MAX_META_LAYERS = 1024  # 16x DeepSeek-V3's 61
 
 
@@ -40,11 +49,12 @@ def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     model's transients) for the largest pipeline stage, from shapes alone."""
     layout = launch_layout(run)
     bytes_per = 2 if run.optim.bf16 or run.optim.fp16 else 4  # fp16 sizes as bf16
-    static = model_bytes(run.model, layout, bytes_per)
+    states = state_bytes(run.optim)
+    static = model_bytes(run.model, layout, bytes_per, states)
     memory = {k: int(static[k]) for k in ("weights", "gradients", "optimizer")}
     memory["activations"] = int(activation_bytes(run.model, layout, run.model.seq_length,
                                                  bytes_per))
-    transient = largest_stage_transients(run.model, layout, bytes_per)
+    transient = largest_stage_transients(run.model, layout, bytes_per, states)
     memory["optimizer_step_transient"] = int(transient["step"])
     memory["checkpoint_save_transient"] = int(transient["save_device"])
     # Activations are freed before the optimizer steps and a checkpoint is saved.

@@ -98,8 +98,23 @@ def stage_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[float
     return dense, expert
 
 
-def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 2
-                ) -> dict[str, float]:
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per element of the main gradients and of Adam's two moments: 4 each, or 2
+    under --use-precision-aware-optimizer with --main-grads-dtype bf16, --exp-avg-dtype /
+    --exp-avg-sq-dtype bf16 or fp16 (training/optim/state_precision.py; an fp16 state's
+    one scale per tensor is not counted)."""
+
+    main_grad: int = 4
+    exp_avg: int = 4
+    exp_avg_sq: int = 4
+
+
+FP32_STATES = StateBytes()
+
+
+def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 2,
+                states: StateBytes = FP32_STATES) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank of pipeline stage `stage`.
 
     Matches megamoe/training/optim/ (mixed_precision.py, distributed.py): gradients are
@@ -110,23 +125,25 @@ def stage_bytes(model: ModelConfig, lay: Layout, stage: int, param_bytes: int = 
     rank keeps, for its 1/DP slice of the dense parameters (1/EDP of the experts), the two
     moments and, for a bf16 model, an fp32 main copy (fp32: the main slice is the
     parameters' own shard, the reduced gradient slice the grad buffer's): 8 bytes per
-    element in fp32, 12 in bf16. Transients of its step and of a checkpoint save:
+    element in fp32, 12 in bf16. `states`: the precision-aware optimizer's smaller main
+    gradients and moments. Transients of its step and of a checkpoint save:
     optimizer_memory.py."""
     dense, expert = stage_parameters(model, lay, stage)
     params = dense + expert
-    weights, grads = param_bytes * params, 4 * params
+    weights, grads = param_bytes * params, states.main_grad * params
+    per_element = states.exp_avg + states.exp_avg_sq + (0 if param_bytes == 4 else 4)
     if lay.distributed_optimizer:
         edp = max(lay.dp * lay.cp * lay.tp // (lay.etp * lay.ep), 1)
-        per_element = 8 if param_bytes == 4 else 12
         opt = per_element * (dense / (lay.dp * lay.cp) + expert / edp)
     else:
-        opt = (8 if param_bytes == 4 else 12) * params
+        opt = per_element * params
     return {"weights": weights, "gradients": grads, "optimizer": opt, "parameters": params}
 
 
-def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2) -> dict[str, float]:
+def model_bytes(model: ModelConfig, lay: Layout, param_bytes: int = 2,
+                states: StateBytes = FP32_STATES) -> dict[str, float]:
     """Weights, gradients and optimizer states on the most loaded GPU (the largest stage)."""
-    stages = [stage_bytes(model, lay, s, param_bytes) for s in range(lay.pp)]
+    stages = [stage_bytes(model, lay, s, param_bytes, states) for s in range(lay.pp)]
     return max(stages, key=lambda b: b["weights"] + b["gradients"] + b["optimizer"])
 
 

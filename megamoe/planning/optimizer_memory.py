@@ -18,7 +18,10 @@ What remains:
     4 (S_dense + S_expert). (The CPU for-loop keeps at most three piece-size temporaries.)
   - with TP (sequence parallel): one flat fp32 bucket of the TP-replicated gradients
     (norms, routers, row-parallel biases) summed over TP;
-  - the largest piece's squared gradient for the norm, freed at once.
+  - the largest piece's squared gradient for the norm, freed at once;
+  - with the precision-aware optimizer (state_precision.py): the moments stored below fp32
+    are upcast to fp32 for the update, (8 - stored moment bytes) S in all, and bf16 main
+    gradients to an fp32 copy, 4 S.
 Save. A parameter is saved by the rank holding its first element, so a rank saves the
 parameters that start in its shard, at most min(N_g, S_g + P_g) elements per group, and
 assembles at most one of them (the one crossing its shard's end) from the other holders:
@@ -26,7 +29,8 @@ assembles at most one of them (the one crossing its shard's end) from the other 
   - host: torch.distributed.checkpoint's writer copies every saved tensor to host memory
     and keeps the copies until the rank's file is written (an async save makes the same
     copies on the training thread and holds them until the next save):
-    (param bytes + 4 k) x min(N_g, S_g + P_g) per group.
+    (param bytes + 4 k) x min(N_g, S_g + P_g) per group (4 bytes per state: an upper
+    bound where a precision-aware run saves its bf16 moments in bf16).
 On a GPU run the host copies are not device memory. On CPU (the tests) both share one
 memory, and the assembled states are among the saved tensors: the peak is the host term
 (+ copies of an assembled parameter's split parts, e.g. swiglu experts' gate / up).
@@ -38,7 +42,13 @@ import math
 
 from megamoe.config import ModelConfig
 from megamoe.model.flops import _norm_params, attention_tp_replicated, largest_attention_weight
-from megamoe.planning.memory import Layout, _stage_of_layer, stage_parameters
+from megamoe.planning.memory import (
+    FP32_STATES,
+    Layout,
+    StateBytes,
+    _stage_of_layer,
+    stage_parameters,
+)
 
 
 def _largest_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]:
@@ -96,8 +106,8 @@ def shard_groups(model: ModelConfig, lay: Layout, stage: int) -> list[tuple[int,
 
 
 def optimizer_transient_bytes(model: ModelConfig, lay: Layout, stage: int,
-                              param_bytes: int = 2, fused_adam: bool = True
-                              ) -> dict[str, float]:
+                              param_bytes: int = 2, fused_adam: bool = True,
+                              states: StateBytes = FP32_STATES) -> dict[str, float]:
     """{"step", "save_device", "save_host"}: bytes one rank of `stage` allocates on top of
     memory.stage_bytes during an optimizer step and a torch_dist save (zeros without the
     distributed optimizer, which this does not model). `fused_adam`: Adam updates in
@@ -106,7 +116,10 @@ def optimizer_transient_bytes(model: ModelConfig, lay: Layout, stage: int,
         return {"step": 0.0, "save_device": 0.0, "save_host": 0.0}
     groups = shard_groups(model, lay, stage)
     k = 2 if param_bytes == 4 else 3
-    adam = 0 if fused_adam else 4 * sum(s for _, s, _ in groups)
+    shard = sum(s for _, s, _ in groups)
+    adam = 0 if fused_adam else 4 * shard
+    adam += (8 - states.exp_avg - states.exp_avg_sq) * shard  # precision-aware upcasts
+    adam += (4 if states.main_grad < 4 else 0) * shard
     largest_piece = max((min(s, p) for _, s, p in groups), default=0)
     step = max(adam, 4 * _tp_replicated(model, lay, stage), 4 * largest_piece)
     device = sum(4 * k * p for n, s, p in groups if s < n)
@@ -114,8 +127,9 @@ def optimizer_transient_bytes(model: ModelConfig, lay: Layout, stage: int,
     return {"step": float(step), "save_device": float(device), "save_host": float(host)}
 
 
-def largest_stage_transients(model: ModelConfig, lay: Layout, param_bytes: int = 2
-                             ) -> dict[str, float]:
+def largest_stage_transients(model: ModelConfig, lay: Layout, param_bytes: int = 2,
+                             states: StateBytes = FP32_STATES) -> dict[str, float]:
     """optimizer_transient_bytes' largest value of each kind over the pipeline stages."""
-    stages = [optimizer_transient_bytes(model, lay, s, param_bytes) for s in range(lay.pp)]
+    stages = [optimizer_transient_bytes(model, lay, s, param_bytes, states=states)
+              for s in range(lay.pp)]
     return {k: max(t[k] for t in stages) for k in stages[0]}

@@ -70,9 +70,10 @@ def test_padded_vocab_never_changes_loss(untie):
     ref_model = GPTModel(tiny(make_vocab_size_divisible_by=1,
                               untie_embeddings_and_output_weights=untie))
     ref_sd = ref_model.state_dict()
-    for m in (1, 128):
-        c = tiny(make_vocab_size_divisible_by=m, untie_embeddings_and_output_weights=untie)
-        assert c.padded_vocab_size == (97 if m == 1 else 128)
+    for m, fixed in ((1, None), (128, None), (128, 150)):  # 150: --padded-vocab-size
+        c = tiny(make_vocab_size_divisible_by=m, untie_embeddings_and_output_weights=untie,
+                 fixed_padded_vocab_size=fixed)
+        assert c.padded_vocab_size == fixed or (97 if m == 1 else 128)
         torch.manual_seed(1)  # padded rows keep their own random (non-zero) values
         model = GPTModel(c)
         sd = model.state_dict()

@@ -20,6 +20,7 @@ import plan_parallel as pl  # noqa: E402
 
 from megamoe.cli.arguments import parse_args  # noqa: E402
 from megamoe.cli.mapping import run_config_from_args  # noqa: E402
+from megamoe.planning.dry_run import state_bytes  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -54,7 +55,8 @@ def measure_static_bytes(model: torch.nn.Module, optimizer, step) -> dict[str, f
     step()
     out["gradients"] = size([p.grad for p in model.parameters()]
                             + [m.grad for m in mains()]
-                            + list(getattr(optimizer, "grad_buffers", [])))
+                            + list(getattr(optimizer, "grad_buffers", []))
+                            + list(getattr(optimizer, "grad_views", None) or []))
     optimizer.step()
     states = [v for st in optimizer.optimizer.state.values() for v in st.values()]
     out["optimizer"] = size(mains() + [m.grad for m in mains()] + states)
@@ -108,7 +110,8 @@ def _measure_layout(flags: str, world_size: int) -> tuple[dict[str, float], int]
 
 def _predicted(flags: str, world_size: int, stage: int) -> dict[str, float]:
     args, run = _run_config(flags, world_size)
-    return pl.stage_bytes(run.model, _layout(args), stage, 2 if args.bf16 else 4)
+    return pl.stage_bytes(run.model, _layout(args), stage, 2 if args.bf16 else 4,
+                          state_bytes(run.optim))
 
 
 def _check(flags: str, world_size: int, measured: dict[str, float], stage: int) -> str:
@@ -127,9 +130,13 @@ def _layouts_worker(rank: int, world_size: int, layouts: list[str]) -> list:
     return [_measure_layout(flags, world_size) for flags in layouts]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_static_memory_single_process_within_10_percent(bf16):
-    flags = "--bf16" if bf16 else ""
+PRECISION_AWARE = ("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer "
+                   "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --main-grads-dtype bf16")
+
+
+@pytest.mark.parametrize("flags", ["", "--bf16", PRECISION_AWARE],
+                         ids=["fp32", "bf16", "bf16-precision-aware"])
+def test_static_memory_single_process_within_10_percent(flags):
     measured, stage = _measure_layout(flags, 1)
     _check(flags, 1, measured, stage)
 
@@ -139,6 +146,7 @@ def test_static_memory_single_process_within_10_percent(bf16):
 TWO_RANK_LAYOUTS = [
     "",  # DP=2
     "--bf16 --use-distributed-optimizer",  # DP=2, ZeRO-1
+    PRECISION_AWARE,  # DP=2, ZeRO-1, bf16 moments and grad buffers
     "--tensor-model-parallel-size 2 --sequence-parallel",
     "--tensor-model-parallel-size 2 --sequence-parallel --bf16",
     "--pipeline-model-parallel-size 2",

@@ -5,8 +5,9 @@ deleted, and `pretrain_gpt.py --load` of the result either resumes (the value wa
 or stops with one line and exit 1: never a traceback, never a hang.
 
 The default suite runs a small sample of each file kind; the slow set a larger seeded sample
-(every leaf against every replacement is some 2,000 resumes: about 40 minutes here). A failing case prints its file, path and replacement, so it can be
-rerun alone with the same seed."""
+(every leaf against every replacement is some 2,000 resumes: about 40 minutes here). A
+failing case prints its file, path and replacement, so it can be rerun alone with the
+same seed."""
 
 from __future__ import annotations
 

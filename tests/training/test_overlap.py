@@ -177,10 +177,14 @@ def test_checkpoints_load_across_overlap_on_and_off(tmp_path):
                 assert abs(a - b) <= 1e-5 * abs(a), (name, runs)
 
 
-@pytest.mark.parametrize("precision", ["", "--bf16"])
+@pytest.mark.parametrize("precision", [
+    "", "--bf16", "--bf16 --use-distributed-optimizer --use-precision-aware-optimizer "
+                  "--exp-avg-dtype fp16 --exp-avg-sq-dtype bf16 --main-grads-dtype bf16"],
+    ids=["fp32", "bf16", "bf16-precision-aware"])
 def test_overlap_adds_no_host_sync_and_keeps_the_single_process_step(precision):
     """One process (buckets without collectives): the same losses and grad norms as
-    without overlap (bf16: fp32 main gradients in the buckets) and no extra host sync."""
+    without overlap (bf16: fp32 main gradients in the buckets; --main-grads-dtype bf16:
+    bf16 ones) and no extra host sync."""
     from tests.moe.test_host_syncs import HostSyncCounter
     from tests.training.test_nan_check import _batches
 

@@ -12,7 +12,8 @@ _SHAPE_FIELDS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size",
     "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
     "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
-    "padded_vocab_size": "the tokenizer's vocabulary / --make-vocab-size-divisible-by",
+    "padded_vocab_size": "the tokenizer's vocabulary / --make-vocab-size-divisible-by / "
+                         "--padded-vocab-size",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "position_embedding_type": "--position-embedding-type",
@@ -26,9 +27,10 @@ def saved_padded_vocab_size(saved: dict) -> Optional[int]:
         return int(saved["padded_vocab_size"])
     if not isinstance(saved.get("vocab_size"), int):
         return None
-    kept = saved.get("padded_vocab_size_from_checkpoint")
-    if isinstance(kept, int):
-        return kept
+    for name in ("fixed_padded_vocab_size", "padded_vocab_size_from_checkpoint"):
+        v = saved.get(name)  # --padded-vocab-size, or a kept size (a file's: checked)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
     tp = saved.get("vocab_padding_tp", 1)  # absent: written when padding ignored TP
     m = saved.get("make_vocab_size_divisible_by", 1) * (tp if isinstance(tp, int) else 1)
     return -(-saved["vocab_size"] // m) * m

@@ -5,7 +5,8 @@ before this rule padded to the divisor alone, so an old TP > 1 checkpoint (or on
 another TP size) can hold a different number of embedding rows than this run would pad to.
 The rows past the tokenizer's vocabulary are never read (masked out of the softmax), so the
 run adopts the checkpoint's row count, as Megatron does when the padded size comes from a
-checkpoint, and says so in one line. A checkpoint with fewer rows than this run's
+checkpoint, and says so in one line. A --padded-vocab-size given on the command line wins
+(Megatron's `_set_arg` fills it only when unset). A checkpoint with fewer rows than this run's
 vocabulary, or rows TP cannot split, still fails to load with the usual shape message.
 """
 
@@ -26,8 +27,8 @@ def keep_checkpoint_vocab_padding(model: ModelConfig, load: Optional[str], tp: i
     the padding differs (the checkpoint's rows hold this run's vocabulary and split evenly
     over TP; otherwise the load's shape check names the difference). Single-file checkpoints
     are TP 1 only, where the two rules agree; they are not opened here."""
-    if load is None or not os.path.exists(load):
-        return
+    if load is None or not os.path.exists(load) or model.fixed_padded_vocab_size is not None:
+        return  # (--padded-vocab-size: the run's rows are fixed; the load checks them)
     found = checkpoint_file(load)
     if found is None or not is_dist_checkpoint(found):
         return

@@ -9,6 +9,7 @@ import torch
 
 from megamoe.config import OptimizerConfig
 from megamoe.model.apex_kernels import apex_kernels
+from megamoe.training.optim.state_precision import StoredStates, state_dtypes
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -25,8 +26,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_inner_optimizer(groups: list[dict], config: OptimizerConfig
-                          ) -> torch.optim.Optimizer:
+def build_inner_optimizer(groups: list[dict], config: OptimizerConfig):
+    """The optimizer that updates the fp32 main parameters; with
+    --use-precision-aware-optimizer and an --exp-avg-dtype / --exp-avg-sq-dtype below fp32,
+    wrapped so that those states are stored in their dtype between steps
+    (state_precision.py)."""
+    inner = _fp32_optimizer(groups, config)
+    dtypes = state_dtypes(config.exp_avg_dtype, config.exp_avg_sq_dtype) \
+        if config.use_precision_aware_optimizer else {}
+    return StoredStates(inner, dtypes) if dtypes else inner
+
+
+def _fp32_optimizer(groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
     """The optimizer that updates the fp32 main parameters (--optimizer). Adam runs fused:
     on GPU main parameters NVIDIA apex's FusedAdam (AdamW mode) when its CUDA extension
     loads (model/apex_kernels.py), else torch's fused AdamW, which also has a CPU kernel
@@ -54,7 +65,8 @@ def counts_per_group(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` keeps its step count per parameter group, as apex's optimizers
     do (FusedAdam: group["step"], an int that every step() advances and the kernel's bias
     correction reads; no per-parameter "step"), rather than per parameter as torch's."""
-    return type(optimizer).__module__.split(".")[0] == "apex"
+    inner = getattr(optimizer, "inner", optimizer)  # (under a StoredStates)
+    return type(inner).__module__.split(".")[0] == "apex"
 
 
 def step_count(optimizer: torch.optim.Optimizer, state: dict) -> Optional[torch.Tensor]:
@@ -92,10 +104,23 @@ def set_step_count(optimizer: torch.optim.Optimizer, step: Optional[torch.Tensor
             group["step"] = int(step)
 
 
+def bf16_main_grads(config: OptimizerConfig) -> bool:
+    """--main-grads-dtype bf16 (precision-aware optimizer): a bf16 parameter's gradient
+    accumulates and is reduced in bf16, as Megatron's grad buffer without
+    --accumulate-allreduce-grads-in-fp32."""
+    return config.use_precision_aware_optimizer and config.main_grads_dtype == "bf16"
+
+
+def main_grad_dtype(param: torch.Tensor, bf16_grads: bool) -> torch.dtype:
+    """The dtype `param`'s gradient accumulates in: fp32, or bf16 under bf16_main_grads."""
+    return torch.bfloat16 if bf16_grads and param.dtype == torch.bfloat16 else torch.float32
+
+
 def fp32_accumulate_hook(buf: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """Post-accumulate-grad hook: add the parameter's gradient to the fp32 `buf` and free
-    it, so accumulation across micro-batches never rounds in the model dtype."""
+    """Post-accumulate-grad hook: add the parameter's gradient to `buf` and free it. An fp32
+    `buf` never rounds accumulation across micro-batches in the model dtype (a bf16 one,
+    --main-grads-dtype bf16, does, as Megatron's)."""
     def hook(param: torch.Tensor) -> None:
-        buf.add_(param.grad.float())
+        buf.add_(param.grad if param.grad.dtype == buf.dtype else param.grad.float())
         param.grad = None
     return hook

@@ -37,6 +37,7 @@ from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_size
 from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
 from megamoe.training.optim.common import (
+    bf16_main_grads,
     build_inner_optimizer,
     param_groups,
     restored_step,
@@ -45,7 +46,7 @@ from megamoe.training.optim.common import (
 )
 from megamoe.training.optim.flat_shards import FlatShards, Piece
 from megamoe.training.optim.grad_scaler import build_grad_scaler, unscale_and_check
-from megamoe.training.optim.grads import clip_coefficient, sum_marked
+from megamoe.training.optim.grads import clip_coefficient, square_sum, sum_marked
 from megamoe.training.optim.overlap import (
     Bucket,
     GradReduceOverlap,
@@ -54,28 +55,33 @@ from megamoe.training.optim.overlap import (
     backward_order,
     split_buckets,
 )
+from megamoe.training.optim.state_precision import restore_states, saved_states
 
 Group = Optional[dist.ProcessGroup]
 ParamStates = list[Optional[dict[str, torch.Tensor]]]
 
 
 def _shard_groups(params: list[torch.nn.Parameter], dp_group: Group, edp_group: Group,
-                  order: Optional[list[int]] = None, bucket_size: Optional[int] = None
-                  ) -> list[FlatShards]:
+                  order: Optional[list[int]] = None, bucket_size: Optional[int] = None,
+                  bf16_grads: bool = False) -> list[FlatShards]:
     """One FlatShards per (dense | expert, dtype), in order of first appearance. With a
     `bucket_size` (--overlap-grad-reduce) one per bucket of each, the parameters in `order`
     (the backward's) and each bucket sharded on its own, as Megatron's: a tied embedding
     alone in its bucket, so the first and last pipeline stage shard it the same way and
-    its reduce-scattered shards can be summed over the embedding group."""
+    its reduce-scattered shards can be summed over the embedding group. `bf16_grads`
+    (--main-grads-dtype bf16): bf16 parameters' grad buffers are bf16."""
     split: dict[tuple[bool, torch.dtype], list[tuple[int, torch.nn.Parameter]]] = {}
     for i in range(len(params)) if order is None else order:
         p = params[i]
         split.setdefault((bool(getattr(p, "expert_parallel", False)), p.dtype), []).append((i, p))
+    def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+        return dtype if bf16_grads and dtype == torch.bfloat16 else torch.float32
+
     if bucket_size is None:
-        return [FlatShards(members, edp_group if expert else dp_group, expert)
-                for (expert, _), members in split.items()]
-    return [FlatShards(part, edp_group if expert else dp_group, expert)
-            for (expert, _), members in split.items()
+        return [FlatShards(members, edp_group if expert else dp_group, expert, grad_dtype(dt))
+                for (expert, dt), members in split.items()]
+    return [FlatShards(part, edp_group if expert else dp_group, expert, grad_dtype(dt))
+            for (expert, dt), members in split.items()
             for part in split_buckets(members, lambda m: m[1].numel(), bucket_size,
                                       lambda m: getattr(m[1], "shared_embedding", False))]
 
@@ -104,7 +110,7 @@ class DistributedOptimizer:
         self.buffers = _shard_groups(
             self.model_params, dp_group, edp_group,
             None if overlap is None else backward_order(model, self.model_params),
-            None if overlap is None else overlap.bucket_size)
+            None if overlap is None else overlap.bucket_size, bf16_main_grads(config))
         self.grad_sync, self.param_gather = self._overlap(model, overlap)
         self.grad_buffers = [buf.grad_buffer for buf in self.buffers]
         self._where = {i: (buf, k) for buf in self.buffers
@@ -170,7 +176,7 @@ class DistributedOptimizer:
 
     def _grad_norm(self) -> torch.Tensor:
         """The global gradient norm (a 0-d device tensor), every parameter once."""
-        return self._sharded_sum(lambda piece: piece.grad.square().sum()).sqrt()
+        return self._sharded_sum(lambda piece: square_sum(piece.grad)).sqrt()
 
     def _sharded_sum(self, value: Callable[[Piece], torch.Tensor],
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -283,9 +289,13 @@ class DistributedOptimizer:
         if self.config.clip_grad > 0 and pieces:  # a device-side coefficient
             torch._foreach_mul_([piece.grad for piece in pieces],
                                 clip_coefficient(norm, self.config.clip_grad))
-        for piece in pieces:
-            piece.main.grad = piece.grad
+        for piece in pieces:  # (bf16 main grads: an fp32 copy, as TE's kernel reads them)
+            piece.main.grad = piece.grad if piece.grad.dtype == torch.float32 \
+                else piece.grad.float()
         self.optimizer.step()
+        for piece in pieces:
+            if piece.grad.dtype != torch.float32:
+                piece.main.grad = None  # (the copy: freed)
         if self.param_gather is not None:  # waited for by the next forward's pre-hooks
             self.param_gather.launch()
             return
@@ -370,9 +380,9 @@ class DistributedOptimizer:
         for buf in self.buffers:
             for k, (i, p) in enumerate(buf.params):
                 piece = buf.piece_at.get(k)
+                saved = {} if piece is None else saved_states(self.optimizer, piece.main)
                 local = [] if piece is None else [
-                    piece.main if name == "main" else self.optimizer.state[piece.main][name]
-                    for name in names]
+                    piece.main if name == "main" else saved[name] for name in names]
                 whole = buf.gather_to_owner(k, local)
                 if buf.owner(k) == buf.rank:
                     out[i] = {name: t.view(p.shape) for name, t in zip(names, whole or [])}
@@ -391,12 +401,12 @@ class DistributedOptimizer:
                 piece.main.copy_(st["main"].reshape(-1)[piece.start:piece.end])
             elif piece.param.dtype != torch.float32:  # (fp32: the main is the parameter)
                 piece.main.copy_(piece.param.detach().reshape(-1)[piece.start:piece.end])
-            tensors = {k: v.reshape(-1)[piece.start:piece.end].float().clone()
+            tensors = {k: v.reshape(-1)[piece.start:piece.end].clone()
                        for k, v in st.items() if k != "main"}
             if tensors:
                 set_step_count(self.optimizer, step)
-                self.optimizer.state[piece.main] = (
-                    restored_step(self.optimizer, step, piece.main) | tensors)
+                restore_states(self.optimizer, piece.main,
+                               restored_step(self.optimizer, step, piece.main) | tensors)
         for buf in self.buffers:
             buf.all_gather_params()
 

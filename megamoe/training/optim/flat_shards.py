@@ -8,7 +8,8 @@ the group size; rank r owns the r-th contiguous slice, its shard.
 - `grad_buffer` (fp32, same layout): gradients accumulate into it directly. A
   post-accumulate-grad hook adds each parameter's .grad to its view and frees the .grad
   (fp32 and bf16 alike), so accumulation over micro-batches never rounds in bf16 and no
-  parameter keeps a .grad of its own.
+  parameter keeps a .grad of its own. With --main-grads-dtype bf16 (precision-aware
+  optimizer, a bf16 model) it is bf16, as Megatron's: accumulated and reduced in bf16.
 - `main_shard` (fp32): what AdamW updates. For a bf16 model a separate fp32 copy of the
   shard; for fp32 the param buffer's own shard (AdamW updates the parameters in place).
   Each parameter's part of the shard is a `Piece` whose `main` is a view of it.
@@ -49,8 +50,8 @@ class Piece:
 
 
 def _accumulate_hook(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """Add the parameter's fresh .grad to its fp32 grad-buffer view and free it (the add
-    upcasts a bf16 gradient element by element: no fp32 copy of it is made)."""
+    """Add the parameter's fresh .grad to its grad-buffer view and free it (into an fp32
+    view the add upcasts a bf16 gradient element by element: no fp32 copy of it is made)."""
     def hook(param: torch.Tensor) -> None:
         view.add_(param.grad)
         param.grad = None
@@ -61,7 +62,7 @@ class FlatShards:
     """Flat param / grad buffers of `params` (all of one dtype) sharded over `group`."""
 
     def __init__(self, params: list[tuple[int, torch.nn.Parameter]], group: Group,
-                 expert: bool) -> None:
+                 expert: bool, grad_dtype: torch.dtype = torch.float32) -> None:
         self.group, self.expert = group, expert
         self.size, self.rank = group_size(group), group_rank(group)
         self.params = params
@@ -76,7 +77,7 @@ class FlatShards:
         first = params[0][1]
         self.separate_main = first.dtype != torch.float32
         self.param_buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
-        self.grad_buffer = torch.zeros(self.numel, dtype=torch.float32, device=first.device)
+        self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=first.device)
         with torch.no_grad():
             for (_, p), off in zip(params, self.offsets):
                 view = self.param_buffer[off:off + p.numel()]

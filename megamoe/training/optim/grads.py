@@ -167,3 +167,11 @@ def zero_counts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def squares(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per tensor: its squared L2 norm, accumulated in fp32 (0-d, on its device)."""
     return [torch.linalg.vector_norm(t, dtype=torch.float32).square() for t in tensors]
+
+
+def square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of one gradient, accumulated in fp32 (a bf16 main gradient is not
+    summed in bf16; an fp32 one as the distributed optimizer always summed it)."""
+    if grad.dtype == torch.float32:
+        return grad.square().sum()
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()

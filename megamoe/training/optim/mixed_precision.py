@@ -25,8 +25,10 @@ import torch
 from megamoe.config import OptimizerConfig
 from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
 from megamoe.training.optim.common import (
+    bf16_main_grads,
     build_inner_optimizer,
     fp32_accumulate_hook,
+    main_grad_dtype,
     param_groups,
     restored_step,
     set_step_count,
@@ -46,6 +48,7 @@ from megamoe.training.optim.overlap import (
     allreduce_buckets,
     backward_order,
 )
+from megamoe.training.optim.state_precision import restore_states, saved_states
 
 ReduceGradsFn = Callable[[list[torch.Tensor]], None]
 GradNormFn = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -81,11 +84,18 @@ class MixedPrecisionOptimizer:
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
         self.grad_sync: Optional[GradReduceOverlap] = None
+        # The main gradients when they are not the parameters' own .grad: bucket views
+        # (overlap) or accumulation buffers (bf16 model), fp32 or --main-grads-dtype bf16.
         self.grad_views: Optional[list[torch.Tensor]] = None
+        grad_dtypes = [main_grad_dtype(p, bf16_main_grads(config)) for p in self.model_params]
         if overlap is not None:
             self.grad_views, buckets = allreduce_buckets(
                 self.model_params, backward_order(model, self.model_params),
-                overlap.bucket_size, dp_group, edp_group)
+                overlap.bucket_size, dp_group, edp_group, grad_dtypes)
+        elif self.separate_main:
+            self.grad_views = [torch.zeros_like(p, dtype=dtype)
+                               for p, dtype in zip(self.model_params, grad_dtypes)]
+        if self.grad_views is not None:
             for p, view in zip(self.model_params, self.grad_views):
                 p.register_post_accumulate_grad_hook(fp32_accumulate_hook(view))
         if self.separate_main:
@@ -96,10 +106,9 @@ class MixedPrecisionOptimizer:
                 self.main_params += mains
                 main_groups.append({**g, "params": mains})
             groups = main_groups
-            for p, main in zip(self.model_params, self.main_params):
-                if self.grad_views is None:
-                    main.grad = torch.zeros_like(main)
-                    p.register_post_accumulate_grad_hook(fp32_accumulate_hook(main.grad))
+            for main, view in zip(self.main_params, self.grad_views):
+                if view.dtype == main.dtype:  # (a bf16 one is upcast at each update)
+                    main.grad = view
         else:
             self.main_params = self.model_params
         if overlap is not None:  # its hooks run after the accumulating ones
@@ -122,19 +131,17 @@ class MixedPrecisionOptimizer:
             for bucket in self.grad_sync.buckets:
                 bucket.flat_grad.zero_()
             self.grad_sync.reset()
-        elif self.separate_main:
-            for main in self.main_params:
-                main.grad.zero_()
+        elif self.grad_views is not None:
+            torch._foreach_zero_(self.grad_views)
         else:
             for p in self.main_params:
                 p.grad = None
 
     def main_grads(self) -> list[torch.Tensor]:
         """Gradients to reduce and clip; parameters that got no gradient get zeros. With
-        overlap: the bucket views (the inner optimizer reads them as the mains' .grad)."""
+        overlap or a bf16 model: the accumulation views (clip_and_update hands them to the
+        inner optimizer as the mains' .grad)."""
         if self.grad_views is not None:
-            for main, view in zip(self.main_params, self.grad_views):
-                main.grad = view
             return list(self.grad_views)
         grads = []
         for p in self.main_params:
@@ -205,7 +212,14 @@ class MixedPrecisionOptimizer:
         parameters, copy them into the model's."""
         if self.config.clip_grad > 0:
             torch._foreach_mul_(grads, clip_coefficient(norm, self.config.clip_grad))
+        upcast = []  # (bf16 main grads: an fp32 copy for the update, freed after it)
+        if self.grad_views is not None:
+            for main, grad in zip(self.main_params, grads):
+                main.grad = grad if grad.dtype == main.dtype else grad.float()
+                upcast += [main] if grad.dtype != main.dtype else []
         self.optimizer.step()
+        for main in upcast:
+            main.grad = None
         if self.separate_main:
             torch._foreach_copy_(self.model_params, self.main_params)
 
@@ -242,7 +256,7 @@ class MixedPrecisionOptimizer:
         the parameters another rank saves)."""
         out, step = [], None
         for main in self.main_params:
-            st = self.optimizer.state.get(main, {})
+            st = saved_states(self.optimizer, main)
             d = {k: v for k, v in st.items()
                  if isinstance(v, torch.Tensor) and v.shape == main.shape}
             if self.separate_main:
@@ -269,7 +283,8 @@ class MixedPrecisionOptimizer:
             tensors = {k: v.detach().clone() for k, v in st.items() if k != "main"}
             if tensors:
                 set_step_count(self.optimizer, step)
-                self.optimizer.state[main] = restored_step(self.optimizer, step, main) | tensors
+                restore_states(self.optimizer, main,
+                               restored_step(self.optimizer, step, main) | tensors)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -109,21 +109,24 @@ class Bucket:
 
 def allreduce_buckets(params: list[torch.nn.Parameter], order: list[int], size: int,
                       dp_group: Optional[dist.ProcessGroup],
-                      edp_group: Optional[dist.ProcessGroup]
+                      edp_group: Optional[dist.ProcessGroup],
+                      grad_dtypes: Optional[list[torch.dtype]] = None
                       ) -> tuple[list[torch.Tensor], list[Bucket]]:
-    """The plain optimizer's buckets: per bucket one flat fp32 gradient tensor, all-reduced
-    over dp (dense) or edp (routed experts, `param.expert_parallel`) and divided by DP (see
+    """The plain optimizer's buckets: per bucket one flat gradient tensor (fp32, or each
+    parameter's `grad_dtypes` entry: --main-grads-dtype bf16), all-reduced over dp (dense)
+    or edp (routed experts, `param.expert_parallel`) and divided by DP (see
     grads.reduce_gradients for why experts too). Returns each parameter's gradient view
-    (aligned with `params`: the fp32 main gradients) and the buckets."""
+    (aligned with `params`: the main gradients) and the buckets."""
     dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+    dtypes = grad_dtypes or [torch.float32] * len(params)
     views: list[Optional[torch.Tensor]] = [None] * len(params)
     buckets = []
-    for expert in (False, True):
+    for expert, dtype in ((e, d) for e in (False, True) for d in dict.fromkeys(dtypes)):
         members = [i for i in order if bool(getattr(params[i], "expert_parallel", False))
-                   == expert]
+                   == expert and dtypes[i] == dtype]
         group = edp_group if expert else dp_group
         for part in split_buckets(members, lambda i: params[i].numel(), size):
-            flat = torch.zeros(sum(params[i].numel() for i in part), dtype=torch.float32,
+            flat = torch.zeros(sum(params[i].numel() for i in part), dtype=dtype,
                                device=params[part[0]].device)
             offset = 0
             for i in part:
