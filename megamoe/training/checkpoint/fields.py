@@ -94,6 +94,8 @@ def _step(path: str, optim: Any) -> None:
         raise _fail(path, "optimizer", "must hold the state names (a list of strings)")
     step = optim.get("step")
     if step is None:
+        if "exp_avg" in optim["names"]:  # Adam's moments without their step count
+            raise _fail(path, "optimizer.step", "is missing (Adam's moments are saved)")
         return
     ok = isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()
     value = float(step) if ok else math.nan

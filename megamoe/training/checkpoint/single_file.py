@@ -14,6 +14,7 @@ import torch
 
 from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.fields import check_fields
+from megamoe.training.checkpoint.optim_fields import check_optimizer_state
 from megamoe.training.checkpoint.publish import (
     FILENAME,
     checkpoint_file,
@@ -148,6 +149,7 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer, scheduler, *,
         raise CheckpointError(f"{path}: does not match the model ({detail})") from None
     if optimizer is not None:
         if load_optim and not finetune and state.get("optimizer") is not None:
+            check_optimizer_state(path, state["optimizer"], optimizer)
             optimizer.load_state_dict(state["optimizer"])
         else:
             optimizer.reload_model_params()
