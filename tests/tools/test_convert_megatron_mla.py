@@ -238,3 +238,24 @@ def test_mla_norm_megamoe_cannot_hold_is_refused_both_ways():
     assert megatron_cannot_express(ModelConfig(**mla, q_lora_rank=24, qk_layernorm=True)) is None
     why = megatron_cannot_express(ModelConfig(**mla, original_max_position_embeddings=8192))
     assert "original_max_position_embeddings" in why
+
+
+@pytest.mark.slow
+def test_mla_mtp_legacy_torch_format(mcore_python, tmp_path):
+    """Megatron-LM's legacy `--ckpt-format torch` of the MLA + MTP model over TP2 x PP2 x
+    EP2 (peer_legacy.py): the local spec's column-parallel down projections are merged,
+    the MTP depths (last stage, `mtp_model_layer` in megatron-core 0.19's state_dict) and
+    their experts renumbered, the last stage's embedding copy dropped; logits and MTP
+    losses equal megatron-core's TP1 model that loaded the torch_dist copy."""
+    from tests.tools.megatron_peer.mcore_venv import PEER_LEGACY
+
+    save, mm = str(tmp_path / "legacy"), str(tmp_path / "mm")
+    run_peer(["--variant", "mla_mtp", "--tp", "2", "--pp", "2", "--ep", "2", "--out", save],
+             python=mcore_python, script=PEER_LEGACY)
+    _to_megamoe(save, mm)
+    model = _model(mm)
+    with torch.no_grad():
+        _assert_close(model.eval()(torch.tensor(TOKENS)),
+                      torch.load(os.path.join(save, "reference_logits.pt")))
+    want = _reference_mtp_losses(torch.load(os.path.join(save, "reference_mtp_logits.pt")))
+    torch.testing.assert_close(_mtp_losses(model), want, rtol=1e-5, atol=0)
