@@ -180,11 +180,6 @@ def flags_from_args(ns: argparse.Namespace) -> list[str]:
     fields = dict(MODEL_FIELDS)
     if _bool("multi_latent_attention", _value(ns, "multi_latent_attention") or False):
         fields.update(MLA_FIELDS)
-        if _value(ns, "q_lora_rank") is None and _value(ns, "qk_layernorm"):
-            raise MegatronArgsError(
-                "args.qk_layernorm = True with args.q_lora_rank = None: megatron-core's MLA "
-                "then norms the hidden states inside linear_q_proj, which megamoe's MLA "
-                "does not have (not supported yet)")
     if _value(ns, "mtp_num_layers") not in (None, 0):
         fields.update(MTP_FIELDS)
     flags: list[str] = []
@@ -236,8 +231,9 @@ def megatron_cannot_express(config: ModelConfig) -> Optional[str]:
             return (f"MLA's YaRN {name} is {getattr(config, name)}; Megatron-LM's MLA "
                     f"always uses {megatron} (no flag sets it)")
     if config.q_lora_rank is None and config.qk_layernorm:
-        return ("MLA with --qk-layernorm and no --q-lora-rank: megatron-core would add a "
-                "norm of the hidden states inside linear_q_proj")
+        return ("MLA with --qk-layernorm and no --q-lora-rank: megatron-core (since July "
+                "2026, 0.19) adds a norm of the hidden states inside linear_q_proj, which "
+                "megamoe's MLA does not have")
     return None
 
 

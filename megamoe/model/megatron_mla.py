@@ -17,9 +17,11 @@ multi_token_prediction.py; verified on real saves in tests/tools/megatron_peer):
 - the latent norms (--qk-layernorm): the local spec's `q_layernorm.weight` /
   `kv_layernorm.weight`; the TE spec fuses them into the up projections,
   `linear_q_up_proj.layer_norm_weight` / `linear_kv_up_proj.layer_norm_weight`.
-  (With --qk-layernorm and no --q-lora-rank the TE spec fuses a norm of the hidden states
-  into linear_q_proj, which MLASelfAttention does not have, and the local spec refuses to
-  build: megatron_args.py refuses that combination.)
+  With --qk-layernorm and no --q-lora-rank (DeepSeek-V2-Lite), megatron-core since
+  July 2026 (0.19, mla_qk_norm_config.py) fuses a norm of the hidden states into the TE
+  spec's linear_q_proj (`linear_q_proj.layer_norm_weight`; its local spec refuses to
+  build), which MLASelfAttention does not have: such a checkpoint is refused, one written
+  before (plain linear_q_proj, kv_layernorm only) converts.
 - the input norm is `input_layernorm.weight` in both specs (MLA's spec keeps it apart from
   the projections); the pre-MLP norm `pre_mlp_layernorm.weight`, except in the TE spec's
   dense layers (`mlp.linear_fc1.layer_norm_weight`).
@@ -49,6 +51,10 @@ MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.we
 def mla_to_megamoe(src: dict[str, Tensor], att: str, mm: str) -> dict[str, Tensor]:
     """Pop one layer's MLA tensors under Megatron's `att` prefix (either spec's names)
     from `src`; return them under megamoe's `mm` prefix."""
+    if f"{att}.linear_q_proj.layer_norm_weight" in src:
+        raise ValueError(f"{att}.linear_q_proj.layer_norm_weight: megatron-core's norm of "
+                         "the hidden states inside linear_q_proj (--qk-layernorm without "
+                         "--q-lora-rank) is not supported yet by megamoe's MLA")
     out = {}
     for name in MLA_NAMES:
         found = [n for n in (name, TE_NORMS.get(name)) if n and f"{att}.{n}" in src]

@@ -35,6 +35,7 @@ from megamoe.cli.megatron_args import (
     megatron_cannot_express,
 )
 from megamoe.config import ModelConfig
+from megamoe.model.megatron_mla import mla_to_megamoe
 from megamoe.model.mtp import MTPLossTracker
 from megamoe.training.checkpoint import build_single_process_model
 from megamoe.training.checkpoint.safe_load import read_dcp_metadata
@@ -228,13 +229,20 @@ def test_mla_mtp_args_checked(field, value, needle):
 
 
 def test_mla_norm_megamoe_cannot_hold_is_refused_both_ways():
-    """--qk-layernorm without --q-lora-rank: megatron-core's TE spec norms the hidden
-    states inside linear_q_proj (its local spec refuses to build): not megamoe's MLA."""
-    with pytest.raises(MegatronArgsError, match="args.qk_layernorm"):
-        flags_from_args(_mla_args(q_lora_rank=None))
+    """--qk-layernorm without --q-lora-rank (DeepSeek-V2-Lite): megatron-core before
+    0.19 built the kv latent norm only (megamoe's MLA); since then its TE spec also norms
+    the hidden states inside linear_q_proj (its local spec refuses to build). Read: the
+    args convert, the extra norm's tensor is refused; written: refused (the Megatron of
+    today would build that norm)."""
+    assert "--qk-layernorm" in flags_from_args(_mla_args(q_lora_rank=None))
+    att = "decoder.layers.0.self_attention"
+    src = {f"{att}.linear_q_proj.weight": torch.zeros(80, 64),
+           f"{att}.linear_q_proj.layer_norm_weight": torch.ones(64)}
+    with pytest.raises(ValueError, match="linear_q_proj.layer_norm_weight.*not supported"):
+        mla_to_megamoe(src, att, att)
     mla = dict(multi_latent_attention=True, num_attention_heads=4, hidden_size=64,
                kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10)
-    assert megatron_cannot_express(ModelConfig(**mla, qk_layernorm=True)) is not None
+    assert "linear_q_proj" in megatron_cannot_express(ModelConfig(**mla, qk_layernorm=True))
     assert megatron_cannot_express(ModelConfig(**mla, q_lora_rank=24, qk_layernorm=True)) is None
     why = megatron_cannot_express(ModelConfig(**mla, original_max_position_embeddings=8192))
     assert "original_max_position_embeddings" in why
