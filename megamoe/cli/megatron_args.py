@@ -231,8 +231,8 @@ def megatron_cannot_express(config: ModelConfig) -> Optional[str]:
             return (f"MLA's YaRN {name} is {getattr(config, name)}; Megatron-LM's MLA "
                     f"always uses {megatron} (no flag sets it)")
     if config.q_lora_rank is None and config.qk_layernorm:
-        return ("MLA with --qk-layernorm and no --q-lora-rank: megatron-core (since July "
-                "2026, 0.19) adds a norm of the hidden states inside linear_q_proj, which "
+        return ("MLA with --qk-layernorm and no --q-lora-rank: megatron-core (since "
+                "July 2026, 0.19.2) adds a norm of the hidden states inside linear_q_proj, which "
                 "megamoe's MLA does not have")
     return None
 

@@ -230,7 +230,7 @@ def test_mla_mtp_args_checked(field, value, needle):
 
 def test_mla_norm_megamoe_cannot_hold_is_refused_both_ways():
     """--qk-layernorm without --q-lora-rank (DeepSeek-V2-Lite): megatron-core before
-    0.19 built the kv latent norm only (megamoe's MLA); since then its TE spec also norms
+    July 2026 (Megatron-LM 4464d1c) built the kv latent norm only (megamoe's MLA); since then its TE spec also norms
     the hidden states inside linear_q_proj (its local spec refuses to build). Read: the
     args convert, the extra norm's tensor is refused; written: refused (the Megatron of
     today would build that norm)."""
