@@ -18,10 +18,11 @@ multi_token_prediction.py; verified on real saves in tests/tools/megatron_peer):
   `kv_layernorm.weight`; the TE spec fuses them into the up projections,
   `linear_q_up_proj.layer_norm_weight` / `linear_kv_up_proj.layer_norm_weight`.
   With --qk-layernorm and no --q-lora-rank (DeepSeek-V2-Lite), megatron-core since
-  Megatron-LM commit 4464d1c (July 2026; in 0.19.2, mla_qk_norm_config.py) fuses a norm of the hidden states into the TE
-  spec's linear_q_proj (`linear_q_proj.layer_norm_weight`; its local spec refuses to
-  build), which MLASelfAttention does not have: such a checkpoint is refused, one written
-  before (plain linear_q_proj, kv_layernorm only) converts.
+  Megatron-LM 4464d1c (July 2026; in 0.19.2, mla_qk_norm_config.py) fuses a norm of
+  the hidden states into the TE spec's linear_q_proj
+  (`linear_q_proj.layer_norm_weight`; its local spec refuses to build), which
+  MLASelfAttention does not have: such a checkpoint is refused; one written before
+  (plain linear_q_proj, kv_layernorm only) converts.
 - the input norm is `input_layernorm.weight` in both specs (MLA's spec keeps it apart from
   the projections); the pre-MLP norm `pre_mlp_layernorm.weight`, except in the TE spec's
   dense layers (`mlp.linear_fc1.layer_norm_weight`).

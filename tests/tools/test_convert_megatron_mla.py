@@ -230,10 +230,10 @@ def test_mla_mtp_args_checked(field, value, needle):
 
 def test_mla_norm_megamoe_cannot_hold_is_refused_both_ways():
     """--qk-layernorm without --q-lora-rank (DeepSeek-V2-Lite): megatron-core before
-    July 2026 (Megatron-LM 4464d1c) built the kv latent norm only (megamoe's MLA); since then its TE spec also norms
-    the hidden states inside linear_q_proj (its local spec refuses to build). Read: the
-    args convert, the extra norm's tensor is refused; written: refused (the Megatron of
-    today would build that norm)."""
+    July 2026 (Megatron-LM 4464d1c) built the kv latent norm only (megamoe's MLA);
+    since then its TE spec also norms the hidden states inside linear_q_proj (its local
+    spec refuses to build). Read: the args convert, the extra norm's tensor is refused;
+    written: refused (the Megatron of today would build that norm)."""
     assert "--qk-layernorm" in flags_from_args(_mla_args(q_lora_rank=None))
     att = "decoder.layers.0.self_attention"
     src = {f"{att}.linear_q_proj.weight": torch.zeros(80, 64),
