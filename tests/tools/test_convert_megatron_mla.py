@@ -42,6 +42,8 @@ from megamoe.training.checkpoint.safe_load import read_dcp_metadata
 from tests.tools.megatron_peer.mcore_venv import PeerUnavailable, peer_python, run_peer
 from tests.tools.test_convert_megatron import (
     _assert_close,
+    _fails_cleanly,
+    _rewrite_common,
     _tensors,
     _to_megamoe,
     megatron_format,
@@ -146,6 +148,18 @@ def test_mla_mtp_both_ways(saves, tmp_path):
         args = megatron_format.read_megatron(f"{out}/{IT}")[0]["args"]
         for name in (*MLA_FIELDS, *MTP_FIELDS, "qk_layernorm", "moe_layer_freq"):
             assert getattr(args, name) == getattr(saved_args, name), name
+
+
+def test_bad_mla_field_in_a_real_save(saves, tmp_path, capsys):
+    """A saved MLA field of the wrong type: one line naming it, exit 1, nothing written."""
+    bad, out = str(tmp_path / "bad"), str(tmp_path / "out")
+
+    def edit(common):
+        common["args"].kv_lora_rank = "20"
+        return common
+    _rewrite_common(saves("mla_mtp"), bad, edit)
+    _fails_cleanly(capsys, ["megatron-to-megamoe", "--input", bad, "--output", out], out,
+                   "args.kv_lora_rank = '20'")
 
 
 @pytest.mark.slow
