@@ -3,8 +3,9 @@
 Megatron-LM saves its whole argparse Namespace in every checkpoint; the model's shape and
 the run's schedule are read from it here, field by field, each checked for type and
 range (the checkpoint may come from anywhere). A field that changes the network in a way
-megamoe does not convert yet (`apply_layernorm_1p`, MLA, MTP, learned positions, ...) is
-refused with one line naming the Megatron field; fields that only describe the run's
+megamoe does not convert yet (`apply_layernorm_1p`, `rotary_interleaved`, ...) is
+refused with one line naming the Megatron field (MLA and MTP are read: MLA_FIELDS,
+MTP_FIELDS); fields that only describe the run's
 bookkeeping (paths, logging, kernels) are ignored. The reverse direction writes the same
 field names, so Megatron-LM's `--use-checkpoint-args` and megatron-core read them.
 """
@@ -114,6 +115,26 @@ MODEL_FIELDS: dict[str, tuple[str, Callable]] = {
     "moe_z_loss_coeff": ("--moe-z-loss-coeff", _float()),
 }
 
+# Multi-latent attention (with args.multi_latent_attention only: Megatron saves its
+# defaults in every run) and multi-token prediction (with args.mtp_num_layers only).
+_SCALE = _float(0.0, 1e6)
+MLA_FIELDS: dict[str, tuple[str, Callable]] = {
+    "multi_latent_attention": ("--multi-latent-attention", _bool),
+    "q_lora_rank": ("--q-lora-rank", _int()),
+    "kv_lora_rank": ("--kv-lora-rank", _int()),
+    "qk_head_dim": ("--qk-head-dim", _int()),
+    "qk_pos_emb_head_dim": ("--qk-pos-emb-head-dim", _int()),
+    "v_head_dim": ("--v-head-dim", _int()),
+    "rope_type": ("--rope-type", _choice("rope", "yarn")),
+    "rotary_scaling_factor": ("--rotary-scaling-factor", _float(1e-6, 1e6)),
+    "mscale": ("--mscale", _SCALE),
+    "mscale_all_dim": ("--mscale-all-dim", _SCALE),
+}
+MTP_FIELDS: dict[str, tuple[str, Callable]] = {
+    "mtp_num_layers": ("--mtp-num-layers", _int()),
+    "mtp_loss_scaling_factor": ("--mtp-loss-scaling-factor", _SCALE),
+}
+
 # The run's schedule: what --load needs to continue where Megatron stopped.
 TRAIN_FIELDS: dict[str, tuple[str, Callable]] = {
     "micro_batch_size": ("--micro-batch-size", _int()),
@@ -135,7 +156,9 @@ TRAIN_FIELDS: dict[str, tuple[str, Callable]] = {
 
 # Fields that change the network in ways not converted yet: (field, the value that is fine).
 UNSUPPORTED: dict[str, Any] = {
-    "apply_layernorm_1p": False, "multi_latent_attention": False, "mtp_num_layers": None,
+    "apply_layernorm_1p": False, "rotary_interleaved": False, "mla_down_proj_fusion": False,
+    "experimental_attention_variant": None, "mtp_use_repeated_layer": False,
+    "mtp_detach_heads": False, "mtp_hsm": False,
     "add_bias_linear": False, "apply_residual_connection_post_layernorm": False,
     "squared_relu": False, "openai_gelu": False, "moe_use_upcycling": False,
     "num_experts_per_layer": None, "heterogeneous_layers_config_path": None,
@@ -154,8 +177,13 @@ def flags_from_args(ns: argparse.Namespace) -> list[str]:
         if v not in ((None, 0) if fine is None else (fine, None)):
             raise MegatronArgsError(f"args.{name} = {v!r}: not supported yet by megamoe's "
                                     "Megatron-LM conversion")
+    fields = dict(MODEL_FIELDS)
+    if _bool("multi_latent_attention", _value(ns, "multi_latent_attention") or False):
+        fields.update(MLA_FIELDS)
+    if _value(ns, "mtp_num_layers") not in (None, 0):
+        fields.update(MTP_FIELDS)
     flags: list[str] = []
-    for name, (flag, check) in {**MODEL_FIELDS, **TRAIN_FIELDS}.items():
+    for name, (flag, check) in {**fields, **TRAIN_FIELDS}.items():
         v = _value(ns, name)
         if v is None or (name == "num_experts" and v == 0) or (
                 name == "num_query_groups" and not _value(ns, "group_query_attention")):
@@ -185,6 +213,39 @@ def vocab_size_of(ns: argparse.Namespace) -> tuple[int, int]:
 
 def dtype_name(ns: argparse.Namespace) -> str:
     return "bf16" if _value(ns, "bf16") else "fp16" if _value(ns, "fp16") else "fp32"
+
+
+# MLATransformerConfig's YaRN constants: Megatron-LM has no flag for them (MLA takes the
+# dataclass defaults), so a model with others cannot be written as a Megatron-LM run.
+MEGATRON_MLA_YARN = {"original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0}
+
+
+def megatron_cannot_express(config: ModelConfig) -> Optional[str]:
+    """Why a Megatron-LM run cannot hold this model (its args and megatron-core's MLA),
+    or None."""
+    if not config.multi_latent_attention:
+        return None
+    for name, megatron in MEGATRON_MLA_YARN.items():
+        if getattr(config, name) != megatron:
+            return (f"MLA's YaRN {name} is {getattr(config, name)}; Megatron-LM's MLA "
+                    f"always uses {megatron} (no flag sets it)")
+    if config.q_lora_rank is None and config.qk_layernorm:
+        return ("MLA with --qk-layernorm and no --q-lora-rank: megatron-core (since "
+                "July 2026, 0.19.2) adds a norm of the hidden states inside linear_q_proj, which "
+                "megamoe's MLA does not have")
+    return None
+
+
+def _mla_mtp_fields(config: ModelConfig) -> dict[str, Any]:
+    """MLA's and MTP's fields under Megatron's names (Megatron's defaults when off, as its
+    Namespace holds them). `rope_type` None is Megatron's "MLA takes yarn"."""
+    mla = {"multi_latent_attention": config.multi_latent_attention,
+           **{name: getattr(config, name) for name in MLA_FIELDS
+              if name != "multi_latent_attention"}}
+    return {**mla, "mtp_num_layers": config.mtp_num_layers,
+            "mtp_loss_scaling_factor": config.mtp_loss_scaling_factor,
+            "rotary_interleaved": False, "mla_down_proj_fusion": False}
 
 
 def megatron_namespace(saved_args: dict, config: ModelConfig, iteration: int,
@@ -222,7 +283,7 @@ def megatron_namespace(saved_args: dict, config: ModelConfig, iteration: int,
         moe_router_enable_expert_bias=bool(moe and moe.enable_expert_bias),
         moe_router_pre_softmax=bool(moe and moe.pre_softmax),
         moe_router_topk_scaling_factor=moe.topk_scaling_factor if moe else None,
-        multi_latent_attention=False, mtp_num_layers=None, apply_layernorm_1p=False,
+        **_mla_mtp_fields(config), apply_layernorm_1p=False,
         iteration=iteration, consumed_train_samples=consumed_samples,
         consumed_valid_samples=0, ckpt_format="torch_dist",
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

@@ -15,6 +15,7 @@ What megatron-core 0.19 writes with `dist_checkpointing.save(model.sharded_state
 - norms: the input norm is `self_attention.linear_qkv.layer_norm_weight` (both specs); the
   pre-MLP norm is `mlp.linear_fc1.layer_norm_weight` in dense layers (both specs) and in
   the local spec's MoE layers, `pre_mlp_layernorm.weight` in the TE spec's MoE layers.
+- multi-latent attention and MTP depths: megatron_mla.py.
 - `*._extra_state` byte items (TE's FP8 metadata; None for local modules) carry no weight.
 
 Every input tensor must be consumed: an unmapped key is an error, never a dropped weight.
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from megamoe.config import ModelConfig
+from megamoe.model.megatron_mla import MTP_OWN, mla_to_megamoe, mla_to_megatron
 
 Tensor = torch.Tensor
 SPECS = ("te", "local")
@@ -120,11 +122,30 @@ def to_megamoe(megatron_sd: Mapping[str, Tensor], config: ModelConfig) -> dict[s
     if config.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = _pad_vocab(src.pop("output_layer.weight"), config)
     for i in range(config.num_layers):
-        mg = mm = f"decoder.layers.{i}"
-        att = f"{mg}.self_attention"
-        out[f"{mm}.input_layernorm.weight"] = _pop_one(
-            src, [f"{att}.linear_qkv.layer_norm_weight", f"{mg}.input_layernorm.weight"],
-            f"layer {i} input norm")
+        _layer_to_megamoe(src, out, f"decoder.layers.{i}", f"decoder.layers.{i}", i, config)
+    for k in range(config.num_mtp_layers):
+        depth = f"mtp.layers.{k}"
+        for name in MTP_OWN:
+            out[f"{depth}.{name}"] = src.pop(f"{depth}.{name}")
+        _layer_to_megamoe(src, out, f"{depth}.transformer_layer",
+                          f"{depth}.transformer_layer", config.num_layers + k, config)
+    if src:
+        raise KeyError(f"Megatron tensors with no megamoe name: {sorted(src)[:6]}"
+                       f"{' ...' if len(src) > 6 else ''}")
+    return out
+
+
+def _layer_to_megamoe(src: dict, out: dict, mg: str, mm: str, i: int,
+                      config: ModelConfig) -> None:
+    """Pop transformer layer `i`'s tensors (Megatron prefix `mg`) into `out` (prefix
+    `mm`); `i` >= num_layers: an MTP depth's layer."""
+    att = f"{mg}.self_attention"
+    out[f"{mm}.input_layernorm.weight"] = _pop_one(
+        src, [f"{att}.linear_qkv.layer_norm_weight", f"{mg}.input_layernorm.weight"],
+        f"layer {i} input norm")
+    if config.multi_latent_attention:
+        out.update(mla_to_megamoe(src, att, f"{mm}.self_attention"))
+    else:
         out[f"{mm}.self_attention.linear_qkv.weight"] = qkv_to_megamoe(
             src.pop(f"{att}.linear_qkv.weight"), config)
         if f"{att}.linear_qkv.bias" in src:
@@ -134,35 +155,32 @@ def to_megamoe(megatron_sd: Mapping[str, Tensor], config: ModelConfig) -> dict[s
                      "k_layernorm.weight"):
             if f"{att}.{name}" in src:
                 out[f"{mm}.self_attention.{name}"] = src.pop(f"{att}.{name}")
-        out[f"{mm}.pre_mlp_layernorm.weight"] = _pop_one(
-            src, [f"{mg}.mlp.linear_fc1.layer_norm_weight", f"{mg}.pre_mlp_layernorm.weight"],
-            f"layer {i} pre-MLP norm")
-        mlp = f"{mg}.mlp"
-        if not config.is_moe_layer(i):
-            for name in ("linear_fc1.weight", "linear_fc2.weight"):
-                out[f"{mm}.mlp.{name}"] = src.pop(f"{mlp}.{name}")
-            continue
-        out[f"{mm}.mlp.router.weight"] = src.pop(f"{mlp}.router.weight")
-        if f"{mlp}.router.expert_bias" in src:
-            out[f"{mm}.mlp.router.expert_bias"] = src.pop(f"{mlp}.router.expert_bias")
-        fc1_E2FH = _experts(src, f"{mlp}.experts.experts", "linear_fc1", config)
-        fc2_EHF = _experts(src, f"{mlp}.experts.experts", "linear_fc2", config)
-        out[f"{mm}.mlp.experts.fc1_weight"] = fc1_E2FH.transpose(1, 2).contiguous()
-        out[f"{mm}.mlp.experts.fc2_weight"] = fc2_EHF.transpose(1, 2).contiguous()
-        for name in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight"):
-            if f"{mlp}.shared_experts.{name}" in src:
-                out[f"{mm}.mlp.shared_experts.{name}"] = src.pop(f"{mlp}.shared_experts.{name}")
-    if src:
-        raise KeyError(f"Megatron tensors with no megamoe name: {sorted(src)[:6]}"
-                       f"{' ...' if len(src) > 6 else ''}")
-    return out
+    out[f"{mm}.pre_mlp_layernorm.weight"] = _pop_one(
+        src, [f"{mg}.mlp.linear_fc1.layer_norm_weight", f"{mg}.pre_mlp_layernorm.weight"],
+        f"layer {i} pre-MLP norm")
+    mlp = f"{mg}.mlp"
+    if not config.is_moe_layer(i):
+        for name in ("linear_fc1.weight", "linear_fc2.weight"):
+            out[f"{mm}.mlp.{name}"] = src.pop(f"{mlp}.{name}")
+        return
+    out[f"{mm}.mlp.router.weight"] = src.pop(f"{mlp}.router.weight")
+    if f"{mlp}.router.expert_bias" in src:
+        out[f"{mm}.mlp.router.expert_bias"] = src.pop(f"{mlp}.router.expert_bias")
+    fc1_E2FH = _experts(src, f"{mlp}.experts.experts", "linear_fc1", config)
+    fc2_EHF = _experts(src, f"{mlp}.experts.experts", "linear_fc2", config)
+    out[f"{mm}.mlp.experts.fc1_weight"] = fc1_E2FH.transpose(1, 2).contiguous()
+    out[f"{mm}.mlp.experts.fc2_weight"] = fc2_EHF.transpose(1, 2).contiguous()
+    for name in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight"):
+        if f"{mlp}.shared_experts.{name}" in src:
+            out[f"{mm}.mlp.shared_experts.{name}"] = src.pop(f"{mlp}.shared_experts.{name}")
 
 
 def to_megatron(state_dict: Mapping[str, Tensor], config: ModelConfig, spec: str = "te"
                 ) -> dict[str, Tensor]:
     """GPTModel's state dict -> megatron-core's torch_dist tensors for a `spec` ("te" or
-    "local") model, in the layer layout megatron-core writes (`stacked_layers`). Padded
-    vocabulary rows are written as GPTModel holds them (zeros past vocab_size)."""
+    "local") model, in the layer layout megatron-core writes (`stacked_layers`; MTP
+    depths one key each). Padded vocabulary rows are written as GPTModel holds them
+    (zeros past vocab_size)."""
     if spec not in SPECS:
         raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
     src = dict(state_dict)
@@ -170,9 +188,38 @@ def to_megatron(state_dict: Mapping[str, Tensor], config: ModelConfig, spec: str
            "decoder.final_layernorm.weight": src.pop("decoder.final_layernorm.weight")}
     if config.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = src.pop("output_layer.weight")
-    layers: list[dict[str, Tensor]] = []
-    for i in range(config.num_layers):
-        mm, lay = f"decoder.layers.{i}", {}
+    layers = [_layer_to_megatron(src, f"decoder.layers.{i}", i, config, spec)
+              for i in range(config.num_layers)]
+    for k in range(config.num_mtp_layers):
+        depth = f"mtp.layers.{k}"
+        for name in MTP_OWN:
+            out[f"{depth}.{name}"] = src.pop(f"{depth}.{name}")
+        lay = _layer_to_megatron(src, f"{depth}.transformer_layer", config.num_layers + k,
+                                 config, spec)
+        out.update({f"{depth}.transformer_layer.{n}": t for n, t in lay.items()})
+    if src:
+        raise KeyError(f"GPTModel keys with no Megatron name: {sorted(src)[:6]}")
+    if stacked_layers(config):
+        for name in layers[0]:
+            out[f"decoder.layers.{name}"] = torch.stack([lay[name] for lay in layers])
+    else:
+        for i, lay in enumerate(layers):
+            out.update({f"decoder.layers.{i}.{name}": t for name, t in lay.items()})
+    return out
+
+
+def _layer_to_megatron(src: dict, mm: str, i: int, config: ModelConfig, spec: str
+                       ) -> dict[str, Tensor]:
+    """Pop transformer layer `i`'s tensors (megamoe prefix `mm`); return them under
+    Megatron's names relative to the layer."""
+    lay: dict[str, Tensor] = {}
+    moe = config.is_moe_layer(i)
+    if config.multi_latent_attention:  # norms apart from the projections (megatron_mla.py)
+        lay["input_layernorm.weight"] = src.pop(f"{mm}.input_layernorm.weight")
+        lay.update(mla_to_megatron(src, f"{mm}.self_attention", spec))
+        norm = ("mlp.linear_fc1.layer_norm_weight" if spec == "te" and not moe
+                else "pre_mlp_layernorm.weight")
+    else:
         lay["self_attention.linear_qkv.layer_norm_weight"] = src.pop(
             f"{mm}.input_layernorm.weight")
         for name in ("weight", "bias"):
@@ -183,25 +230,15 @@ def to_megatron(state_dict: Mapping[str, Tensor], config: ModelConfig, spec: str
                      "k_layernorm.weight"):
             if f"{mm}.self_attention.{name}" in src:
                 lay[f"self_attention.{name}"] = src.pop(f"{mm}.self_attention.{name}")
-        moe = config.is_moe_layer(i)
         norm = ("pre_mlp_layernorm.weight" if moe and spec == "te"
                 else "mlp.linear_fc1.layer_norm_weight")
-        lay[norm] = src.pop(f"{mm}.pre_mlp_layernorm.weight")
-        for key in [k for k in src if k.startswith(f"{mm}.mlp.")]:
-            name, t = key[len(f"{mm}."):], src.pop(key)
-            if name == "mlp.experts.fc1_weight":
-                lay["mlp.experts.experts.linear_fc1.weight"] = t.transpose(1, 2).contiguous()
-            elif name == "mlp.experts.fc2_weight":
-                lay["mlp.experts.experts.linear_fc2.weight"] = t.transpose(1, 2).contiguous()
-            else:
-                lay[name] = t
-        layers.append(lay)
-    if src:
-        raise KeyError(f"GPTModel keys with no Megatron name: {sorted(src)[:6]}")
-    if stacked_layers(config):
-        for name in layers[0]:
-            out[f"decoder.layers.{name}"] = torch.stack([lay[name] for lay in layers])
-    else:
-        for i, lay in enumerate(layers):
-            out.update({f"decoder.layers.{i}.{name}": t for name, t in lay.items()})
-    return out
+    lay[norm] = src.pop(f"{mm}.pre_mlp_layernorm.weight")
+    for key in [k for k in src if k.startswith(f"{mm}.mlp.")]:
+        name, t = key[len(f"{mm}."):], src.pop(key)
+        if name == "mlp.experts.fc1_weight":
+            lay["mlp.experts.experts.linear_fc1.weight"] = t.transpose(1, 2).contiguous()
+        elif name == "mlp.experts.fc2_weight":
+            lay["mlp.experts.experts.linear_fc2.weight"] = t.transpose(1, 2).contiguous()
+        else:
+            lay[name] = t
+    return lay

@@ -14,7 +14,12 @@ Each `mp_rank_{tp}[_{pp}][_{ep}]/model_optim_rng.pt` holds its rank's pipeline c
   megatron-core's interleaved order), row-parallel on dim 1, and SwiGLU's fc1 as per-rank
   [gate_r; up_r] halves (gate = cat(gate_r), up = cat(up_r)); expert weights split over
   the expert-tensor-parallel size (ETP = TP, Megatron's default, or 1); replicated tensors
-  (norms, router, expert bias, shared-expert gate) are taken from the lowest rank.
+  (norms, router, expert bias, shared-expert gate) are taken from the lowest rank;
+- MLA (megatron_mla.py's names): the up projections and linear_q_proj column-parallel,
+  the down projections column-parallel (local spec) or duplicated (TE spec), the latent
+  norms replicated; MTP depths (`mtp.layers.{k}.`, on the last stage) as a layer, their
+  eh_proj column-parallel, enorm / hnorm / final norm replicated, and the last stage's
+  copy of the word embeddings (MTP's, kept equal to the first stage's) not used.
 
 Every tensor name must have a known layout: an unknown one is an error, not a guess.
 The output uses per-layer, per-expert names (`decoder.layers.{i}.mlp.experts.experts.
@@ -33,7 +38,13 @@ Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
 
 COLUMN = {"embedding.word_embeddings.weight", "output_layer.weight",
-          "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"}
+          "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+          "self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
+          "self_attention.linear_kv_up_proj.weight", "eh_proj.weight"}
+# MLA's down projections: column-parallel in the local spec, duplicated (whole on every
+# rank) in the TE spec; the saved args' sizes tell which (LegacyLayout.mla_down_rows).
+MLA_DOWN = ("self_attention.linear_q_down_proj.weight",
+            "self_attention.linear_kv_down_proj.weight")
 ROW = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
        "mlp.shared_experts.linear_fc2.weight"}
 GLU = {"mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"}
@@ -41,8 +52,16 @@ REPLICATED = {"decoder.final_layernorm.weight", "input_layernorm.weight",
               "pre_mlp_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
               "mlp.linear_fc1.layer_norm_weight", "self_attention.q_layernorm.weight",
               "self_attention.k_layernorm.weight", "self_attention.linear_proj.bias",
-              "mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.gate_weight"}
+              "mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.gate_weight",
+              "self_attention.kv_layernorm.weight",
+              "self_attention.linear_q_up_proj.layer_norm_weight",
+              "self_attention.linear_kv_up_proj.layer_norm_weight",
+              "enorm.weight", "hnorm.weight", "final_layernorm.weight"}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# An MTP depth's transformer layer (`mtp_model_layer` in megatron-core 0.19's state_dict,
+# `transformer_layer` before and in torch_dist), and the depth's own tensors.
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(?:mtp_model_layer|transformer_layer)\.(.+)")
+_MTP_OWN = re.compile(r"mtp\.layers\.(\d+)\.((?:enorm|hnorm|eh_proj|final_layernorm)\.weight)")
 _EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight"
                      r"|(linear_fc[12])\.weight(\d+))")
 
@@ -60,6 +79,9 @@ class LegacyLayout:
     num_experts: int
     swiglu: bool
     tied: bool
+    # MLA: the full rows of linear_q_down_proj (None without a query latent) and of
+    # linear_kv_down_proj (kv_lora_rank + qk_pos_emb_head_dim); None without MLA.
+    mla_down_rows: Optional[tuple[Optional[int], int]] = None
 
     @property
     def chunks(self) -> int:
@@ -74,10 +96,19 @@ class LegacyLayout:
         return vp_stage * (self.num_layers // self.chunks) + pp_rank * self.layers_per_chunk
 
 
-def _merge_tp(name: str, shards: list[Tensor], glu: bool) -> Tensor:
+def _merge_tp(name: str, shards: list[Tensor], glu: bool,
+              mla_down_rows: Optional[tuple] = None) -> Tensor:
     """One tensor from its TP shards (`name` without the layer prefix)."""
     if len(shards) == 1 or name in REPLICATED:
         return shards[0]
+    if name in MLA_DOWN:
+        full = mla_down_rows[MLA_DOWN.index(name)] if mla_down_rows else None
+        if full is not None and all(s.shape[0] == full for s in shards):
+            return shards[0]  # TE spec: duplicated
+        if full is not None and sum(s.shape[0] for s in shards) == full:
+            return torch.cat(shards, dim=0)  # local spec: column-parallel
+        raise ValueError(f"{name}: TP shards of {[s.shape[0] for s in shards]} rows, "
+                         f"neither whole nor a split of {full}")
     if name in COLUMN or (name in GLU and not glu):
         return torch.cat(shards, dim=0)
     if name in ROW:
@@ -89,7 +120,14 @@ def _merge_tp(name: str, shards: list[Tensor], glu: bool) -> Tensor:
 
 
 def _global_name(key: str, layout: LegacyLayout, offset: int) -> tuple[str, str]:
-    """(the global key, the name without the layer prefix) of a chunk's key."""
+    """(the global key, the name without the layer prefix) of a chunk's key. MTP depths
+    are numbered globally (all on the last stage: megatron-core's default placement)."""
+    mtp = _MTP_LAYER.fullmatch(key)
+    if mtp is not None:
+        return f"mtp.layers.{mtp.group(1)}.transformer_layer.{mtp.group(2)}", mtp.group(2)
+    own = _MTP_OWN.fullmatch(key)
+    if own is not None:
+        return key, own.group(2)
     m = _LAYER.fullmatch(key)
     if m is None:
         return key, key
@@ -99,11 +137,15 @@ def _global_name(key: str, layout: LegacyLayout, offset: int) -> tuple[str, str]
     return f"decoder.layers.{offset + local}.{m.group(2)}", m.group(2)
 
 
-def _split_experts(sd: StateDict) -> tuple[StateDict, dict[tuple[int, int, str], Tensor]]:
-    """(the non-expert tensors, {(local layer, local expert, fc): tensor})."""
+def _split_experts(sd: StateDict
+                   ) -> tuple[StateDict, dict[tuple[str, int, int, str], Tensor]]:
+    """(the non-expert tensors, {(kind, local layer or MTP depth, local expert, fc):
+    tensor}), kind "decoder" or "mtp"."""
     dense, experts = {}, {}
     for key, t in sd.items():
-        m = _LAYER.fullmatch(key)
+        m, kind = _LAYER.fullmatch(key), "decoder"
+        if m is None:
+            m, kind = _MTP_LAYER.fullmatch(key), "mtp"
         e = _EXPERT.fullmatch(m.group(2)) if m else None
         if e is None:
             if m and m.group(2).startswith("mlp.experts."):
@@ -112,7 +154,7 @@ def _split_experts(sd: StateDict) -> tuple[StateDict, dict[tuple[int, int, str],
             dense[key] = t
             continue
         i, fc = (e.group(1), e.group(2)) if e.group(1) is not None else (e.group(4), e.group(3))
-        experts[(int(m.group(1)), int(i), fc)] = t
+        experts[(kind, int(m.group(1)), int(i), fc)] = t
     return dense, experts
 
 
@@ -131,13 +173,16 @@ def merge_chunk(files: dict[tuple[int, int], StateDict], layout: LegacyLayout, p
     out: StateDict = {}
     last = pp_rank == layout.pp - 1 and vp_stage == layout.chunks - 1
     for key in names:
-        if key == "output_layer.weight" and layout.tied and not (pp_rank == 0 and vp_stage == 0):
+        first = pp_rank == 0 and vp_stage == 0
+        if key == "output_layer.weight" and layout.tied and not first:
             continue  # the last stage's copy of the (tied) word embeddings
+        if key == "embedding.word_embeddings.weight" and not first:
+            continue  # MTP's copy on the last stage (kept equal to the first stage's)
         name, short = _global_name(key, layout, offset)
-        if name == "output_layer.weight" and not last:
+        if (name == "output_layer.weight" or name.startswith("mtp.")) and not last:
             raise ValueError(f"{key} outside the last pipeline stage")
         out[name] = _merge_tp(short, [dense_of[t][key] for t in range(layout.tp)],
-                              layout.swiglu)
+                              layout.swiglu, layout.mla_down_rows)
     local_e = layout.num_experts // layout.ep if layout.num_experts else 0
     for ep in range(layout.ep):
         expert_of = {t: split[min(k for k in split if k[1] == ep and (
@@ -147,15 +192,18 @@ def merge_chunk(files: dict[tuple[int, int], StateDict], layout: LegacyLayout, p
             if sorted(experts) != keys:
                 raise ValueError(f"EP rank {ep}: expert TP rank {t} holds other experts "
                                  "than expert TP rank 0")
-        for (layer, i, fc) in keys:
+        for (kind, layer, i, fc) in keys:
             if i >= local_e:
                 raise ValueError(f"layer {layer} expert {i}: an EP rank holds {local_e}")
-            if layer >= layout.layers_per_chunk:
+            if kind == "decoder" and layer >= layout.layers_per_chunk:
                 raise ValueError(f"layer {layer}: a chunk holds {layout.layers_per_chunk}")
+            if kind == "mtp" and not last:
+                raise ValueError(f"MTP depth {layer} outside the last pipeline stage")
             short = "mlp.linear_fc1.weight" if fc == "linear_fc1" else "mlp.linear_fc2.weight"
-            name = (f"decoder.layers.{offset + layer}.mlp.experts.experts."
-                    f"{ep * local_e + i}.{fc}.weight")
-            out[name] = _merge_tp(short, [expert_of[t][(layer, i, fc)]
+            where = (f"decoder.layers.{offset + layer}" if kind == "decoder"
+                     else f"mtp.layers.{layer}.transformer_layer")
+            name = f"{where}.mlp.experts.experts.{ep * local_e + i}.{fc}.weight"
+            out[name] = _merge_tp(short, [expert_of[t][(kind, layer, i, fc)]
                                           for t in range(layout.etp)], layout.swiglu)
     return out
 

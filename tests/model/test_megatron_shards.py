@@ -130,3 +130,19 @@ def test_expert_tp_ranks_must_hold_the_same_experts():
     del files[(1, 0, 0)][0]["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
     with pytest.raises(ValueError, match="expert TP rank 1 holds other experts"):
         merge_legacy(files, lay)
+
+
+def test_mla_down_projections_split_or_duplicated():
+    """MLA's down projections: the local spec splits them over TP (ColumnParallelLinear),
+    the TE spec keeps them whole on every rank (TELinear duplicated, not producible by
+    the CPU peer); the saved args' sizes tell which, anything else is an error."""
+    from megamoe.model.megatron_shards import _merge_tp
+
+    w = torch.randn(28, H)
+    name = "self_attention.linear_kv_down_proj.weight"
+    assert torch.equal(_merge_tp(name, list(w.chunk(2)), True, (24, 28)), w)
+    assert torch.equal(_merge_tp(name, [w, w.clone()], True, (24, 28)), w)
+    with pytest.raises(ValueError, match="neither whole nor a split of 28"):
+        _merge_tp(name, [w[:10], w[:10]], True, (24, 28))
+    with pytest.raises(ValueError, match="neither whole nor a split"):
+        _merge_tp(name, list(w.chunk(2)), True, None)  # no MLA sizes in the args

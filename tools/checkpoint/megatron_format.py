@@ -34,12 +34,14 @@ from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.megatron_args import (
     MegatronArgsError,
     flags_from_args,
+    megatron_cannot_express,
     megatron_namespace,
     vocab_size_of,
 )
 from megamoe.config import ModelConfig, OptimizerConfig, to_dict
 from megamoe.model import megatron_mapping
 from megamoe.model.gpt_model import GPTModel
+from megamoe.model.megatron_mla import mla_extra_state_modules
 from megamoe.training.checkpoint import (
     save_dist_checkpoint,
 )
@@ -175,26 +177,37 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
 def _extra_state_keys(config: ModelConfig) -> list[str]:
     """The `_extra_state` byte items megatron-core's load asks for (one per module shard,
     None for a module without FP8 state), named as megatron-core names them."""
-    moe_e = config.moe.num_experts if config.moe else 0
-    mods = ["self_attention.linear_qkv", "self_attention.linear_proj"]
-    out: list[str] = []
     stacked = megatron_mapping.stacked_layers(config)
     L = config.num_layers
+    out: list[str] = []
     for i in range(L):
         layer = f"decoder.layers.{'' if stacked else f'{i}.'}"
-        loc = f"{i}_{L}" if stacked else "0_1"
-        names = list(mods)
-        if config.is_moe_layer(i):
-            if config.moe.shared_expert_intermediate_size:
-                names += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
-            for e in range(moe_e):
-                for fc in ("linear_fc1", "linear_fc2"):
-                    shard = f"{i}.{e}_{L}.{moe_e}" if stacked else f"{e}_{moe_e}"
-                    out.append(f"{layer}mlp.experts.experts.{fc}._extra_state/shard_{shard}")
-        else:
-            names += ["mlp.linear_fc1", "mlp.linear_fc2"]
-        out += [f"{layer}{n}._extra_state/shard_{loc}" for n in names]
+        out += _layer_extra_state(config, i, layer, L if stacked else None)
+    for k in range(config.num_mtp_layers):  # one key per depth, never stacked
+        out.append(f"mtp.layers.{k}.eh_proj._extra_state/shard_0_1")
+        out += _layer_extra_state(config, L + k, f"mtp.layers.{k}.transformer_layer.", None)
     return sorted(set(out))
+
+
+def _layer_extra_state(config: ModelConfig, i: int, layer: str, stacked_of: Optional[int]
+                       ) -> list[str]:
+    """Layer `i`'s items: `layer` its key prefix; `stacked_of`: L when the layers are
+    stacked (the shard index then names the layer too), None for a per-layer key."""
+    loc = f"{i}_{stacked_of}" if stacked_of else "0_1"
+    names = (mla_extra_state_modules(config) if config.multi_latent_attention
+             else ["self_attention.linear_qkv", "self_attention.linear_proj"])
+    out = []
+    if config.is_moe_layer(i):
+        moe_e = config.moe.num_experts
+        if config.moe.shared_expert_intermediate_size:
+            names += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        for e in range(moe_e):
+            for fc in ("linear_fc1", "linear_fc2"):
+                shard = f"{i}.{e}_{stacked_of}.{moe_e}" if stacked_of else f"{e}_{moe_e}"
+                out.append(f"{layer}mlp.experts.experts.{fc}._extra_state/shard_{shard}")
+    else:
+        names += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    return out + [f"{layer}{n}._extra_state/shard_{loc}" for n in names]
 
 
 class _PackedBytesPlanner(DefaultSavePlanner):
@@ -239,8 +252,9 @@ def megamoe_to_megatron(ckpt: str, out_dir: str, spec: str) -> str:
     """Convert; returns the published iteration directory."""
     state, config = read_megamoe_checkpoint(ckpt)
     file = state["_file"]
-    if config.multi_latent_attention or config.mtp_num_layers:
-        raise ConvertError(f"{file}: not supported yet: MLA / MTP models to Megatron-LM")
+    why = megatron_cannot_express(config)
+    if why:
+        raise ConvertError(f"{file}: cannot be written for Megatron-LM: {why}")
     try:
         tensors = megatron_mapping.to_megatron(state["model"], config, spec)
     except (KeyError, ValueError) as e:

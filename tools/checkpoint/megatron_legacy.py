@@ -88,9 +88,14 @@ def layout_of(ns: argparse.Namespace, where: str) -> LegacyLayout:
                     or not 0 < experts <= 2**20 or experts % ep):
         raise ConvertError(f"{where}: args.num_experts = {experts!r} does not split over "
                            f"EP {ep}")
+    down = None
+    if getattr(ns, "multi_latent_attention", False) is True:  # MLA's down projections
+        down = (_size(ns, "q_lora_rank", where, None),
+                _size(ns, "kv_lora_rank", where) + _size(ns, "qk_pos_emb_head_dim", where))
     return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, num_layers=layers,
                         num_experts=experts, swiglu=getattr(ns, "swiglu", False) is True,
-                        tied=not getattr(ns, "untie_embeddings_and_output_weights", False))
+                        tied=not getattr(ns, "untie_embeddings_and_output_weights", False),
+                        mla_down_rows=down)
 
 
 def _check_state(state: Any, path: str) -> dict:

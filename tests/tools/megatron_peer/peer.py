@@ -5,7 +5,8 @@
         builds a tiny megatron-core GPTModel (seeded, random norms and biases), saves it
         with dist_checkpointing.save in Megatron-LM's layout (tracker file, iter_0000007/,
         common state as Megatron-LM's training loop writes it), and writes the logits of
-        TOKENS to SAVE_DIR/reference_logits.pt
+        TOKENS to SAVE_DIR/reference_logits.pt (and, with MTP, each depth's logits of
+        TOKENS with LABELS in training mode to SAVE_DIR/reference_mtp_logits.pt)
     python peer.py load --variant mixtral --ckpt SAVE_DIR --out OUT.pt
         builds the same model, loads SAVE_DIR with dist_checkpointing.load (what
         Megatron-LM's --load does) and writes the logits of TOKENS; also the loaded
@@ -30,6 +31,14 @@ torch.cuda.synchronize = lambda *a, **k: None
 VOCAB = 128
 SEQ = 16
 TOKENS = [[(7 * i + 3 * b + 1) % 100 for i in range(SEQ)] for b in range(2)]
+LABELS = [[(7 * i + 3 * b + 8) % 100 for i in range(SEQ)] for b in range(2)]  # next tokens
+
+# DeepSeek-V3-style MLA (MLATransformerConfig fields): query and kv latents with their
+# norms, YaRN with a softmax-scale mscale, head dims all different so a swapped split fails.
+MLA = {"multi_latent_attention": True, "num_query_groups": None, "q_lora_rank": 24,
+       "kv_lora_rank": 20, "qk_head_dim": 12, "qk_pos_emb_head_dim": 8, "v_head_dim": 10,
+       "qk_layernorm": True, "rope_type": "yarn", "rotary_scaling_factor": 4.0,
+       "mscale": 1.0, "mscale_all_dim": 1.0}
 
 # variant -> TransformerConfig fields beyond the common Mixtral-like ones, and GPTModel's
 # share_embeddings_and_output_weights
@@ -42,7 +51,38 @@ VARIANTS = {
                       "moe_router_enable_expert_bias": True}, False),
     "qk_norm": ({"qk_layernorm": True}, True),
     "mixtral4": ({"num_layers": 4}, False),  # enough layers for PP2 x 2 virtual stages
+    # MLA + MTP (DeepSeek-V3's shape: a dense first layer, shared experts, sigmoid router
+    # with expert bias, two MTP depths of the last layer's kind)
+    "mla_mtp": ({**MLA, "num_layers": 2, "moe_layer_freq": [0, 1],
+                 "moe_shared_expert_intermediate_size": 48,
+                 "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                 "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}, False),
+    # plain RoPE on the position part, no query latent, no latent norms, tied embeddings
+    "mla_rope": ({**MLA, "q_lora_rank": None, "qk_layernorm": False, "rope_type": "rope",
+                  "rotary_scaling_factor": 1.0, "mscale_all_dim": 0.0}, True),
 }
+
+
+class MLACoreAttention(torch.nn.Module):
+    """Core attention for megatron-core's MLASelfAttention on CPU. megatron-core's local
+    DotProductAttention takes no k_channels / v_channels (MLA's q/k and v head dims
+    differ; its MLA runs on TE's DotProductAttention, which needs a GPU), so the peer
+    supplies this one: softmax(q k^T * softmax_scale + mask) v, with the softmax_scale
+    MLASelfAttention computes (its YaRN mscale). Everything else is megatron-core's."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
+                 pg_collection=None, **_):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                packed_seq_params=None, **_):
+        s, b, n, _ = query.shape  # [s, b, n, d]
+        scores = torch.einsum("sbnd,tbnd->bnst", query, key) * self.softmax_scale
+        scores = scores.masked_fill(attention_mask, float("-inf"))
+        out = torch.einsum("bnst,tbnv->sbnv", scores.softmax(-1), value)
+        return out.reshape(s, b, -1)
 
 
 def init_process_group() -> None:
@@ -59,7 +99,10 @@ def init_process_group() -> None:
 def transformer_config(variant: str, **layout):
     """The variant's TransformerConfig; `layout`: parallel sizes (tensor_model_parallel_size,
     ...) for the sharded runs of peer_legacy.py."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     fields = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                   num_query_groups=2, kv_channels=16, num_moe_experts=4, moe_router_topk=2,
@@ -73,7 +116,8 @@ def transformer_config(variant: str, **layout):
                   gradient_accumulation_fusion=False, init_method_std=0.05)
     fields.update(VARIANTS[variant][0])
     fields.update(layout)
-    return TransformerConfig(**fields)
+    cls = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return cls(**fields)
 
 
 def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
@@ -81,14 +125,22 @@ def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
     """The variant's model; `layout` and `stage` (vp_stage, pp_rank, pre_process,
     post_process) build one pipeline chunk of a sharded run (peer_legacy.py)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     config = transformer_config(variant, **(layout or {}))
     stage = stage or {}
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm", vp_stage=stage.get("vp_stage"),
                                       pp_rank=stage.get("pp_rank"))
-    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=vocab,
+    if config.multi_latent_attention:
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+           if config.mtp_num_layers else None)
+    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=vocab, mtp_block_spec=mtp,
                      max_sequence_length=SEQ, position_embedding_type="rope",
                      rotary_base=10000, share_embeddings_and_output_weights=VARIANTS[variant][1],
                      pre_process=stage.get("pre_process", True),
@@ -112,6 +164,29 @@ def logits(model) -> torch.Tensor:
         return model(tokens, pos, mask).float()
 
 
+def mtp_logits(model) -> torch.Tensor:
+    """[D, S, B, V]: each MTP depth's logits of TOKENS with LABELS, as process_mtp_loss
+    hands them to compute_language_model_loss (training mode: MTP runs only there)."""
+    seen = []
+    loss_fn = model.compute_language_model_loss
+
+    def record(labels, logits):
+        seen.append(logits.detach().float().clone())
+        return loss_fn(labels, logits)
+    model.compute_language_model_loss = record
+    tokens = torch.tensor(TOKENS)
+    pos = torch.arange(SEQ)[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    model.train()
+    with torch.no_grad():
+        model(tokens, pos, mask, labels=torch.tensor(LABELS))
+    model.eval()
+    model.compute_language_model_loss = loss_fn
+    depths = model.config.mtp_num_layers
+    assert len(seen) == depths + 1, len(seen)  # the depths, then the main head
+    return torch.stack(seen[:depths])
+
+
 def megatron_args(variant: str, iteration: int):
     """The fields of Megatron-LM's args Namespace (megatron/training/arguments.py names)
     that a GPT MoE run of this variant holds; the rest of a real Namespace is run
@@ -119,16 +194,23 @@ def megatron_args(variant: str, iteration: int):
     fields, tied = VARIANTS[variant]
     c = transformer_config(variant)
     gbs = 8
-    return argparse.Namespace(
+    mla = {k: getattr(c, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                      "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                                      "rotary_scaling_factor", "mscale", "mscale_all_dim")
+           } if c.multi_latent_attention else {}
+    return argparse.Namespace(**mla,
         num_layers=c.num_layers, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-        group_query_attention=True, num_query_groups=2, kv_channels=16, seq_length=SEQ,
+        group_query_attention=not c.multi_latent_attention, num_query_groups=2,
+        kv_channels=16, seq_length=SEQ,
         max_position_embeddings=SEQ, vocab_size=100, padded_vocab_size=VOCAB,
         make_vocab_size_divisible_by=128, normalization="RMSNorm", norm_epsilon=1e-5,
         position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
         swiglu=True, add_bias_linear=False, add_qkv_bias=False,
         untie_embeddings_and_output_weights=not tied, qk_layernorm=c.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05,
-        apply_layernorm_1p=False, multi_latent_attention=False, mtp_num_layers=None,
+        apply_layernorm_1p=False, multi_latent_attention=c.multi_latent_attention,
+        mtp_num_layers=c.mtp_num_layers, mtp_loss_scaling_factor=c.mtp_loss_scaling_factor,
+        rotary_interleaved=False, apply_rope_fusion=False, mla_down_proj_fusion=False,
         num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=80,
         moe_layer_freq=fields.get("moe_layer_freq", 1),
         moe_shared_expert_intermediate_size=fields.get("moe_shared_expert_intermediate_size"),
@@ -176,6 +258,8 @@ def save(variant: str, out: str, iteration: int) -> None:
     with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
     torch.save(logits(model), os.path.join(out, "reference_logits.pt"))
+    if model.config.mtp_num_layers:
+        torch.save(mtp_logits(model), os.path.join(out, "reference_mtp_logits.pt"))
 
 
 def load(variant: str, ckpt: str, out: str) -> None:
@@ -192,6 +276,8 @@ def load(variant: str, ckpt: str, out: str) -> None:
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, it_dir)
     model.load_state_dict(loaded["model"], strict=False)
     torch.save(logits(model), out)
+    if model.config.mtp_num_layers:
+        torch.save(mtp_logits(model), out + ".mtp")
     common = dist_checkpointing.load_common_state_dict(it_dir)
     info = {"iteration": common["iteration"], "checkpoint_version": common["checkpoint_version"],
             "args": {k: v for k, v in vars(common["args"]).items()

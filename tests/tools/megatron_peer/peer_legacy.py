@@ -18,7 +18,8 @@ its pipeline chunk(s) of the variant's megatron-core GPTModel and
 
 Then the parent process builds the TP1/PP1/EP1 model, has megatron-core itself load the
 torch_dist copy (its own resharding: independent of megamoe's merge of the legacy files)
-and writes its logits of TOKENS to SAVE_DIR/reference_logits.pt.
+and writes its logits of TOKENS to SAVE_DIR/reference_logits.pt (with MTP, also each
+depth's logits to SAVE_DIR/reference_mtp_logits.pt, as peer.py save).
 
 Replicated parameters are made equal across the ranks that hold them (a mean over the
 tensor- and data-parallel groups), as training's gradient all-reduce keeps them.
@@ -192,6 +193,8 @@ def reference(a) -> None:
     out = peer.logits(model)
     assert not torch.isnan(out).any(), "the torch_dist copy left weights unloaded"
     torch.save(out, os.path.join(a.out, "reference_logits.pt"))
+    if model.config.mtp_num_layers:
+        torch.save(peer.mtp_logits(model), os.path.join(a.out, "reference_mtp_logits.pt"))
     torch.distributed.destroy_process_group()
 
 
