@@ -68,7 +68,9 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
         log(rampup_note(run))
     c = run.checkpoint
     keep_checkpoint_vocab_padding(run.model, c.load, run.parallel.tensor_model_parallel_size, log)
+    stage = time.time()
     model = build_model(run, mesh)
+    log(f"> model built in {time.time() - stage:.1f} s")
     _log_model(run, mesh, model, log)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
                                 distributed=run.parallel.use_distributed_optimizer,
@@ -79,7 +81,9 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
     checkpoints = CheckpointManager(run, mesh, model, optimizer, scheduler, log)
     state = TrainState()
     state.iteration, state.consumed_train_samples = checkpoints.load()
+    stage = time.time()
     data = _Data.build(run, tokenizer, mesh, state)
+    log(f"> data indices built in {time.time() - stage:.1f} s: {data.describe()}")
     logger = None
     lg = run.logging
     if mesh.is_logging_rank and (lg.tensorboard_dir or lg.wandb_project):
@@ -172,6 +176,13 @@ class _Data:
     test_ds: object
     train_iter: Optional[Iterator]
     valid_iter: Optional[Iterator]
+    train_ds: object = None
+
+    def describe(self) -> str:
+        """Samples per split (the startup line): "train 48, valid 0, test none"."""
+        return ", ".join(f"{name} {len(ds) if ds is not None else 'none'}" for name, ds in
+                         (("train", self.train_ds), ("valid", self.valid_ds),
+                          ("test", self.test_ds)))
 
     @classmethod
     def build(cls, run: RunConfig, tokenizer, mesh: Mesh, state: TrainState) -> _Data:
@@ -192,7 +203,7 @@ class _Data:
                 _iterator(run, mesh, ds, consumed, run.data.num_workers)
                 for ds, consumed in ((train_ds, state.consumed_train_samples),
                                      (valid_ds, valid_consumed)))
-        return cls(valid_ds, test_ds, train_iter, valid_iter)
+        return cls(valid_ds, test_ds, train_iter, valid_iter, train_ds)
 
 
 def _iterator(run: RunConfig, mesh: Mesh, dataset, consumed: int, num_workers: int):
