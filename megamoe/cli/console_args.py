@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from megamoe.cli.rules import ArgumentError
+
 # How many of the first iterations are logged on their own (Megatron-LM: none, the first
 # line comes at --log-interval; 0 restores that).
 DEFAULT_FIRST_ITERATIONS = 3
@@ -25,7 +27,5 @@ def add_console_args(parser: argparse.ArgumentParser) -> None:
 
 def check_console_args(args: argparse.Namespace) -> None:
     """--json belongs to --dry-run (a flag that changes nothing is an error)."""
-    from megamoe.cli.rules import ArgumentError
-
     if args.json and not args.dry_run:
         raise ArgumentError("--json needs --dry-run (it selects the dry run's output)")
