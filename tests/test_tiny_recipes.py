@@ -88,7 +88,8 @@ def test_recipe_trains_on_the_corpus_and_exports(name, tmp_path, capsys):
         f"--log-interval 5 --eval-iters 0 --save {tmp_path / 'ck'}"), world_size=1)
     hist = pretrain(args, print_fn=lambda _m: None).history
     first, last = hist[0]["lm loss"], hist[-1]["lm loss"]
-    print(f"{name}: lm loss {first:.3f} -> {last:.3f}")
+    with capsys.disabled():
+        print(f"\n{name}: lm loss {first:.3f} -> {last:.3f}")
     assert len(hist) == 20 and last < first - MIN_DROP, (first, last)
     capsys.readouterr()
     code = convert(["megamoe-to-hf", "--input", str(tmp_path / "ck"),

@@ -24,6 +24,9 @@ from megamoe.training.checkpoint.safe_load import CheckpointError
 
 FILE_NAME = "resolved_config.yaml"
 NOT_SAVED = ("--config", "--dry-run", "--json", "--use-checkpoint-args", "--help")
+# Values the rules derive from another flag that the parser refuses next to it: written
+# only when that flag is not (derived dest -> the flag's dest).
+DERIVED_FROM = {"global_batch_size": "step_batch_size_schedule"}
 HEADER = ("# The resolved configuration of a megamoe run (flags that differ from the\n"
           "# defaults, after the rules derived theirs). Rerun it with\n"
           "#   python pretrain_gpt.py --config THIS_FILE [flags to override]\n")
@@ -41,7 +44,8 @@ def resolved_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             continue
         seen.add(action.dest)
         value = getattr(args, action.dest)
-        if value == action.default:
+        source = DERIVED_FROM.get(action.dest)
+        if value == action.default or (source and getattr(args, source, None) is not None):
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             out[flags[0][2:]] = value == action.const  # default differs: the flag is given

@@ -118,19 +118,26 @@ def _configs(args) -> dict:
 
 @pytest.mark.slow
 def test_resolved_config_round_trip_for_every_sampled_flag(tmp_path, monkeypatch):
-    """Each flag the flag audit samples, with its sample value, survives the YAML."""
+    """Each flag the flag audit samples, with its sample value, and each tiny recipe in
+    configs/ survive the YAML."""
     from megamoe.cli.arguments import build_parser
     from megamoe.cli.resolved_config import resolved_yaml
     from tests.test_flag_audit import SAMPLES, sample_argv
+    from tests.test_tiny_recipes import RECIPES, ROOT
 
     parser = build_parser()
-    for flag, (_, world, _) in sorted(SAMPLES.items()):
+    cases = [(flag, world, sample_argv(flag, tmp_path))
+             for flag, (_, world, _) in sorted(SAMPLES.items())]
+    cases += [(name, 1, ["--config", f"{ROOT}/configs/{name}", *shlex.split(
+        "--mock-data --tokenizer-type NullTokenizer --vocab-size 97 --micro-batch-size 2 "
+        "--global-batch-size 8 --lr 1e-3 --train-iters 10")]) for name in RECIPES]
+    for name, world, argv in cases:
         monkeypatch.setenv("WORLD_SIZE", str(world))
-        args = parse_args(sample_argv(flag, tmp_path), world_size=world)
+        args = parse_args(argv, world_size=world)
         path = tmp_path / "resolved.yaml"
         path.write_text(resolved_yaml(args, parser))
         again = parse_args(["--config", str(path)], world_size=world)
-        assert _configs(again) == _configs(args), flag
+        assert _configs(again) == _configs(args), name
 
 
 def test_heatmap_png_every_interval(console_run):
