@@ -61,19 +61,24 @@ MEMORY_ROWS = (("weights", "weights"), ("gradients", "gradients"),
                ("total", "total (static + largest of the last three)"))
 
 
+def format_bytes(n: int) -> str:
+    """GiB from 1 GiB up (2 decimals), MiB below (1 decimal), so a tiny model is not 0."""
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
 def format_table(report: dict, run: RunConfig) -> list[str]:
     """The dry run's report as aligned text (what a person reads; --json for tools)."""
     layout = launch_layout(run)
-    gib = lambda n: f"{n / 2**30:,.3f} GiB"  # noqa: E731
     rows = [("parameters", f"{report['parameters']:,}"),
             ("active parameters per token", f"{report['active_parameters_per_token']:,}"),
             ("layout", f"TP{layout.tp} PP{layout.pp} VPP{layout.vpp} EP{layout.ep} "
                        f"ETP{layout.etp} DP{layout.dp} CP{layout.cp}, micro-batch "
                        f"{layout.micro_batch_size}, recompute {layout.recompute}, "
                        f"distributed optimizer {'on' if layout.distributed_optimizer else 'off'}"),
-            *((f"per-rank {label}", gib(report["per_rank_memory_bytes"][key]))
+            *((f"per-rank {label}", format_bytes(report["per_rank_memory_bytes"][key]))
               for key, label in MEMORY_ROWS),
-            ("per-rank checkpoint host copy", gib(report["per_rank_checkpoint_host_bytes"]))]
+            ("per-rank checkpoint host copy",
+             format_bytes(report["per_rank_checkpoint_host_bytes"]))]
     width = max(len(name) for name, _ in rows)
     return (["dry run: the model and one rank of this layout (largest pipeline stage)"]
             + [f"  {name:<{width}}  {value}" for name, value in rows])

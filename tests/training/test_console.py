@@ -164,7 +164,7 @@ def test_dry_run_prints_a_table_or_json(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["parameters"] == f"{report['parameters']:,}"
     assert row["per-rank weights"] == \
-        f"{report['per_rank_memory_bytes']['weights'] / 2**30:,.3f} GiB"
+        f"{report['per_rank_memory_bytes']['weights'] / 2**20:,.1f} MiB"  # < 1 GiB
     with pytest.raises(SystemExit) as e:
         parse_args(shlex.split(f"{MOE} --train-iters 1 --json"), world_size=1)
     assert e.value.code == 2
