@@ -17,9 +17,9 @@ def add_console_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("console (megamoe extensions)")
     g.add_argument("--log-first-iterations", type=int, default=DEFAULT_FIRST_ITERATIONS,
                    metavar="N",
-                   help="log iterations 1..N each on its own line before the first "
-                        "--log-interval line (0: Megatron-LM's console, first line at "
-                        "--log-interval)")
+                   help="log the first N steps of the run (a resumed one too) each on its "
+                        "own line, without waiting for --log-interval (0: Megatron-LM's "
+                        "console, first line at --log-interval)")
     g.add_argument("--json", action="store_true",
                    help="with --dry-run: print the report as one JSON line instead of the "
                         "table")

@@ -214,8 +214,8 @@ class LoggingConfig:
     # computed only when asked for: every parameter / gradient element counted once.
     log_params_norm: bool = flag("--log-params-norm", False)
     log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", False)
-    # megamoe's console (training/console.py): iterations 1..N get a line of their own
-    # before the first --log-interval line; 0 is Megatron's console.
+    # megamoe's console (training/console.py): the first N steps of a run get a line of
+    # their own without waiting for --log-interval; 0 is Megatron's console.
     log_first_iterations: int = flag("--log-first-iterations", 3)
 
     def __post_init__(self) -> None:

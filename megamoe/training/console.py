@@ -90,7 +90,9 @@ def console_fields(*, eta_s: Optional[float], memory: tuple[str, float],
     return fields
 
 
-def log_early(iteration: int, first_iterations: int, log_interval: int) -> bool:
-    """Whether `iteration` gets a line of its own before the first --log-interval line
-    (--log-first-iterations N: iterations 1..N; the interval's own lines are not doubled)."""
-    return iteration <= first_iterations and iteration % log_interval != 0
+def log_early(steps_done: int, iteration: int, first_iterations: int,
+              log_interval: int) -> bool:
+    """Whether the step just done (`steps_done`-th of this run, global `iteration`) gets a
+    line of its own: the first --log-first-iterations steps of every run, a resumed one
+    included, unless the --log-interval line is due anyway."""
+    return steps_done <= first_iterations and iteration % log_interval != 0

@@ -332,7 +332,8 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         profiler.after_step(state.iteration)
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
-        elif log_early(state.iteration, lg.log_first_iterations, lg.log_interval):
+        elif log_early(interval.clock.steps, state.iteration, lg.log_first_iterations,
+                       lg.log_interval):
             interval.report_early(state, optimizer, step_ms)
         if valid_iter is not None and t.eval_iters > 0 and t.eval_interval \
                 and state.iteration % t.eval_interval == 0:

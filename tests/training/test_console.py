@@ -186,6 +186,9 @@ def test_eta_from_the_mean_step_after_the_first():
 
 
 def test_which_iterations_log_early():
-    assert [i for i in range(1, 9) if log_early(i, 3, 2)] == [1, 3]
-    assert [i for i in range(1, 9) if log_early(i, 0, 2)] == []
-    assert [i for i in range(1, 9) if log_early(i, 5, 100)] == [1, 2, 3, 4, 5]
+    fresh = [i for i in range(1, 9) if log_early(i, i, 3, 2)]
+    assert fresh == [1, 3]  # 2 has its --log-interval line
+    assert [i for i in range(1, 9) if log_early(i, i, 0, 2)] == []
+    assert [i for i in range(1, 9) if log_early(i, i, 5, 100)] == [1, 2, 3, 4, 5]
+    resumed = [100 + s for s in range(1, 9) if log_early(s, 100 + s, 3, 10)]
+    assert resumed == [101, 102, 103]  # a resumed run's first steps too
