@@ -70,8 +70,8 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
     run = run_config_from_args(args, tokenizer.vocab_size)
     check_fits(run, print_fn)  # before any process group, data index or allocation
     check_log_targets(run.logging)
-    report_resolved_config(args, build_parser(), print_fn)
-    return training.pretrain(run, tokenizer, print_fn)
+    resolved = report_resolved_config(args, build_parser(), print_fn)
+    return training.pretrain(run, tokenizer, print_fn, resolved_config=resolved)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

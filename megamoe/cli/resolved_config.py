@@ -20,9 +20,7 @@ from typing import Callable
 import yaml
 
 from megamoe.cli.extensions import NegationAction
-from megamoe.training.checkpoint.safe_load import CheckpointError
 
-FILE_NAME = "resolved_config.yaml"
 NOT_SAVED = ("--config", "--dry-run", "--json", "--use-checkpoint-args", "--help")
 # Values the rules derive from another flag that the parser refuses next to it: written
 # only when that flag is not (derived dest -> the flag's dest).
@@ -68,29 +66,11 @@ def format_arguments(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def save_resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                         save_dir: str) -> str:
-    """Write <save_dir>/resolved_config.yaml (a temporary name, then renamed: a reader
-    never sees half a file); CheckpointError naming --save when it cannot be written."""
-    path = os.path.join(save_dir, FILE_NAME)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        os.makedirs(save_dir, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(resolved_yaml(args, parser))
-        os.replace(tmp, path)
-    except OSError as e:
-        raise CheckpointError(f"--save: cannot write {path} ({e.strerror or e})") from None
-    return path
-
-
 def report_resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                           print_fn: Callable[[str], None]) -> None:
-    """Rank 0: print the arguments block, and save the YAML in --save when given."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    for line in format_arguments(args):
-        print_fn(line)
-    if args.save:
-        print_fn(f"> resolved configuration saved to "
-                 f"{save_resolved_config(args, parser, args.save)}")
+                           print_fn: Callable[[str], None]) -> str:
+    """Rank 0 prints the arguments block; every rank returns the YAML, which the run
+    writes into --save once its setup has succeeded (training/run_record.py)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in format_arguments(args):
+            print_fn(line)
+    return resolved_yaml(args, parser)

@@ -253,8 +253,21 @@ class TrainingObserver:
                 if logger is not None:
                     logger.log_image("moe/expert_load_heatmap", img, step)
                 if png_dir is not None:
-                    write_png(img, png_dir, step)
+                    self._write_png(img, png_dir, step)
         return share_LE
+
+    @staticmethod
+    def _write_png(img: np.ndarray, png_dir: str, step: int) -> None:
+        """The PNG copy of the heatmap; a disk that refuses it (full, read-only) costs the
+        picture, with one warning per process, not the run: the checkpoint save reports
+        its own failure where it matters."""
+        try:
+            write_png(img, png_dir, step)
+        except OSError as e:
+            if "png" not in _WARNED:
+                _WARNED.add("png")
+                warnings.warn(f"expert-load heatmap PNG not written to {png_dir}: "
+                              f"{e.strerror or e}", stacklevel=3)
 
 
 def moe_layer_numbers(model: torch.nn.Module) -> list[int]:

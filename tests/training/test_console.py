@@ -62,14 +62,13 @@ def _iteration_lines(lines: list[str]) -> list[str]:
 def test_console_fields_on_a_real_run(console_run):
     _, lines, args = console_run
     stages = [ln for ln in lines if ln.startswith("> ")]
-    order = ["> resolved configuration saved to", "> model built in",
-             "> number of parameters", "> data indices built in",
-             "> first step done: iteration 1 took"]
+    order = ["> model built in", "> number of parameters", "> data indices built in",
+             "> resolved configuration saved to", "> first step done: iteration 1 took"]
     at = [next(i for i, s in enumerate(stages) if s.startswith(o)) for o in order]
     assert at == sorted(at), stages
     assert lines.index(stages[at[-1]]) < lines.index(_iteration_lines(lines)[0])
     assert re.match(r"> data indices built in \d+\.\d s: train \d+, valid none, test none",
-                    stages[at[3]])
+                    stages[at[2]])
     its = _iteration_lines(lines)
     fields = [_fields(ln) for ln in its]
     # --log-interval 2: iterations 2 and 4; the first 3 iterations: 1 and 3 besides
@@ -192,3 +191,13 @@ def test_which_iterations_log_early():
     assert [i for i in range(1, 9) if log_early(i, i, 5, 100)] == [1, 2, 3, 4, 5]
     resumed = [100 + s for s in range(1, 9) if log_early(s, 100 + s, 3, 10)]
     assert resumed == [101, 102, 103]  # a resumed run's first steps too
+
+
+def test_a_run_refused_at_setup_writes_nothing_into_save(tmp_path, capsys):
+    """--exit-on-missing-checkpoint with an empty --load: the refusal comes before the
+    resolved configuration (or anything else) is written."""
+    save = tmp_path / "ck"
+    argv = shlex.split(f"{MOE} --train-iters 2 --save {save} --load {tmp_path / 'none'} "
+                       f"--exit-on-missing-checkpoint")
+    assert main(argv) == 1
+    assert not save.exists()
