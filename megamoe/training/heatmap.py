@@ -144,8 +144,9 @@ def colourbar_ticks(n_experts: int, bar_px: int) -> list[float]:
 
 
 def heatmap_png_dir(save: Optional[str], tensorboard_dir: Optional[str]) -> Optional[str]:
-    """Where the heatmap PNGs go: <--save>/expert_load, else <--tensorboard-dir>/expert_load,
-    else nowhere (None)."""
+    """Where the heatmap PNGs go (written when the heatmap is drawn, i.e. with
+    --tensorboard-dir or --wandb-project): <--save>/expert_load, else
+    <--tensorboard-dir>/expert_load, else nowhere (None: W&B alone keeps its copy)."""
     base = save or tensorboard_dir
     return None if not base else os.path.join(base, "expert_load")
 

@@ -199,8 +199,8 @@ class _Interval:
 
     def report(self, state: TrainState, optimizer, logger: Optional[MetricsLogger]) -> None:
         """Console line (logging rank), throughput/MFU/memory scalars and the expert-load
-        heatmap (logger, and a PNG under --save or --tensorboard-dir); then a new
-        interval starts."""
+        heatmap (logger: TensorBoard or W&B; the same image as a PNG under --save, else
+        --tensorboard-dir); then a new interval starts."""
         run, mesh = self.run, self.mesh
         ms_per_iter = 1000.0 * (time.time() - self.tick) / self.iters
         tokens_per_iter = self.samples * run.model.seq_length / self.iters
@@ -211,9 +211,8 @@ class _Interval:
             self.print_fn(self._line(state, optimizer, ms_per_iter, tokens_per_iter, means,
                                      extra))
         self._report_timers(state.iteration, ms_per_iter, logger)
-        if logger is not None:
+        if logger is not None:  # (the logging rank's): scalars, the heatmap and its PNG
             logger.log_scalars(extra, state.iteration)
-        if mesh.is_logging_rank and (logger is not None or self.png_dir is not None):
             self.observer.write_heatmap(logger, state.iteration, self.png_dir)
         self.sums, self.iters, self.samples, self.tick = {}, 0, 0, time.time()
 

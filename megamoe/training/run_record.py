@@ -15,6 +15,9 @@ import os
 from megamoe.training.checkpoint.safe_load import CheckpointError
 
 FILE_NAME = "resolved_config.yaml"
+# What a run leaves in --save besides checkpoints and the pointer file (the heatmap PNG
+# folder: training/heatmap.py heatmap_png_dir).
+RUN_RECORDS = frozenset({FILE_NAME, "expert_load"})
 
 
 def save_resolved_config(text: str, save_dir: str) -> str:

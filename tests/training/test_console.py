@@ -39,7 +39,8 @@ def console_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("console")
     lines: list[str] = []
     args = parse_args(shlex.split(f"{MOE} --train-iters 4 --save {out / 'ck'} "
-                                  f"--peak-tflops {PEAK}"), world_size=1)
+                                  f"--peak-tflops {PEAK} --tensorboard-dir {out / 'tb'}"),
+                      world_size=1)
     pretrain(args, print_fn=lines.append)
     return out, lines, args
 
@@ -145,6 +146,7 @@ def test_heatmap_png_every_interval(console_run):
     out, _, _ = console_run
     pngs = sorted((out / "ck" / "expert_load").glob("*.png"))
     assert [p.name for p in pngs] == ["iter_0000002.png", "iter_0000004.png"]
+    assert not (out / "tb" / "expert_load").exists()  # --save first
     g = heatmap_geometry(2, 4)  # 2 MoE layers x 4 experts
     images = [imread(str(p)) for p in pngs]
     for img in images:

@@ -25,6 +25,7 @@ from megamoe.training.checkpoint import (
     read_tracker,
     write_checkpoint,
 )
+from megamoe.training.run_record import RUN_RECORDS
 from tests.distributed import run_distributed
 from tests.training.inject import rank_main
 from tests.training.test_pretrain import ROOT, TINY_MOE
@@ -52,10 +53,9 @@ def _one_line(code: int, err: str, line: str, exact: bool = True) -> None:
 
 def _only_the_first_checkpoint(save) -> None:
     """The pointer still names iteration 1, which loads; nothing else is left (beside
-    the run's records: its resolved configuration and heatmap PNGs, docs/console.md)."""
+    the run's records: its resolved configuration and heatmap PNGs)."""
     assert read_tracker(str(save)) == 1
-    records = {"resolved_config.yaml", "expert_load"}
-    assert sorted(set(os.listdir(save)) - records) == ["iter_0000001", TRACKER]
+    assert sorted(set(os.listdir(save)) - RUN_RECORDS) == ["iter_0000001", TRACKER]
     assert read_checkpoint(str(save))["iteration"] == 1
 
 
