@@ -48,7 +48,7 @@ def test_preset_parses_or_names_unbuilt_flag(path, capsys):
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_preset_has_published_size(name, capsys):
     vocab, params = PUBLISHED[name]
-    args = parse_args(["--config", os.path.join(ROOT, "configs", name), "--dry-run",
+    args = parse_args(["--config", os.path.join(ROOT, "configs", name), "--dry-run", "--json",
                        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)],
                       world_size=1)  # NullTokenizer: --vocab-size ids (EOD among them)
     pretrain(args, print_fn=print)
@@ -105,7 +105,7 @@ def _hf_config(name: str) -> dict:
 def _model_config(argv: list[str], vocab: int):
     from megamoe.cli.mapping import run_config_from_args
 
-    args = parse_args([*argv, "--dry-run", "--tokenizer-type", "NullTokenizer",
+    args = parse_args([*argv, "--dry-run", "--json", "--tokenizer-type", "NullTokenizer",
                        "--vocab-size", str(vocab)], world_size=1)
     return args, run_config_from_args(args, vocab).model
 

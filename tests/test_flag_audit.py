@@ -106,6 +106,7 @@ CLI_READ = {
         "tests/scripts/test_megatron_flags.py::test_use_rotary_position_embeddings",
     "--use-checkpoint-args":
         "tests/tools/test_convert_megatron.py::test_use_checkpoint_args_takes_the_saved_shape",
+    "--json": "tests/training/test_console.py::test_dry_run_prints_a_table_or_json",
 }
 
 
@@ -371,6 +372,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--log-throughput": ("--log-throughput", 1, True),
     "--log-params-norm": ("--log-params-norm", 1, True),
     "--log-num-zeros-in-grad": ("--log-num-zeros-in-grad", 1, True),
+    "--log-first-iterations": ("--log-first-iterations 5", 1, 5),
     "--peak-tflops": ("--peak-tflops 123", 1, 123.0),
     "--compile": ("--compile", 1, True),
     "--calculate-per-token-loss": ("--calculate-per-token-loss", 1, True),
@@ -441,16 +443,13 @@ def test_every_config_flag_has_a_sample():
     assert missing == []
 
 
-@pytest.mark.parametrize("flag", sorted(SAMPLES))
-def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
-    """The flag, given with a value that is neither the default nor the tiny model's, sets
-    its config field (a flag given only in TINY_MOE is checked with TINY_MOE's value)."""
+def sample_argv(flag: str, tmp_path) -> list[str]:
+    """TINY_MOE with SAMPLES[flag] (data and tokenizer files it names made empty in
+    `tmp_path`), adjusted so the sample is valid."""
     extra, world, expected = SAMPLES[flag]
     tmp = str(tmp_path)
     for name in ("a.bin", "a.idx", "tok"):
         (tmp_path / name).write_text("")
-    sub = lambda v: v.replace("{tmp}", tmp) if isinstance(v, str) else v
-    expected = [sub(e) for e in expected] if isinstance(expected, list) else sub(expected)
     base = TINY_MOE
     data = r"--(data-path|train-data-path|data-args-path|per-split-data-args-path)"
     if re.search(data + "|--(tokenizer-type|tokenizer-model)", extra):
@@ -461,12 +460,22 @@ def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
         base = base.replace("--global-batch-size 8 ", "")
     if MLA in extra:  # MLA has no query groups (as Megatron)
         base = base.replace("--group-query-attention ", "")
-    monkeypatch.setenv("WORLD_SIZE", str(world))
     length = "--train-iters 10"
     if "--train-samples" in extra:  # training by samples: no iteration-based lengths
         length, base = "", base.replace("--lr-warmup-iters 1 ", "")
-    args = parse_args(shlex.split(f"{base} {length} {extra.replace('{tmp}', tmp)}"),
-                      world_size=world)
+    return shlex.split(f"{base} {length} {extra.replace('{tmp}', tmp)}")
+
+
+@pytest.mark.parametrize("flag", sorted(SAMPLES))
+def test_flag_reaches_its_config_field(flag, tmp_path, monkeypatch):
+    """The flag, given with a value that is neither the default nor the tiny model's, sets
+    its config field (a flag given only in TINY_MOE is checked with TINY_MOE's value)."""
+    extra, world, expected = SAMPLES[flag]
+    tmp = str(tmp_path)
+    sub = lambda v: v.replace("{tmp}", tmp) if isinstance(v, str) else v
+    expected = [sub(e) for e in expected] if isinstance(expected, list) else sub(expected)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = parse_args(sample_argv(flag, tmp_path), world_size=world)
     run = run_config_from_args(args, 97)
     assert _field(run, flag) == expected
 

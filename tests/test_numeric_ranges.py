@@ -139,6 +139,7 @@ BAD = [
     ("--ckpt-step", "3", "", 1, "needs --load"),
     ("--log-interval", "0", "", 1, "must be positive"),
     ("--tensorboard-log-interval", "0", "", 1, "must be positive"),
+    ("--log-first-iterations", "-1", "", 1, "must be >= 0"),
     ("--peak-tflops", "-1", "", 1, "must be positive"),
     ("--timing-log-level", "2", "", 1, "not supported yet"),
     ("--logging-level", "-1", "", 1, "must be >= 0"),

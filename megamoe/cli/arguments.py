@@ -17,6 +17,7 @@ import yaml
 
 from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
+from megamoe.cli.console_args import add_console_args, check_console_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.loss_scale_args import add_loss_scale_args
 from megamoe.cli.precision_args import add_precision_args
@@ -397,6 +398,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     add_precision_args(parser)
     add_equivalent_args(parser)
     add_refused_args(parser)
+    add_console_args(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="YAML preset of flags (configs/); command-line flags override it "
                              "(--no-X undoes a preset's X: true)")
@@ -486,6 +488,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, *, world_size: Optional[int
     try:
         check_int_bounds(args, parser)
         finalize_args(args, parser, world_size=world_size)
+        check_console_args(args)
     except ConfigError as e:  # ArgumentError included
         parser.error(str(e))
     return args

@@ -18,6 +18,7 @@ MEGAMOE_EXTENSIONS = (
     "--config", "--dry-run", "--compile", "--ckpt-keep-last", "--peak-tflops",
     "--qk-layernorm-scope", "--moe-a2a-overlap-degree", "--moe-adaptive-parallelism",
     "--moe-capacity-over-tp-gathered-sequence", "--moe-expert-bias-counts-before-capacity",
+    "--log-first-iterations", "--json",
     # spellings older Megatron-LM releases had (since removed there)
     "--moe-token-dropping", "--moe-use-legacy-grouped-gemm",
 )

@@ -13,8 +13,9 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from megamoe.cli.arguments import parse_args
+from megamoe.cli.arguments import build_parser, parse_args
 from megamoe.cli.mapping import config_from_args, run_config_from_args
+from megamoe.cli.resolved_config import report_resolved_config
 from megamoe.cli.rules import ArgumentError
 from megamoe.config import DataConfig
 from megamoe.config.fields import ConfigError
@@ -62,13 +63,15 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
             print_fn(f"> {line}")
     data = config_from_args(DataConfig, args)
     if args.dry_run:
-        dry_run(run_config_from_args(args, _dry_run_vocab_size(data)), print_fn)
+        dry_run(run_config_from_args(args, _dry_run_vocab_size(data)), print_fn,
+                as_json=args.json)
         return TrainState()
     tokenizer = tokenizer_for(data)
     run = run_config_from_args(args, tokenizer.vocab_size)
     check_fits(run, print_fn)  # before any process group, data index or allocation
     check_log_targets(run.logging)
-    return training.pretrain(run, tokenizer, print_fn)
+    resolved = report_resolved_config(args, build_parser(), print_fn)
+    return training.pretrain(run, tokenizer, print_fn, resolved_config=resolved)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -214,13 +214,16 @@ class LoggingConfig:
     # computed only when asked for: every parameter / gradient element counted once.
     log_params_norm: bool = flag("--log-params-norm", False)
     log_num_zeros_in_grad: bool = flag("--log-num-zeros-in-grad", False)
+    # megamoe's console (training/console.py): the first N steps of a run get a line of
+    # their own without waiting for --log-interval; 0 is Megatron's console.
+    log_first_iterations: int = flag("--log-first-iterations", 3)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         check_positive(self, "log_interval", "tensorboard_log_interval", "peak_tflops")
-        check_positive(self, "profile_step_start", allow_zero=True)
+        check_positive(self, "profile_step_start", "log_first_iterations", allow_zero=True)
         require(self.profile_step_end > self.profile_step_start,
                 f"--profile-step-end ({self.profile_step_end}) must be greater than "
                 f"--profile-step-start ({self.profile_step_start})")

@@ -64,8 +64,40 @@ def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     return memory, transient
 
 
-def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
-    """Build the model's shapes on the meta device; report (one JSON line) its size and the
+MEMORY_ROWS = (("weights", "weights"), ("gradients", "gradients"),
+               ("optimizer", "optimizer states"), ("activations", "activations"),
+               ("optimizer_step_transient", "optimizer step transient"),
+               ("checkpoint_save_transient", "checkpoint save transient"),
+               ("total", "total (static + largest of the last three)"))
+
+
+def format_bytes(n: int) -> str:
+    """GiB from 1 GiB up (2 decimals), MiB below (1 decimal), so a tiny model is not 0."""
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def format_table(report: dict, run: RunConfig) -> list[str]:
+    """The dry run's report as aligned text (what a person reads; --json for tools)."""
+    layout = launch_layout(run)
+    rows = [("parameters", f"{report['parameters']:,}"),
+            ("active parameters per token", f"{report['active_parameters_per_token']:,}"),
+            ("layout", f"TP{layout.tp} PP{layout.pp} VPP{layout.vpp} EP{layout.ep} "
+                       f"ETP{layout.etp} DP{layout.dp} CP{layout.cp}, micro-batch "
+                       f"{layout.micro_batch_size}, recompute {layout.recompute}, "
+                       f"distributed optimizer {'on' if layout.distributed_optimizer else 'off'}"),
+            *((f"per-rank {label}", format_bytes(report["per_rank_memory_bytes"][key]))
+              for key, label in MEMORY_ROWS),
+            ("per-rank checkpoint host copy",
+             format_bytes(report["per_rank_checkpoint_host_bytes"]))]
+    width = max(len(name) for name, _ in rows)
+    return (["dry run: the model and one rank of this layout (largest pipeline stage)"]
+            + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print,
+            as_json: bool = False) -> dict:
+    """Build the model's shapes on the meta device; report (a table, or with `as_json`
+    (--json) one JSON line) its size and the
     memory one rank of this layout needs (the largest pipeline stage): static bytes plus
     the largest of the activations, the distributed optimizer's step transient and its
     checkpoint-save transient (device memory; the save's host copies apart).
@@ -89,5 +121,9 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print) -> dict:
               "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
               "per_rank_memory_gib": round(memory["total"] / 2**30, 3),
               "per_rank_checkpoint_host_bytes": int(transient["save_host"])}
-    print_fn(json.dumps(report))
+    if as_json:
+        print_fn(json.dumps(report))
+    else:
+        for line in format_table(report, run):
+            print_fn(line)
     return report

@@ -16,8 +16,9 @@ so the labels fit.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -34,6 +35,7 @@ CBAR_GAP_PX, CBAR_W_PX, CBAR_LABELS_PX = 12, 14, 80
 RIGHT_PX = CBAR_GAP_PX + CBAR_W_PX + CBAR_LABELS_PX
 TICK_FONT_PX, LABEL_FONT_PX, TITLE_FONT_PX = 8, 10, 11
 COLOURBAR_LABEL = "share of routed tokens"
+FAIR_SHARE_LABEL, FAIR_SHARE_COLOUR = "1/E", "red"  # the balanced share, on the colour bar
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ def heatmap_figure(share_LE: np.ndarray, layer_numbers: Sequence[int], iteration
     row: with --moe-layer-freq they skip the dense layers), columns the experts. Colours
     run from 0 to 2/E (viridis), so uniform routing is mid-scale and any share of 2x
     uniform or more is the top colour (the colour bar's arrow): a collapsing router shows
-    as a few bright cells in a dark row.
+    as a few bright cells in a dark row. The colour bar has round ticks and the fair
+    share 1/E marked (a red line, labelled "1/E").
     """
     from matplotlib.figure import Figure
 
@@ -117,11 +120,49 @@ def heatmap_figure(share_LE: np.ndarray, layer_numbers: Sequence[int], iteration
     ax.set_ylabel("MoE layer", fontsize=LABEL_FONT_PX, labelpad=2)
     ax.set_title(f"expert load, iteration {iteration}", fontsize=TITLE_FONT_PX, pad=6)
     bar = fig.colorbar(image, cax=cax, extend="max")
-    ticks = [0.0, 0.5 * uniform, uniform, 1.5 * uniform, 2.0 * uniform]
-    bar.set_ticks(ticks, labels=[f"{t:.3g}" for t in ticks])
+    ticks = colourbar_ticks(n_experts, g.plot_h)
+    bar.set_ticks(ticks, labels=[FAIR_SHARE_LABEL if t == uniform else f"{t:.6g}"
+                                 for t in ticks])
+    bar.ax.axhline(uniform, color=FAIR_SHARE_COLOUR, linewidth=1.5)
     bar.ax.tick_params(labelsize=TICK_FONT_PX)
     bar.set_label(COLOURBAR_LABEL, fontsize=LABEL_FONT_PX, labelpad=4)
     return fig
+
+
+def colourbar_ticks(n_experts: int, bar_px: int) -> list[float]:
+    """Round ticks over the colour scale [0, 2/E] (1, 2, 2.5 or 5 times a power of ten,
+    at most 5 of them), plus the fair share 1/E itself (labelled FAIR_SHARE_LABEL and
+    marked by a line); a round tick closer than 1.25 label heights to 1/E is dropped so
+    no two labels overlap."""
+    from matplotlib.ticker import MaxNLocator
+
+    top, uniform = 2.0 / n_experts, 1.0 / n_experts
+    values = MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(0.0, top)
+    min_gap = 1.25 * TICK_FONT_PX * top / bar_px  # in share units
+    rounded = [float(f"{v:.6g}") for v in values if -1e-12 <= v <= top * (1 + 1e-9)]
+    return sorted([v for v in rounded if abs(v - uniform) >= min_gap] + [uniform])
+
+
+def heatmap_png_dir(save: Optional[str], tensorboard_dir: Optional[str]) -> Optional[str]:
+    """Where the heatmap PNGs go (written when the heatmap is drawn, i.e. with
+    --tensorboard-dir or --wandb-project): <--save>/expert_load, else
+    <--tensorboard-dir>/expert_load, else nowhere (None: W&B alone keeps its copy)."""
+    base = save or tensorboard_dir
+    return None if not base else os.path.join(base, "expert_load")
+
+
+def write_png(image_HW3: np.ndarray, directory: str, iteration: int) -> str:
+    """`image_HW3` as <directory>/iter_NNNNNNN.png (the iteration as Megatron names
+    checkpoints), written to a temporary name and renamed, so a reader never sees half a
+    file; returns the path."""
+    from matplotlib.image import imsave
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"iter_{iteration:07d}.png")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    imsave(tmp, image_HW3, format="png")
+    os.replace(tmp, path)
+    return path
 
 
 def rasterise(fig) -> np.ndarray:

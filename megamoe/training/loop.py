@@ -19,7 +19,9 @@ from megamoe.model.mtp import MTPLossTracker
 from megamoe.moe.global_batch import update_expert_biases
 from megamoe.moe.losses import MoELossTracker
 from megamoe.parallel.mesh import Mesh
+from megamoe.training.console import StepClock, console_fields, log_early, peak_memory
 from megamoe.training.exits import ExitConditions
+from megamoe.training.heatmap import heatmap_png_dir
 from megamoe.training.loss import PerTokenLoss
 from megamoe.training.manual_gc import ManualGC
 from megamoe.training.metrics import (
@@ -178,20 +180,24 @@ NOT_LOSSES = ("grad norm", "num zeros", "params norm")
 
 class _Interval:
     """The metrics of the iterations since the last console line (--log-interval), and
-    that line. As Megatron's training_log, the losses (and here the grad norm) average
-    over the iterations that updated the model: a skipped step's (an fp16 overflow) would
-    pull the mean toward a loss no update followed."""
+    that line (with the console's fields: training/console.py). As Megatron's
+    training_log, the losses (and here the grad norm) average over the iterations that
+    updated the model: a skipped step's (an fp16 overflow) would pull the mean toward a loss
+    no update followed."""
 
     def __init__(self, run: RunConfig, mesh: Mesh, observer: TrainingObserver,
                  print_fn: Callable[[str], None]) -> None:
         self.run, self.mesh, self.observer, self.print_fn = run, mesh, observer, print_fn
         self.timers = Timers(run.logging.timing_log_level, mesh.device)
+        self.clock = StepClock()
+        self.png_dir = heatmap_png_dir(run.checkpoint.save, run.logging.tensorboard_dir)
         self.sums: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.iters, self.samples, self.batch_size, self.tick = 0, 0, 0, time.time()
         self.advanced = 0  # iterations that updated the model
 
     def add(self, metrics: dict[str, float], global_batch_size: int, skipped: bool) -> None:
+        self.clock.step_done()
         for k, v in metrics.items():
             if skipped and _advanced_only(k):
                 continue
@@ -204,34 +210,54 @@ class _Interval:
 
     def report(self, state: TrainState, optimizer, logger: Optional[MetricsLogger]) -> None:
         """Console line (logging rank), throughput/MFU/memory scalars and the expert-load
-        heatmap (logger); then a new interval starts."""
-        run, lg, mesh = self.run, self.run.logging, self.mesh
+        heatmap (logger: TensorBoard or W&B; the same image as a PNG under --save, else
+        --tensorboard-dir); then a new interval starts."""
+        run, mesh = self.run, self.mesh
         ms_per_iter = 1000.0 * (time.time() - self.tick) / self.iters
         tokens_per_iter = self.samples * run.model.seq_length / self.iters
         means = {k: v / (max(1, self.advanced) if _advanced_only(k) else self.iters)
                  for k, v in self.sums.items()}
-        extra = (self.observer.interval_scalars(ms_per_iter, tokens_per_iter)
-                 if mesh.is_logging_rank and (logger is not None or lg.log_throughput) else {})
+        extra = {}
         if mesh.is_logging_rank:
-            self.print_fn(format_log_line(
-                iteration=state.iteration, train_iters=run.train.train_iters,
-                consumed_samples=state.consumed_train_samples, elapsed_ms_per_iter=ms_per_iter,
-                tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
-                learning_rate=optimizer.param_groups[0]["lr"],
-                global_batch_size=self.batch_size,
-                losses={k: v for k, v in means.items() if k not in NOT_LOSSES and "/" not in k},
-                loss_scale=optimizer.get_loss_scale(), grad_norm=means.get("grad norm"),
-                skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
-                tflops_per_gpu=extra.get("throughput_tflops_per_gpu")
-                if lg.log_throughput else None,
-                num_zeros=int(self.last["num zeros"]) if "num zeros" in self.last else None,
-                params_norm=self.last.get("params norm")))  # (this iteration's, as Megatron)
+            extra = self.observer.interval_scalars(ms_per_iter, tokens_per_iter)
+            self.print_fn(self._line(state, optimizer, ms_per_iter, tokens_per_iter, means,
+                                     extra))
         self._report_timers(state.iteration, ms_per_iter, logger)
-        if logger is not None:
+        if logger is not None:  # (the logging rank's): scalars, the heatmap and its PNG
             logger.log_scalars(extra, state.iteration)
-            self.observer.write_heatmap(logger, state.iteration)
+            self.observer.write_heatmap(logger, state.iteration, self.png_dir)
         self.sums, self.iters, self.samples, self.tick = {}, 0, 0, time.time()
         self.advanced = 0
+
+    def report_early(self, state: TrainState, optimizer, step_ms: float) -> None:
+        """The line of one of the first iterations (--log-first-iterations): that step's
+        own values; the interval's sums go on to the --log-interval line."""
+        if self.mesh.is_logging_rank:
+            tokens = self.batch_size * self.run.model.seq_length
+            extra = self.observer.interval_scalars(step_ms, tokens)
+            self.print_fn(self._line(state, optimizer, step_ms, tokens, self.last, extra))
+
+    def _line(self, state: TrainState, optimizer, ms_per_iter: float, tokens_per_iter: float,
+              values: dict[str, float], extra: dict[str, float]) -> str:
+        """Megatron's line of `values` (means or one step's), then the console's fields."""
+        run, lg = self.run, self.run.logging
+        tflops = extra["throughput_tflops_per_gpu"]
+        extras = console_fields(
+            eta_s=self.clock.eta_s(run.train.train_iters - state.iteration),
+            memory=peak_memory(self.observer.device),
+            tflops_per_gpu=None if lg.log_throughput else tflops, mfu=extra.get("mfu"))
+        return format_log_line(
+            iteration=state.iteration, train_iters=run.train.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms_per_iter=ms_per_iter,
+            tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
+            learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=self.batch_size,
+            losses={k: v for k, v in values.items() if k not in NOT_LOSSES and "/" not in k},
+            loss_scale=optimizer.get_loss_scale(), grad_norm=values.get("grad norm"),
+            skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
+            tflops_per_gpu=tflops if lg.log_throughput else None,
+            num_zeros=int(self.last["num zeros"]) if "num zeros" in self.last else None,
+            params_norm=self.last.get("params norm"),  # (this iteration's, as Megatron)
+            extras=extras)
 
     def _report_timers(self, iteration: int, ms_per_iter: float,
                        logger: Optional[MetricsLogger]) -> None:
@@ -308,9 +334,13 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         profiler.before_step(state.iteration)
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
                              state.iteration + 1, gbs, interval.timers)
-        if t.compile and not state.history and mesh.is_logging_rank:  # compile time apart
-            print_fn(f"> --compile: the first iteration took {time.time() - step_start:.1f} s "
-                     f"(it compiles the layers; later iterations run the compiled code)")
+        step_ms = 1000.0 * (time.time() - step_start)
+        if interval.clock.steps == 0 and mesh.is_logging_rank:  # a startup stage
+            print_fn(f"> first step done: iteration {state.iteration + 1} took "
+                     f"{step_ms / 1000.0:.1f} s")
+            if t.compile and not state.history:  # compile time apart
+                print_fn(f"> --compile: the first iteration took {step_ms / 1000.0:.1f} s "
+                         f"(it compiles the layers; later iterations run the compiled code)")
         metrics.update(observer.after_step())  # expert load, summed over data parallel
         lr = optimizer.param_groups[0]["lr"]
         skipped = _record(state, metrics, gbs, lr)
@@ -324,6 +354,9 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         profiler.after_step(state.iteration)
         if state.iteration % lg.log_interval == 0:
             interval.report(state, optimizer, logger)
+        elif log_early(interval.clock.steps, state.iteration, lg.log_first_iterations,
+                       lg.log_interval):
+            interval.report_early(state, optimizer, step_ms)
         if valid_iter is not None and t.eval_iters > 0 and t.eval_interval \
                 and state.iteration % t.eval_interval == 0:
             optimizer.wait_param_gather()  # (--overlap-param-gather) parameters up to date

@@ -16,7 +16,7 @@ import os
 import resource
 import time
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from megamoe.config import RunConfig
 from megamoe.model.flops import flops_per_token
 from megamoe.moe.dispatchers import PARALLEL_MODES
 from megamoe.moe.stats import mode_counts, routing_stats
-from megamoe.training.heatmap import expert_load_heatmap, routed_shares
+from megamoe.training.heatmap import expert_load_heatmap, routed_shares, write_png
 from megamoe.training.log_targets import wandb_dir
 
 _WARNED: set[str] = set()  # optional features already reported missing in this process
@@ -37,10 +37,12 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
                     global_batch_size: int, losses: dict[str, float], loss_scale: float,
                     grad_norm: Optional[float], skipped_iters: int, nan_iters: int,
                     tflops_per_gpu: Optional[float] = None, num_zeros: Optional[int] = None,
-                    params_norm: Optional[float] = None) -> str:
+                    params_norm: Optional[float] = None, extras: Sequence[str] = ()) -> str:
     """Megatron's iteration line; "grad norm" (None: no step of the interval updated),
     "num zeros" (--log-num-zeros-in-grad) and "params norm" (--log-params-norm) only when
-    given, as Megatron prints them."""
+    given, after the grad norm, as Megatron prints them; `extras` (the console's ETA,
+    memory, MFU: training/console.py) after all of Megatron's fields, so its fields keep
+    their order."""
     parts = [
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
@@ -57,6 +59,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int,
         *([f"params norm: {params_norm:.3f}"] if params_norm is not None else []),
         f"number of skipped iterations: {skipped_iters:3d}",
         f"number of nan iterations: {nan_iters:3d}",
+        *extras,
     ]
     return " | ".join(parts) + " |"
 
@@ -224,7 +227,8 @@ class TrainingObserver:
             out.update(mfu=tflops / self.peak_tflops, peak_tflops=self.peak_tflops)
         return out
 
-    def write_heatmap(self, logger: Optional[MetricsLogger], step: int) -> Optional[np.ndarray]:
+    def write_heatmap(self, logger: Optional[MetricsLogger], step: int,
+                      png_dir: Optional[str] = None) -> Optional[np.ndarray]:
         """Each expert's share of its layer's routed assignments over the interval
         [MoE layers, experts] (see heatmap.routed_shares), drawn to `logger` as the
         labelled heatmap, its rows labelled with the layers' own numbers (the keys of the
@@ -232,13 +236,14 @@ class TrainingObserver:
         anything. The router's choice
         (before capacity), not the kept assignments: those are clipped at the capacity, so
         an overloaded expert would look capped exactly where it matters (dropless: equal).
+        With `png_dir`, the same image is also written there as iter_NNNNNNN.png.
         Without matplotlib the image is skipped, with one warning per process."""
         if not self._routed_LE:
             return None
         layers = sorted(self._routed_LE)
         share_LE = routed_shares(np.stack([self._routed_LE[i] for i in layers]))
         self._routed_LE = {}
-        if logger is not None and "matplotlib" not in _WARNED:
+        if (logger is not None or png_dir is not None) and "matplotlib" not in _WARNED:
             try:
                 img = expert_load_heatmap(share_LE, layers, step)
             except ImportError as e:  # matplotlib is optional, like the logging itself
@@ -246,8 +251,24 @@ class TrainingObserver:
                 warnings.warn(f"expert-load heatmap not logged: {e} (pip install matplotlib)",
                               stacklevel=2)
             else:
-                logger.log_image("moe/expert_load_heatmap", img, step)
+                if logger is not None:
+                    logger.log_image("moe/expert_load_heatmap", img, step)
+                if png_dir is not None:
+                    self._write_png(img, png_dir, step)
         return share_LE
+
+    @staticmethod
+    def _write_png(img: np.ndarray, png_dir: str, step: int) -> None:
+        """The PNG copy of the heatmap; a disk that refuses it (full, read-only) costs the
+        picture, with one warning per process, not the run: the checkpoint save reports
+        its own failure where it matters."""
+        try:
+            write_png(img, png_dir, step)
+        except OSError as e:
+            if "png" not in _WARNED:
+                _WARNED.add("png")
+                warnings.warn(f"expert-load heatmap PNG not written to {png_dir}: "
+                              f"{e.strerror or e}", stacklevel=3)
 
 
 def moe_layer_numbers(model: torch.nn.Module) -> list[int]:

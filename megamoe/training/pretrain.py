@@ -27,13 +27,16 @@ from megamoe.training.loop import TrainState, evaluate, report_validation, train
 from megamoe.training.metrics import MetricsLogger
 from megamoe.training.optim import build_optimizer
 from megamoe.training.optim.overlap import OverlapOptions, bucket_numel
+from megamoe.training.run_record import save_resolved_config
 from megamoe.training.schedules.lr import LRScheduler
 
 Log = Callable[[str], None]
 
 
-def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
-    """Train `run` on this rank (torchrun starts one process per rank).
+def pretrain(run: RunConfig, tokenizer, print_fn: Log = print,
+             resolved_config: Optional[str] = None) -> TrainState:
+    """Train `run` on this rank (torchrun starts one process per rank). `resolved_config`
+    (the YAML of the flags, cli/resolved_config.py) goes into --save once setup succeeded.
 
     A collective that times out or loses a peer (or a process group that cannot be created)
     ends this rank with a DistributedFailure: one line naming the operation, the group and
@@ -44,7 +47,7 @@ def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
     mesh: Optional[Mesh] = None
     try:
         mesh = init_mesh(run.parallel)
-        state = _pretrain(run, tokenizer, mesh, print_fn, started)
+        state = _pretrain(run, tokenizer, mesh, print_fn, started, resolved_config)
     except Exception as e:
         rank = None if mesh is not None else int(os.environ.get("RANK", "0"))
         failure = explain(e, mesh, run.parallel.distributed_timeout_minutes, rank=rank)
@@ -57,8 +60,8 @@ def pretrain(run: RunConfig, tokenizer, print_fn: Log = print) -> TrainState:
     return state
 
 
-def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
-              started: float) -> TrainState:
+def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log, started: float,
+              resolved_config: Optional[str]) -> TrainState:
     def log(msg: str) -> None:
         if mesh.rank == 0:
             print_fn(msg)
@@ -68,7 +71,9 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
         log(rampup_note(run))
     c = run.checkpoint
     keep_checkpoint_vocab_padding(run.model, c.load, run.parallel.tensor_model_parallel_size, log)
+    stage = time.time()
     model = build_model(run, mesh)
+    log(f"> model built in {time.time() - stage:.1f} s")
     _log_model(run, mesh, model, log)
     optimizer = build_optimizer(model, run.optim, mesh=mesh,
                                 distributed=run.parallel.use_distributed_optimizer,
@@ -79,7 +84,12 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log,
     checkpoints = CheckpointManager(run, mesh, model, optimizer, scheduler, log)
     state = TrainState()
     state.iteration, state.consumed_train_samples = checkpoints.load()
+    stage = time.time()
     data = _Data.build(run, tokenizer, mesh, state)
+    log(f"> data indices built in {time.time() - stage:.1f} s: {data.describe()}")
+    if resolved_config is not None and c.save and mesh.rank == 0:  # setup succeeded
+        log(f"> resolved configuration saved to "
+            f"{save_resolved_config(resolved_config, c.save)}")
     logger = None
     lg = run.logging
     if mesh.is_logging_rank and (lg.tensorboard_dir or lg.wandb_project):
@@ -172,6 +182,13 @@ class _Data:
     test_ds: object
     train_iter: Optional[Iterator]
     valid_iter: Optional[Iterator]
+    train_ds: object = None
+
+    def describe(self) -> str:
+        """Samples per split (the startup line): "train 48, valid 0, test none"."""
+        return ", ".join(f"{name} {len(ds) if ds is not None else 'none'}" for name, ds in
+                         (("train", self.train_ds), ("valid", self.valid_ds),
+                          ("test", self.test_ds)))
 
     @classmethod
     def build(cls, run: RunConfig, tokenizer, mesh: Mesh, state: TrainState) -> _Data:
@@ -192,7 +209,7 @@ class _Data:
                 _iterator(run, mesh, ds, consumed, run.data.num_workers)
                 for ds, consumed in ((train_ds, state.consumed_train_samples),
                                      (valid_ds, valid_consumed)))
-        return cls(valid_ds, test_ds, train_iter, valid_iter)
+        return cls(valid_ds, test_ds, train_iter, valid_iter, train_ds)
 
 
 def _iterator(run: RunConfig, mesh: Mesh, dataset, consumed: int, num_workers: int):

@@ -30,7 +30,7 @@ def test_mixtral_script_megatron_layout_validates_or_names_the_missing_feature(t
     """Megatron's layout (TP4, EP4, SP, distributed optimizer on 16 GPUs) either validates
     or stops with exactly one "not supported yet" line naming a flag the script passes."""
     p = _bash(MIXTRAL, str(tmp_path / "ckpt"), "/cluster/tokenizer.model", "/cluster/data",
-              env={"DRY_RUN": "1"})
+              "--json", env={"DRY_RUN": "1"})
     if p.returncode == 0:
         # Megatron pads the vocabulary to a multiple of 128 x TP: 32000 -> 32256 at TP4,
         # 256 more rows in the embedding and the untied output layer (H = 4096)
@@ -47,7 +47,7 @@ def test_mixtral_script_megatron_layout_validates_or_names_the_missing_feature(t
 
 def test_mixtral_script_data_parallel_layout_passes_dry_run(tmp_path):
     p = _bash(MIXTRAL, str(tmp_path / "ckpt"), "/cluster/tokenizer.model", "/cluster/data",
-              env={"DRY_RUN": "1", "TP": "1", "EP": "1", "DIST_OPT": "0", "NNODES": "1"})
+              "--json", env={"DRY_RUN": "1", "TP": "1", "EP": "1", "DIST_OPT": "0", "NNODES": "1"})
     assert p.returncode == 0, p.stderr
     out = _json_line(p.stdout)
     assert out["parameters"] == out["parameters_formula"] == MIXTRAL_8X7B_PARAMS
@@ -79,7 +79,7 @@ def test_slurm_example_launches_one_torchrun_per_node(tmp_path):
            "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": ROOT, "DRY_RUN": "1", "TP": "1",
            "EP": "1", "DIST_OPT": "0"}
     p = _bash(os.path.join(ROOT, "scripts", "slurm_pretrain.sbatch"), str(tmp_path / "ck"),
-              "/cluster/tok.model", "/cluster/data", env=env, timeout=180)
+              "/cluster/tok.model", "/cluster/data", "--json", env=env, timeout=180)
     assert p.returncode == 0, p.stderr
     assert "node 0 MASTER_ADDR=node-a NNODES=2" in p.stdout
     assert "node 1 MASTER_ADDR=node-a NNODES=2" in p.stdout

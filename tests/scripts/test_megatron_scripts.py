@@ -142,7 +142,7 @@ def test_every_branch_is_held():
 def _dry_run(argv: list[str], world: int, vocab: int, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(SystemExit) as exc:
-        raise SystemExit(cli_main.main(argv + ["--dry-run", "--vocab-size", str(vocab)]))
+        raise SystemExit(cli_main.main(argv + ["--dry-run", "--json", "--vocab-size", str(vocab)]))
     captured = capsys.readouterr()
     return exc.value.code, captured.out, captured.err
 

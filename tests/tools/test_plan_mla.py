@@ -62,7 +62,7 @@ def test_planner_and_dry_run_with_mla(tmp_path, capsys, monkeypatch):
     ranked.append({"flags": " ".join(pl.layout_flags(model, cp2)), "mfu": 1.0})
     for r in ranked:
         assert r["mfu"] > 0
-        argv = ["--config", str(path), "--dry-run", "--global-batch-size", "64",
+        argv = ["--config", str(path), "--dry-run", "--json", "--global-batch-size", "64",
                 "--vocab-size", "32000", "--mock-data", "--tokenizer-type", "NullTokenizer",
                 *shlex.split(r["flags"])]
         assert pretrain_main(argv) == 0, capsys.readouterr().err

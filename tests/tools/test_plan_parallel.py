@@ -284,7 +284,7 @@ def test_top_layouts_launch_with_pretrain_gpt_dry_run(capsys, monkeypatch):
     assert len(layouts) == 5
     monkeypatch.setenv("WORLD_SIZE", "64")
     for r in layouts:
-        argv = ["--config", mixtral, "--dry-run", "--global-batch-size", "256",
+        argv = ["--config", mixtral, "--dry-run", "--json", "--global-batch-size", "256",
                 *shlex.split(r["flags"])]
         try:
             rc = pretrain_main(argv)

@@ -108,12 +108,31 @@ def test_figure_carries_the_labels():
     assert bar.get_ylabel() == COLOURBAR_LABEL == "share of routed tokens"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "5", "9"]
     assert [t.get_text() for t in ax.get_xticklabels()] == [str(e) for e in range(8)]
-    bar_ticks = [float(t.get_text()) for t in bar.get_yticklabels()]
-    assert bar_ticks[0] == 0.0 and bar_ticks[-1] == pytest.approx(2 / 8, rel=1e-3)
+    labels = [t.get_text() for t in bar.get_yticklabels()]
+    ticks = list(bar.get_yticks())
+    assert labels.count("1/E") == 1 and ticks[labels.index("1/E")] == 1 / 8  # fair share
+    round_ticks = [float(t) for t in labels if t != "1/E"]
+    assert round_ticks[0] == 0.0 and max(round_ticks) <= 2 / 8 and len(round_ticks) >= 2
+    for t in round_ticks:  # 1, 2, 2.5 or 5 x a power of ten: short labels
+        assert len(f"{t:g}".lstrip("0.")) <= 2, t
+    fair = [ln for ln in bar.lines if list(ln.get_ydata()) == [1 / 8, 1 / 8]]
+    assert fair and fair[0].get_color() == "red"  # the marked line
     height, width = img.shape[:2]
     for text, box in _texts(fig):  # all drawn inside the image
         assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, \
             text.get_text()
+
+
+@pytest.mark.parametrize("n_experts", [3, 8, 64, 256])
+def test_colour_bar_ticks_are_round_apart_and_mark_the_fair_share(n_experts):
+    fig = heatmap_figure(routed_shares(np.ones((2, n_experts))), [0, 1], 1)
+    rasterise(fig)
+    bar = fig.axes[1]
+    renderer = fig.canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in bar.get_yticklabels()),
+                   key=lambda b: b.y0)
+    assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+    assert "1/E" in [t.get_text() for t in bar.get_yticklabels()]
 
 
 def test_tick_labels_thinned_without_overlap_for_64x256():

@@ -41,7 +41,8 @@ def logged_run(tmp_path_factory):
     args = parse_args(shlex.split(
         f"{TINY_MOE} --train-iters 4 --log-interval 2 --moe-per-layer-logging "
         f"--tensorboard-dir {out / 'tb'} --wandb-project megamoe-test --wandb-exp-name t "
-        f"--wandb-save-dir {out / 'wandb'} --log-throughput --peak-tflops 0.05"), world_size=1)
+        f"--wandb-save-dir {out / 'wandb'} --log-throughput --peak-tflops 0.05 "
+        f"--log-first-iterations 0"), world_size=1)  # Megatron's console: lines at 2 and 4
     state = pretrain(args, print_fn=lines.append)
     return out, lines, state
 

@@ -54,7 +54,7 @@ def test_stale_moe_losses_from_an_earlier_run_are_not_logged():
 
 def _dry_run_memory(extra: str, world_size: int) -> dict:
     out: list[str] = []
-    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run {extra}"),
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run --json {extra}"),
                       world_size=world_size)
     pretrain(args, print_fn=out.append)
     return json.loads(out[-1])["per_rank_memory_bytes"]
