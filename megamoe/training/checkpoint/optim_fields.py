@@ -27,8 +27,8 @@ def _finite_number(v: Any) -> bool:
 
 def _like(path: str, field: str, saved: Any, live: Any) -> None:
     """A hyperparameter as this optimizer holds it: the same kind of value, finite."""
-    if isinstance(live, bool):
-        ok = isinstance(saved, bool)
+    if live is None or isinstance(live, bool):  # (torch's fused/foreach: None = its pick)
+        ok = saved is None or isinstance(saved, bool)
     elif isinstance(live, (int, float)):
         ok = _finite_number(saved)
     elif isinstance(live, (tuple, list)):
@@ -37,7 +37,7 @@ def _like(path: str, field: str, saved: Any, live: Any) -> None:
     elif isinstance(live, torch.Tensor):
         ok = (isinstance(saved, torch.Tensor) and saved.shape == live.shape
               and bool(torch.isfinite(saved).all()))
-    elif live is None or isinstance(live, str):
+    elif isinstance(live, str):
         ok = saved is None or isinstance(saved, str)
     else:
         ok = True
