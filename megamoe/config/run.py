@@ -122,7 +122,13 @@ class RunConfig:
         """Layers split over the (virtual) stages; interleaving needs the micro-batches in
         multiples of the pipeline size; the global batch splits into micro-batches."""
         p, t = self.parallel, self.train
-        self.parallel.layer_ranges(self.model.num_layers)  # raises on a bad split
+        # raises on a bad split
+        ranges = p.layer_ranges(self.model.num_layers, self.model.num_mtp_layers)
+        interleaved = None
+        if len(ranges[0]) > 1:
+            interleaved = "--num-layers-per-virtual-pipeline-stage" \
+                if p.pipeline_model_parallel_layout is None else \
+                "--pipeline-model-parallel-layout with virtual stages"
         dp = p.data_parallel_size
         final = "--step-batch-size-schedule: final global batch size" \
             if t.step_batch_size_schedule else "--global-batch-size"
@@ -130,9 +136,8 @@ class RunConfig:
                 f"{final} ({t.global_batch_size}) must be divisible by "
                 f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
         pp = p.pipeline_model_parallel_size
-        require(p.num_layers_per_virtual_pipeline_stage is None
-                or self.num_microbatches % pp == 0,
-                f"--num-layers-per-virtual-pipeline-stage needs the number of micro-batches "
+        require(interleaved is None or self.num_microbatches % pp == 0,
+                f"{interleaved} needs the number of micro-batches "
                 f"({self.num_microbatches}) to be divisible by --pipeline-model-parallel-size "
                 f"({pp})")
         name = "--step-batch-size-schedule" if t.step_batch_size_schedule else \
@@ -142,12 +147,10 @@ class RunConfig:
                     f"{name}: global batch size {size} of the ramp-up must be "
                     f"divisible by --micro-batch-size ({t.micro_batch_size}) x data-parallel "
                     f"size ({dp})")
-            require(p.num_layers_per_virtual_pipeline_stage is None
-                    or size // (t.micro_batch_size * dp) % pp == 0,
+            require(interleaved is None or size // (t.micro_batch_size * dp) % pp == 0,
                     f"{name}: global batch size {size} of the ramp-up gives "
                     f"{size // (t.micro_batch_size * dp)} micro-batches, not divisible by "
-                    f"--pipeline-model-parallel-size ({pp}) as "
-                    f"--num-layers-per-virtual-pipeline-stage needs")
+                    f"--pipeline-model-parallel-size ({pp}) as {interleaved} needs")
 
     def _validate_schedule_units(self) -> None:
         """As Megatron's validate_args: iteration-based training takes the LR schedule in
