@@ -76,6 +76,49 @@ def test_pp2_1f1b_even_untied():
     _check(TINY_MOE, "--pipeline-model-parallel-size 2", 2)
 
 
+def test_pp2_layout_string_interleaved_uneven():
+    """--pipeline-model-parallel-layout: PP2 x VPP2, uneven chunks of 1 / 1 / 2 / 0 layers
+    (the last holds only the final norm, output layer and loss)."""
+    model = TINY_MOE.replace("--num-layers 2", "--num-layers 4")
+    _check(model, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                  "'Et|t|tt|L'", 2)
+
+
+@pytest.mark.slow
+def test_pp2_layout_string_with_an_empty_stage():
+    """Rank 1's first chunk is empty: its input passes straight through to rank 0's second
+    chunk (and its gradient straight back)."""
+    model = TINY_MOE.replace("--num-layers 2", "--num-layers 4")
+    _check(model, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                  "'Et||tt|tL'", 2)
+
+
+@pytest.mark.slow
+def test_pp2_account_for_embedding_and_loss_interleaved():
+    """(6 + 2) / 2 ranks / 2-layer chunks: chunks of 1, 2, 2, 1 layers."""
+    model = TINY_MOE.replace("--num-layers 2", "--num-layers 6")
+    _check(model, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+                  "--account-for-embedding-in-pipeline-split "
+                  "--account-for-loss-in-pipeline-split", 2)
+
+
+@pytest.mark.slow
+def test_pp2_layout_string_with_mtp_on_the_last_stage():
+    """A DeepSeek-V3-style layout (Megatron's "Et*7|t*7mL" recipe, scaled down): the
+    embedding's stage shortened, the MTP depth with the loss."""
+    model = TINY_MOE.replace("--num-layers 2", "--num-layers 3") + " --mtp-num-layers 1"
+    _check(model, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|t*2mL",
+           2)
+
+
+@pytest.mark.slow
+def test_pp4_shortened_first_and_last_stages():
+    """61-over-PP-style: the first and last stages (embedding, loss) take fewer layers."""
+    model = TINY_MOE.replace("--num-layers 2", "--num-layers 6")
+    _check(model, "--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+                  "--decoder-last-pipeline-num-layers 1", 4)
+
+
 @pytest.mark.parametrize("extra, world, message", [
     ("--pipeline-model-parallel-size 2 --num-layers 3", 2,
      "--num-layers (3) cannot be split over --pipeline-model-parallel-size (2)"),
