@@ -107,6 +107,11 @@ BAD = [
     ("--num-layers-per-virtual-pipeline-stage", "0", PP2, 2, "must be positive"),
     ("--decoder-first-pipeline-num-layers", "0", PP2, 2, "must be positive"),
     ("--decoder-last-pipeline-num-layers", "-1", PP2, 2, "must be positive"),
+    ("--pipeline-model-parallel-layout", "Et|tX", PP2, 2, "invalid layer character 'X'"),
+    ("--pipeline-model-parallel-layout", "Et|t*99999999L", PP2, 2, "repeat count"),
+    ("--pipeline-model-parallel-layout", "(Et|t*999999L)*999", PP2, 2, "unrolls to"),
+    ("--pipeline-model-parallel-layout", "Et|t*4L", PP2, 2, "5 transformer layers 't'"),
+    ("--pipeline-model-parallel-layout", "Et|t|tL", PP2, 2, "number of stages (3)"),
     # checkpointing and logging
     ("--save-interval", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
     ("--ckpt-keep-last", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),

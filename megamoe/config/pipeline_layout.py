@@ -113,6 +113,7 @@ class PipelineLayout:
         for r in range(self.pp):
             require(all("m" not in self.stage(r, c) for c in range(self.vpp - 1)),
                     f"{FLAG}: MTP layers 'm' must be in a pipeline rank's last virtual stage")
+        for r in range(self.pp):
             last = self.stage(r, self.vpp - 1)
             require("m" not in last or last.count("m") == mtp_num_layers,
                     f"{FLAG}: all MTP layers 'm' must be in one stage")
