@@ -133,6 +133,14 @@ def test_pp4_shortened_first_and_last_stages():
     ("--pipeline-model-parallel-size 2 --save /tmp/x --ckpt-format torch", 2,
      "--ckpt-format torch (single file) cannot save with --pipeline-model-parallel-size > 1"),
     ("--pipeline-model-parallel-size 3", 2, "world size 2 is not divisible by"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tL "
+     "--decoder-first-pipeline-num-layers 1", 2,
+     "--pipeline-model-parallel-layout cannot be combined with --decoder-first/last"),
+    ("--pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split", 2,
+     "--num-layers (2) + 1 for each of --account-for-embedding/loss-in-pipeline-split (3) "
+     "must be divisible by --pipeline-model-parallel-size (2)"),
+    ("--pipeline-model-parallel-size 2 --mtp-num-layers 1 --pipeline-model-parallel-layout "
+     "Et|t|m|L", 2, "not supported yet: --pipeline-model-parallel-layout with the MTP layers"),
 ])
 def test_bad_pipeline_layouts_fail_in_one_line(capsys, extra, world, message):
     with pytest.raises(SystemExit) as exc:
