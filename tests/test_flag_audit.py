@@ -265,6 +265,9 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--account-for-loss-in-pipeline-split":
         ("--num-layers 3 --pipeline-model-parallel-size 2 "
          "--account-for-loss-in-pipeline-split", 2, True),
+    "--num-virtual-stages-per-pipeline-rank":
+        ("--num-layers 4 --pipeline-model-parallel-size 2 "
+         "--num-virtual-stages-per-pipeline-rank 2", 2, 2),
     "--pipeline-model-parallel-layout":
         ("--num-layers 3 --pipeline-model-parallel-size 2 "
          "--pipeline-model-parallel-layout Et|ttL", 2, "Et|ttL"),

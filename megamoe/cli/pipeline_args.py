@@ -13,6 +13,9 @@ def add_pipeline_split_args(parser: argparse.ArgumentParser) -> None:
                         "share the rest evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="transformer layers on the last pipeline stage")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages (model chunks) per pipeline rank: each "
+                        "rank's layers, even or uneven, split equally among them")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    help="count the embedding as one layer when dividing the layers among "
                         "the stages (the first stage builds one transformer layer fewer)")

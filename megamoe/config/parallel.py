@@ -48,6 +48,8 @@ class ParallelConfig:
         "--account-for-loss-in-pipeline-split", False)
     pipeline_model_parallel_layout: Optional[str] = flag(
         "--pipeline-model-parallel-layout", None)
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        "--num-virtual-stages-per-pipeline-rank", None)
     distributed_backend: Optional[str] = flag("--distributed-backend", None)  # None: auto
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", 10.0)
     # Megatron's meaning: initialise the weights in host memory, then copy them to the
@@ -99,6 +101,7 @@ class ParallelConfig:
                        "expert_tensor_parallel_size", "world_size",
                        "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage",
                        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                       "num_virtual_stages_per_pipeline_rank",
                        "ddp_bucket_size")
         tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                       self.context_parallel_size)
@@ -145,7 +148,8 @@ class ParallelConfig:
                              self.decoder_last_pipeline_num_layers,
                              self.account_for_embedding_in_pipeline_split,
                              self.account_for_loss_in_pipeline_split,
-                             self.pipeline_model_parallel_layout)
+                             self.pipeline_model_parallel_layout,
+                             self.num_virtual_stages_per_pipeline_rank)
 
     def layer_ranges(self, num_layers: int, mtp_num_layers: int = 0
                      ) -> list[list[tuple[int, int]]]:

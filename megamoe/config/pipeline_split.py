@@ -4,8 +4,11 @@ Megatron-LM's meaning for every flag that shapes it:
 * even: --num-layers / PP per rank, split again into chunks of
   --num-layers-per-virtual-pipeline-stage when interleaving;
 * --decoder-first/last-pipeline-num-layers: the first / last rank take that many layers,
-  the middle ranks share the rest evenly (no interleaving with these: Megatron needs
-  --num-virtual-stages-per-pipeline-rank for that, which megamoe does not parse);
+  the middle ranks share the rest evenly; interleaved with
+  --num-virtual-stages-per-pipeline-rank V, each rank's layers split into V equal chunks
+  (Megatron refuses --num-layers-per-virtual-pipeline-stage with these);
+* --num-virtual-stages-per-pipeline-rank V: V chunks per rank, each rank's layers (by
+  whichever rule above) divided equally among them;
 * --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the
   embedding / the loss count as one layer each when dividing (num_layers + 1 or + 2 over
   PP, then over the virtual stages); the stage holding it builds one decoder layer fewer
@@ -29,6 +32,7 @@ from megamoe.config.pipeline_layout import PipelineLayout
 FIRST_LAST = "--decoder-first/last-pipeline-num-layers"
 ACCOUNT = "--account-for-embedding/loss-in-pipeline-split"
 VIRTUAL = "--num-layers-per-virtual-pipeline-stage"
+STAGES = "--num-virtual-stages-per-pipeline-rank"
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,20 @@ class PipelineSplit:
     account_for_embedding: bool = False  # --account-for-embedding-in-pipeline-split
     account_for_loss: bool = False  # --account-for-loss-in-pipeline-split
     layout: Optional[str] = None  # --pipeline-model-parallel-layout
+    virtual_stages: Optional[int] = None  # --num-virtual-stages-per-pipeline-rank
 
     def check_flags(self) -> None:
         """Megatron's rules between the flags that need no layer count (arguments.py and
         TransformerConfig.__post_init__)."""
         uneven = self.first is not None or self.last is not None
         account = self.account_for_embedding or self.account_for_loss
+        require(self.layers_per_virtual_stage is None or self.virtual_stages is None,
+                f"{VIRTUAL} cannot be combined with {STAGES}")
+        require(self.layout is None or self.virtual_stages is None,
+                f"{LAYOUT_FLAG} cannot be combined with {STAGES} (the layout's stage count "
+                f"sets the virtual stages)")
+        require(self.pp > 1 or self.virtual_stages in (None, 1),
+                f"{STAGES} needs --pipeline-model-parallel-size > 1")
         if self.layout is not None:
             require(self.layers_per_virtual_stage is None,
                     f"{LAYOUT_FLAG} cannot be combined with {VIRTUAL} (the layout's stage "
@@ -63,7 +75,7 @@ class PipelineSplit:
                 f"{FIRST_LAST} cannot be combined with {ACCOUNT} (Megatron-LM: a standalone "
                 f"embedding or loss stage is not supported with uneven stages)")
         require(not (uneven and self.layers_per_virtual_stage is not None),
-                f"{VIRTUAL} cannot be combined with {FIRST_LAST}")
+                f"{VIRTUAL} cannot be combined with {FIRST_LAST} (use {STAGES})")
         require(self.pp > 1 or not uneven,
                 f"{FIRST_LAST} need --pipeline-model-parallel-size > 1")
 
@@ -83,7 +95,19 @@ class PipelineSplit:
                     f"--num-layers ({num_layers}) must be divisible by --pipeline-model-"
                     f"parallel-size ({pp}) x {VIRTUAL} ({n})")
             return [[n] * (num_layers // (pp * n)) for _ in range(pp)]
-        return [[c] for c in self._rank_counts(num_layers)]
+        return [self._chunked(c, r) for r, c in enumerate(self._rank_counts(num_layers))]
+
+    def _chunked(self, rank_layers: int, rank: int) -> list[int]:
+        """A rank's layers in --num-virtual-stages-per-pipeline-rank equal chunks."""
+        v = self.virtual_stages or 1
+        uneven = self.first is not None or self.last is not None
+        which = "the first" if rank == 0 and self.first is not None else \
+            "the last" if rank == self.pp - 1 and self.last is not None else \
+            "each middle" if uneven else "each"
+        require(rank_layers % v == 0,
+                f"the layers of {which} pipeline rank ({rank_layers}) must be divisible "
+                f"by {STAGES} ({v})")
+        return [rank_layers // v] * v
 
     def _rank_counts(self, num_layers: int) -> list[int]:
         """One chunk per rank: even, or the uneven first/last stages."""
@@ -117,7 +141,11 @@ class PipelineSplit:
             require(per_rank % n == 0,
                     f"the layers per pipeline rank ({per_rank}, counting {ACCOUNT}) must be "
                     f"divisible by {VIRTUAL} ({n})")
-        per_chunk = per_rank if n is None else n
+        v = self.virtual_stages or 1
+        require(per_rank % v == 0,
+                f"the layers per pipeline rank ({per_rank}, counting {ACCOUNT}) must be "
+                f"divisible by {STAGES} ({v})")
+        per_chunk = per_rank // v if n is None else n
         counts = [[per_chunk] * (per_rank // per_chunk) for _ in range(pp)]
         if self.account_for_embedding:
             counts[0][0] -= 1

@@ -126,9 +126,11 @@ class RunConfig:
         ranges = p.layer_ranges(self.model.num_layers, self.model.num_mtp_layers)
         interleaved = None
         if len(ranges[0]) > 1:
-            interleaved = "--num-layers-per-virtual-pipeline-stage" \
-                if p.pipeline_model_parallel_layout is None else \
-                "--pipeline-model-parallel-layout with virtual stages"
+            interleaved = "--pipeline-model-parallel-layout with virtual stages" \
+                if p.pipeline_model_parallel_layout is not None else \
+                "--num-virtual-stages-per-pipeline-rank" \
+                if p.num_virtual_stages_per_pipeline_rank is not None else \
+                "--num-layers-per-virtual-pipeline-stage"
         dp = p.data_parallel_size
         final = "--step-batch-size-schedule: final global batch size" \
             if t.step_batch_size_schedule else "--global-batch-size"

@@ -168,12 +168,19 @@ def _megatron_counts(num_layers: int, pp: int, vp: Optional[int], first: Optiona
             if loss and last_vp and pp_rank == pp - 1:
                 build -= 1
             # get_transformer_layer_offset
-            if first is not None or last is not None:  # (vp None: megamoe refuses it)
+            if first is not None or last is not None:
                 middle = pp - (first is not None) - (last is not None)
                 f, lst = first or 0, last or 0
-                per_middle = (num_layers - f - lst) // middle if middle > 0 else 0
+                middle_layers = num_layers - f - lst
                 mid_rank = pp_rank if first is None else pp_rank - 1
-                offset = 0 if pp_rank == 0 else mid_rank * per_middle + f
+                if vp:
+                    f_chunk, l_chunk, m_chunk = f // vp, lst // vp, middle_layers // vp
+                    chunks = f_chunk + m_chunk + l_chunk
+                    offset = vp_stage * chunks if pp_rank == 0 else (
+                        vp_stage * chunks + f_chunk + mid_rank * (m_chunk // middle))
+                else:
+                    per_middle = middle_layers // middle if middle > 0 else 0
+                    offset = 0 if pp_rank == 0 else mid_rank * per_middle + f
             else:
                 total = num_layers + int(emb) + int(loss)
                 per_rank = total // pp
@@ -186,6 +193,44 @@ def _megatron_counts(num_layers: int, pp: int, vp: Optional[int], first: Optiona
             row.append((offset, offset + build))
         out.append(row)
     return out
+
+
+def test_virtual_stages_per_rank_equal_megatrons_formulas():
+    """--num-virtual-stages-per-pipeline-rank V: even, accounted and uneven first / last
+    splits in V chunks per rank, wherever Megatron's divisibility rules accept them."""
+    checked = 0
+    for num_layers, pp, vp in itertools.product(range(1, 17), range(2, 5), range(2, 5)):
+        for emb, loss in itertools.product((False, True), repeat=2):
+            total = num_layers + emb + loss
+            if total % pp or (total // pp) % vp:
+                continue
+            want = _megatron_counts(num_layers, pp, vp, None, None, emb, loss)
+            if any(b < a for row in want for a, b in row):
+                continue
+            split = PipelineSplit(pp, virtual_stages=vp, account_for_embedding=emb,
+                                  account_for_loss=loss)
+            assert split.ranges(num_layers) == want, (num_layers, pp, vp, emb, loss)
+            checked += 1
+        for first, last in itertools.product([None, *range(vp, num_layers, vp)], repeat=2):
+            middle = num_layers - (first or 0) - (last or 0)
+            stages = pp - (first is not None) - (last is not None)
+            if (first is None and last is None) or middle < 0 or \
+                    bool(middle) != bool(stages) or (stages and (middle % stages or
+                                                                 (middle // stages) % vp)):
+                continue
+            if stages == 0:  # PP2 with both flags: Megatron's offset divides by zero
+                continue     # middle stages (megamoe: consecutive in virtual-stage order)
+            split = PipelineSplit(pp, first=first, last=last, virtual_stages=vp)
+            assert split.ranges(num_layers) == _megatron_counts(
+                num_layers, pp, vp, first, last, False, False), (num_layers, pp, vp, first,
+                                                                  last)
+            checked += 1
+    assert checked > 100
+    with pytest.raises(ConfigError, match="first pipeline rank .3. must be divisible by "
+                                          "--num-virtual-stages-per-pipeline-rank .2."):
+        PipelineSplit(3, first=3, virtual_stages=2).ranges(7)
+    with pytest.raises(ConfigError, match="cannot be combined with --num-virtual-stages"):
+        PipelineSplit(2, layers_per_virtual_stage=1, virtual_stages=2).check_flags()
 
 
 def test_split_flags_equal_megatrons_formulas():

@@ -112,6 +112,15 @@ def test_pp2_layout_string_with_mtp_on_the_last_stage():
 
 
 @pytest.mark.slow
+def test_pp2_uneven_first_stage_interleaved():
+    """--num-virtual-stages-per-pipeline-rank 2 with a shortened first stage: rank 0's 2
+    layers and rank 1's 4 each in two chunks (1 / 2 / 1 / 2 layers)."""
+    model = TINY_MOE.replace("--num-layers 2", "--num-layers 6")
+    _check(model, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 "
+                  "--num-virtual-stages-per-pipeline-rank 2", 2)
+
+
+@pytest.mark.slow
 def test_pp4_shortened_first_and_last_stages():
     """61-over-PP-style: the first and last stages (embedding, loss) take fewer layers."""
     model = TINY_MOE.replace("--num-layers 2", "--num-layers 6")
