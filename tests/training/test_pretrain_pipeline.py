@@ -1,6 +1,8 @@
 """pretrain_gpt.py-level parity under pipeline parallelism: 1F1B (uneven stages, tied
 embeddings), interleaved virtual stages (PP = 4; PP = 2, where both neighbours are one
-rank, with evaluation) and TP+SP x PP give the single-process losses."""
+rank, with evaluation), TP+SP x PP, and Megatron's uneven split flags (a layout string,
+the embedding / loss counted as layers, shortened first and last stages, uneven stages
+interleaved) give the single-process losses."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ TIED = (TINY_MOE.replace("--untie-embeddings-and-output-weights ", "")
         .replace("--num-layers 2", "--num-layers 3") + " --moe-layer-freq ([0]+[1]*2)")
 
 
+@pytest.mark.slow
 def test_pp2_uneven_stages_tied_embeddings():
     _check(TIED, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1", 2)
 
@@ -76,12 +79,13 @@ def test_pp2_1f1b_even_untied():
     _check(TINY_MOE, "--pipeline-model-parallel-size 2", 2)
 
 
-def test_pp2_layout_string_interleaved_uneven():
-    """--pipeline-model-parallel-layout: PP2 x VPP2, uneven chunks of 1 / 1 / 2 / 0 layers
-    (the last holds only the final norm, output layer and loss)."""
-    model = TINY_MOE.replace("--num-layers 2", "--num-layers 4")
-    _check(model, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
-                  "'Et|t|tt|L'", 2)
+def test_pp2_layout_string_interleaved_uneven_tied_embeddings():
+    """The default set's pipeline case: --pipeline-model-parallel-layout over PP2 x VPP2,
+    uneven chunks of 1 / 1 / 1 / 0 layers (the last holds only the final norm, output
+    layer and loss), tied embeddings across the stages, learned positions, a dense layer
+    first. (Layers out of virtual-stage order, e.g. rank-major, change the losses.)"""
+    _check(TIED, "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                 "'Et|t|t|L'", 2)
 
 
 @pytest.mark.slow
