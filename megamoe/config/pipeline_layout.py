@@ -123,6 +123,10 @@ class PipelineLayout:
         require("L" in self.stages[-1],
                 f"{FLAG}: the loss 'L' must be in the last stage (the last pipeline rank's "
                 f"last virtual stage), where megamoe builds the output layer")
+        for r in range(self.pp):
+            require(any(self.stage(r, c) for c in range(self.vpp)),
+                    f"not supported yet: {FLAG} giving pipeline rank {r} no layer in any of "
+                    f"its stages (a rank without parameters)")
         require(mtp_num_layers == 0 or "m" in self.stages[-1],
                 f"not supported yet: {FLAG} with the MTP layers 'm' outside the last stage "
                 f"(megamoe runs MTP with the loss 'L' on the last pipeline stage; Megatron's "

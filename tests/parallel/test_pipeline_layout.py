@@ -110,6 +110,8 @@ def test_megatron_functional_layouts_are_accepted(pp, text, layers, mtp):
     (2, "|Et|t|L", 2, 0, "'E' must be in the first stage"),
     (2, "Et|t|L|", 2, 0, "'L' must be in the last stage"),
     (2, "Et|tL||", 2, 0, "'L' must be in the last stage"),
+    (3, "Et||tL", 2, 0, "not supported yet: --pipeline-model-parallel-layout giving "
+                        "pipeline rank 1 no layer"),
     (2, "Et|t|X", 2, 0, "invalid layer character 'X'"),
     (2, "Et|t|tL", 3, 0, "number of stages (3) must be divisible"),
 ])
