@@ -92,7 +92,8 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
         apply_tensor_parallel(model, TensorParallel(mesh.group("tp"), parallel.sequence_parallel,
                                                     rng))
     if mesh.pp_size > 1:
-        model = split_pipeline(model, parallel.layer_ranges(model.config.num_layers),
+        model = split_pipeline(model, parallel.layer_ranges(model.config.num_layers,
+                                                            model.config.num_mtp_layers),
                                mesh.pp_rank, mesh.group("pp"), mesh.group_ranks["pp"])
     if mesh.cp_size > 1:
         apply_context_parallel(model, mesh.group("cp"), parallel.cp_comm_type)

@@ -266,6 +266,18 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--decoder-last-pipeline-num-layers":
         ("--num-layers 4 --pipeline-model-parallel-size 2 "
          "--decoder-last-pipeline-num-layers 1", 2, 1),
+    "--account-for-embedding-in-pipeline-split":
+        ("--num-layers 3 --pipeline-model-parallel-size 2 "
+         "--account-for-embedding-in-pipeline-split", 2, True),
+    "--account-for-loss-in-pipeline-split":
+        ("--num-layers 3 --pipeline-model-parallel-size 2 "
+         "--account-for-loss-in-pipeline-split", 2, True),
+    "--num-virtual-stages-per-pipeline-rank":
+        ("--num-layers 4 --pipeline-model-parallel-size 2 "
+         "--num-virtual-stages-per-pipeline-rank 2", 2, 2),
+    "--pipeline-model-parallel-layout":
+        ("--num-layers 3 --pipeline-model-parallel-size 2 "
+         "--pipeline-model-parallel-layout Et|ttL", 2, "Et|ttL"),
     "--use-distributed-optimizer": ("--use-distributed-optimizer", 2, True),
     "--overlap-grad-reduce": ("--overlap-grad-reduce", 2, True),
     "--overlap-param-gather": ("--use-distributed-optimizer --overlap-grad-reduce "

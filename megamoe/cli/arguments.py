@@ -20,6 +20,7 @@ from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_r
 from megamoe.cli.console_args import add_console_args, check_console_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.loss_scale_args import add_loss_scale_args
+from megamoe.cli.pipeline_args import add_pipeline_split_args
 from megamoe.cli.precision_args import add_precision_args
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
@@ -323,8 +324,6 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="initialise the weights in host memory, then copy them to the device "
                         "(same values; more host memory, less device work)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
 
 
 def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -393,6 +392,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_optimizer_args(parser)
     add_loss_scale_args(parser)
     _add_parallel_args(parser)
+    add_pipeline_split_args(parser)
     _add_checkpoint_and_logging_args(parser)
     add_runtime_args(parser)
     add_precision_args(parser)

@@ -10,7 +10,8 @@ from megamoe.config.fields import ConfigError, to_dict
 from megamoe.config.model import ModelConfig
 from megamoe.config.moe import MoEConfig, MoEExecutionConfig, MoETrainingConfig
 from megamoe.config.optim import OptimizerConfig
-from megamoe.config.parallel import ParallelConfig, pipeline_layer_ranges
+from megamoe.config.parallel import ParallelConfig
+from megamoe.config.pipeline_split import PipelineSplit, pipeline_layer_ranges
 from megamoe.config.recompute import RecomputeConfig
 from megamoe.config.run import RunConfig
 from megamoe.config.train import CheckpointConfig, LoggingConfig, TrainConfig
@@ -18,6 +19,6 @@ from megamoe.config.train import CheckpointConfig, LoggingConfig, TrainConfig
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
     "MoEConfig", "MoEExecutionConfig", "MoETrainingConfig", "OptimizerConfig",
-    "ParallelConfig", "RecomputeConfig", "RunConfig", "TrainConfig", "pipeline_layer_ranges",
-    "to_dict",
+    "ParallelConfig", "PipelineSplit", "RecomputeConfig", "RunConfig", "TrainConfig",
+    "pipeline_layer_ranges", "to_dict",
 ]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megamoe.config.fields import ConfigError, check_positive, derived, flag, require
+from megamoe.config.fields import check_positive, derived, flag, require
+from megamoe.config.pipeline_split import PipelineSplit
 
 BACKENDS = ("nccl", "gloo")
 
@@ -39,6 +40,16 @@ class ParallelConfig:
         "--decoder-first-pipeline-num-layers", None)
     decoder_last_pipeline_num_layers: Optional[int] = flag(
         "--decoder-last-pipeline-num-layers", None)
+    # Megatron's other split flags (config/pipeline_split.py): the embedding / loss counted
+    # as a layer when dividing, or an explicit per-stage layout string.
+    account_for_embedding_in_pipeline_split: bool = flag(
+        "--account-for-embedding-in-pipeline-split", False)
+    account_for_loss_in_pipeline_split: bool = flag(
+        "--account-for-loss-in-pipeline-split", False)
+    pipeline_model_parallel_layout: Optional[str] = flag(
+        "--pipeline-model-parallel-layout", None)
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        "--num-virtual-stages-per-pipeline-rank", None)
     distributed_backend: Optional[str] = flag("--distributed-backend", None)  # None: auto
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", 10.0)
     # Megatron's meaning: initialise the weights in host memory, then copy them to the
@@ -90,6 +101,7 @@ class ParallelConfig:
                        "expert_tensor_parallel_size", "world_size",
                        "distributed_timeout_minutes", "num_layers_per_virtual_pipeline_stage",
                        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                       "num_virtual_stages_per_pipeline_rank",
                        "ddp_bucket_size")
         tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                       self.context_parallel_size)
@@ -125,54 +137,23 @@ class ParallelConfig:
             require(self.num_layers_per_virtual_pipeline_stage is None,
                     "--num-layers-per-virtual-pipeline-stage needs "
                     "--pipeline-model-parallel-size > 1")
+        self.split.check_flags()
 
-    def layer_ranges(self, num_layers: int) -> list[list[tuple[int, int]]]:
-        """This layout's pipeline split of `num_layers` (see pipeline_layer_ranges)."""
-        return pipeline_layer_ranges(num_layers, self.pipeline_model_parallel_size,
-                                     self.num_layers_per_virtual_pipeline_stage,
-                                     self.decoder_first_pipeline_num_layers,
-                                     self.decoder_last_pipeline_num_layers)
+    @property
+    def split(self) -> PipelineSplit:
+        """The flags that divide the layers among the pipeline's stages."""
+        return PipelineSplit(self.pipeline_model_parallel_size,
+                             self.num_layers_per_virtual_pipeline_stage,
+                             self.decoder_first_pipeline_num_layers,
+                             self.decoder_last_pipeline_num_layers,
+                             self.account_for_embedding_in_pipeline_split,
+                             self.account_for_loss_in_pipeline_split,
+                             self.pipeline_model_parallel_layout,
+                             self.num_virtual_stages_per_pipeline_rank)
 
+    def layer_ranges(self, num_layers: int, mtp_num_layers: int = 0
+                     ) -> list[list[tuple[int, int]]]:
+        """This layout's [rank][chunk] -> (first layer, end layer) of `num_layers`
+        (config/pipeline_split.py; the MTP depth is checked against a layout string)."""
+        return self.split.ranges(num_layers, mtp_num_layers)
 
-def pipeline_layer_ranges(num_layers: int, pp: int, layers_per_virtual_stage: Optional[int] = None,
-                          first: Optional[int] = None, last: Optional[int] = None
-                          ) -> list[list[tuple[int, int]]]:
-    """[rank][chunk] -> (first layer, end layer). Virtual stage v = chunk * pp + rank holds
-    consecutive layers; uneven first/last stages take `first` / `last` layers and the middle
-    stages share the rest evenly. Raises ConfigError naming the flags on a bad split."""
-    if layers_per_virtual_stage is not None:
-        if first is not None or last is not None:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage cannot be combined "
-                              "with --decoder-first/last-pipeline-num-layers")
-        if layers_per_virtual_stage < 1 or num_layers % (pp * layers_per_virtual_stage):
-            raise ConfigError(
-                f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-"
-                f"size ({pp}) x --num-layers-per-virtual-pipeline-stage "
-                f"({layers_per_virtual_stage})")
-        chunks = num_layers // (pp * layers_per_virtual_stage)
-        n = layers_per_virtual_stage
-        return [[((c * pp + r) * n, (c * pp + r + 1) * n) for c in range(chunks)]
-                for r in range(pp)]
-    if pp == 1 and (first is not None or last is not None):
-        raise ConfigError("--decoder-first/last-pipeline-num-layers need "
-                          "--pipeline-model-parallel-size > 1")
-    counts: list[Optional[int]] = [None] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    fixed = sum(c for c in counts if c is not None)
-    free = [i for i, c in enumerate(counts) if c is None]
-    rest = num_layers - fixed
-    if any(c is not None and c < 1 for c in counts) or rest < 0 or (
-            free and (rest % len(free) or rest // len(free) < 1)) or (not free and rest):
-        raise ConfigError(
-            f"--num-layers ({num_layers}) cannot be split over --pipeline-model-parallel-size "
-            f"({pp}) stages (first stage {first}, last stage {last}): every stage needs at "
-            "least one layer and the other stages an equal share")
-    for i in free:
-        counts[i] = rest // len(free)
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + c)
-    return [[(bounds[r], bounds[r + 1])] for r in range(pp)]

@@ -129,7 +129,15 @@ class RunConfig:
         """Layers split over the (virtual) stages; interleaving needs the micro-batches in
         multiples of the pipeline size; the global batch splits into micro-batches."""
         p, t = self.parallel, self.train
-        self.parallel.layer_ranges(self.model.num_layers)  # raises on a bad split
+        # raises on a bad split
+        ranges = p.layer_ranges(self.model.num_layers, self.model.num_mtp_layers)
+        interleaved = None
+        if len(ranges[0]) > 1:
+            interleaved = "--pipeline-model-parallel-layout with virtual stages" \
+                if p.pipeline_model_parallel_layout is not None else \
+                "--num-virtual-stages-per-pipeline-rank" \
+                if p.num_virtual_stages_per_pipeline_rank is not None else \
+                "--num-layers-per-virtual-pipeline-stage"
         dp = p.data_parallel_size
         final = "--step-batch-size-schedule: final global batch size" \
             if t.step_batch_size_schedule else "--global-batch-size"
@@ -137,9 +145,8 @@ class RunConfig:
                 f"{final} ({t.global_batch_size}) must be divisible by "
                 f"--micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})")
         pp = p.pipeline_model_parallel_size
-        require(p.num_layers_per_virtual_pipeline_stage is None
-                or self.num_microbatches % pp == 0,
-                f"--num-layers-per-virtual-pipeline-stage needs the number of micro-batches "
+        require(interleaved is None or self.num_microbatches % pp == 0,
+                f"{interleaved} needs the number of micro-batches "
                 f"({self.num_microbatches}) to be divisible by --pipeline-model-parallel-size "
                 f"({pp})")
         name = "--step-batch-size-schedule" if t.step_batch_size_schedule else \
@@ -149,12 +156,10 @@ class RunConfig:
                     f"{name}: global batch size {size} of the ramp-up must be "
                     f"divisible by --micro-batch-size ({t.micro_batch_size}) x data-parallel "
                     f"size ({dp})")
-            require(p.num_layers_per_virtual_pipeline_stage is None
-                    or size // (t.micro_batch_size * dp) % pp == 0,
+            require(interleaved is None or size // (t.micro_batch_size * dp) % pp == 0,
                     f"{name}: global batch size {size} of the ramp-up gives "
                     f"{size // (t.micro_batch_size * dp)} micro-batches, not divisible by "
-                    f"--pipeline-model-parallel-size ({pp}) as "
-                    f"--num-layers-per-virtual-pipeline-stage needs")
+                    f"--pipeline-model-parallel-size ({pp}) as {interleaved} needs")
 
     def _validate_schedule_units(self) -> None:
         """As Megatron's validate_args: iteration-based training takes the LR schedule in

@@ -19,17 +19,19 @@ from megamoe.planning.optimizer_memory import largest_stage_transients
 
 def launch_layout(run: RunConfig) -> Layout:
     """The memory model's Layout of a run's flags."""
-    par = run.parallel
-    vpp = 1
-    if par.num_layers_per_virtual_pipeline_stage:
-        vpp = run.model.num_layers // (par.pipeline_model_parallel_size
-                                       * par.num_layers_per_virtual_pipeline_stage)
-    return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+    par, pp = run.parallel, run.parallel.pipeline_model_parallel_size
+    ranges = par.layer_ranges(run.model.num_layers, run.model.num_mtp_layers)
+    vpp = len(ranges[0])
+    # decoder layers per virtual stage v = chunk x PP + rank; None when even
+    split = tuple(end - start for c in range(vpp) for start, end in
+                  (ranges[r][c] for r in range(pp)))
+    return Layout(tp=par.tensor_model_parallel_size, pp=pp,
                   vpp=vpp, ep=par.expert_model_parallel_size, etp=par.etp,
                   dp=par.data_parallel_size, cp=par.context_parallel_size,
                   distributed_optimizer=par.use_distributed_optimizer,
                   recompute=recompute_name(run.recompute),
-                  micro_batch_size=run.train.micro_batch_size)
+                  micro_batch_size=run.train.micro_batch_size,
+                  split=None if len(set(split)) == 1 else split)
 
 
 def state_bytes(optim: OptimizerConfig) -> StateBytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from megamoe.config import ModelConfig
 from megamoe.model.flops import (
@@ -18,6 +19,7 @@ from megamoe.model.flops import (
     attention_tp_replicated,
 )
 from megamoe.planning.activations import layer_values, recompute_config
+from megamoe.planning.pipeline_balance import layer_ranks, rank_layer_counts
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,19 @@ class Layout:
     recompute: str  # none | full | selective[:modules] (activations.recompute_config)
     micro_batch_size: int
     cp_comm_type: str = "p2p"  # --cp-comm-type for every layer (p2p or a2a), with cp > 1
+    # Decoder layers of each virtual stage v = chunk x PP + rank when the split is uneven
+    # (--decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split,
+    # --pipeline-model-parallel-layout); None: PP x VPP equal chunks.
+    split: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.split is not None:  # (from JSON: a list)
+            object.__setattr__(self, "split", tuple(self.split))
 
 
 def _stage_of_layer(model: ModelConfig, lay: Layout, i: int) -> int:
-    """Pipeline stage holding layer i: PP x VPP equal chunks, chunk c on stage c % PP."""
-    per_chunk = model.num_layers // (lay.pp * lay.vpp)
-    return (i // per_chunk) % lay.pp
+    """Pipeline stage holding layer i: virtual stage v's chunk on stage v % PP."""
+    return layer_ranks(model.num_layers, lay.pp, lay.vpp, lay.split)[i]
 
 
 def _layer_parameters(model: ModelConfig, lay: Layout, i: int) -> tuple[float, float]:
@@ -151,37 +160,44 @@ def activation_bytes(model: ModelConfig, lay: Layout, seq_length: int, act_bytes
                      ) -> float:
     """Saved activations on the most loaded pipeline stage: per layer what activations.py
     counts for the layout's recompute mode, times the micro-batches the stage holds in
-    1F1B. The first stage holds the most (PP; interleaved PP + (PP-1)/VPP stage-equivalents,
-    Megatron's warm-up counts); the last holds the fewest (1; PP - (PP-1)/VPP) but also the
-    MTP layers and the logits, which can make it the larger (DeepSeek-V3's MTP)."""
+    1F1B. Rank r holds PP - r of them (interleaved: PP + (PP - 1 - 2r) / VPP
+    stage-equivalents, Megatron's warm-up counts), so with an even split the first stage
+    holds the most; the last also holds the MTP layers and the logits, which can make it
+    the larger (DeepSeek-V3's MTP); an uneven split weighs each rank by its own layers."""
     pp, vpp = lay.pp, lay.vpp
-    first_in_flight = 1 if pp == 1 else pp + (pp - 1) / vpp if vpp > 1 else pp
     mtp = model.num_mtp_layers
-    first = _stage_activations(model, lay, seq_length, act_bytes, mtp if pp == 1 else 0,
-                               first_in_flight)
     if pp == 1:
-        return first
-    last_in_flight = pp - (pp - 1) / vpp if vpp > 1 else 1
-    return max(first, _stage_activations(model, lay, seq_length, act_bytes, mtp,
-                                         last_in_flight))
+        return _stage_activations(model, lay, seq_length, act_bytes, mtp, [1],
+                                  [model.num_layers])[0]
+    layers = rank_layer_counts(model.num_layers, pp, vpp, lay.split)
+    in_flight = [pp + (pp - 1 - 2 * r) / vpp if vpp > 1 else pp - r for r in range(pp)]
+    return max(max(_stage_activations(model, lay, seq_length, act_bytes, 0, in_flight[:-1],
+                                      layers[:-1])),
+               _stage_activations(model, lay, seq_length, act_bytes, mtp, in_flight[-1:],
+                                  layers[-1:])[0])
 
 
 def _stage_activations(model: ModelConfig, lay: Layout, seq_length: int, act_bytes: int,
-                       mtp: int, in_flight: float) -> float:
-    """One stage's saved activations: its num_layers / PP decoder layers (the model's mean
-    layer) plus `mtp` MTP layers, `in_flight` micro-batches, and the fp32 logits with their
-    gradient once per prediction (1 + D with MTP; charged to every stage, conservatively)."""
+                       mtp: int, in_flight: list[float], decoder_layers: list[int]
+                       ) -> list[float]:
+    """Saved activations of stages holding `decoder_layers[i]` decoder layers (the model's
+    mean layer) plus `mtp` MTP layers, with `in_flight[i]` micro-batches, and the fp32
+    logits with their gradient once per prediction (1 + D with MTP; charged to every stage,
+    conservatively)."""
     h = model.hidden_size
     tokens = seq_length // lay.cp * lay.micro_batch_size
     recompute = recompute_config(lay.recompute)
     kept = recompute if recompute.granularity != "full" else recompute_config("none")
     per_layer = [layer_values(model, i, kept, tp=lay.tp, ep=lay.ep, etp=lay.etp,
                               act_bytes=act_bytes) for i in range(model.num_layers + mtp)]
-    layers_per_stage = model.num_layers / lay.pp + mtp
     mean_layer = sum(per_layer) / len(per_layer)
-    if recompute.granularity == "full":  # each layer's input, plus one layer being replayed
-        stage = layers_per_stage * h / lay.tp + max(per_layer)
-    else:
-        stage = layers_per_stage * mean_layer
     logits = 2 * 4 * model.vocab_size / lay.tp * (1 + mtp)
-    return tokens * act_bytes * (stage * in_flight) + tokens * logits
+    out = []
+    for n, flight in zip(decoder_layers, in_flight):
+        layers_per_stage = n + mtp
+        if recompute.granularity == "full":  # each layer's input, plus one being replayed
+            stage = layers_per_stage * h / lay.tp + max(per_layer)
+        else:
+            stage = layers_per_stage * mean_layer
+        out.append(tokens * act_bytes * (stage * flight) + tokens * logits)
+    return out

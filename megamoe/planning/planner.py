@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 from megamoe.config import (
     ConfigError,
@@ -35,6 +36,7 @@ from megamoe.parallel.cp_a2a import a2a_bytes_per_layer
 from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
+from megamoe.planning.pipeline_balance import best_first_last, first_last_flags, imbalance
 
 GB = 1e9
 
@@ -112,7 +114,9 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
         grad_bytes = mem["gradients"] * (1.25 if lay.distributed_optimizer else 1.0)
         dp_comm = 2 * grad_bytes * (lay.dp * lay.cp - 1) / (lay.dp * lay.cp) / bw(
             lay.tp * lay.pp * lay.dp * lay.cp)
-    busy = compute + tp_comm + a2a + cp_comm
+    # The pipeline runs at its busiest rank's pace (pipeline_balance.py: the last rank
+    # also runs the output layer; an uneven split moves layers to even that out).
+    busy = (compute + tp_comm + a2a + cp_comm) * imbalance(model, lay.pp, lay.vpp, lay.split)
     total = busy * (1 + bubble) + dp_comm + p2p
     return {"total": total, "compute": compute, "tp_comm": tp_comm, "all_to_all": a2a,
             "cp_comm": cp_comm, "bubble": busy * bubble, "dp_comm": dp_comm, "p2p": p2p}
@@ -143,6 +147,7 @@ def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: 
         return False
     moe = model.moe is not None  # (the planner assumes --moe-grouped-gemm: moe_act needs it)
     vpp_layers = None if lay.vpp == 1 else model.num_layers // (lay.pp * lay.vpp)
+    first, last = _first_last(lay)
     try:
         RunConfig(model, parallel=ParallelConfig(
             tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
@@ -150,7 +155,8 @@ def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: 
             expert_model_parallel_size=lay.ep,
             expert_tensor_parallel_size=lay.etp, sequence_parallel=lay.tp > 1,
             use_distributed_optimizer=lay.distributed_optimizer, world_size=gpus,
-            num_layers_per_virtual_pipeline_stage=vpp_layers),
+            num_layers_per_virtual_pipeline_stage=vpp_layers,
+            decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last),
             train=TrainConfig(micro_batch_size=lay.micro_batch_size,
                               global_batch_size=global_batch_size, train_iters=1),
             moe_execution=MoEExecutionConfig(grouped_gemm=moe),
@@ -158,6 +164,15 @@ def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: 
     except ConfigError:
         return False
     return True
+
+
+def _first_last(lay: Layout) -> tuple[Optional[int], Optional[int]]:
+    """The --decoder-first/last-pipeline-num-layers values of a planned uneven split."""
+    if lay.split is None:
+        return None, None
+    values = {f.split("=")[0]: int(f.split("=")[1]) for f in first_last_flags(lay.split)}
+    return (values.get("--decoder-first-pipeline-num-layers"),
+            values.get("--decoder-last-pipeline-num-layers"))
 
 
 def layout_flags(model: ModelConfig, lay: Layout) -> list[str]:
@@ -174,6 +189,8 @@ def layout_flags(model: ModelConfig, lay: Layout) -> list[str]:
     if lay.vpp > 1:
         layers = model.num_layers // (lay.pp * lay.vpp)
         flags.append(f"--num-layers-per-virtual-pipeline-stage={layers}")
+    if lay.split is not None:
+        flags += first_last_flags(lay.split)
     if lay.distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     if model.moe is not None:
@@ -189,14 +206,17 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
     where its heads split over CP."""
     out = []
     experts = model.moe.num_experts if model.moe else 1
-    for tp, pp, cp in itertools.product(divisors(gpus_per_node), divisors(model.num_layers),
-                                        (1, 2, 4)):
+    pps = [pp for pp in divisors(gpus) if pp <= model.num_layers]
+    uneven = {pp: best_first_last(model, pp) for pp in pps}
+    for tp, pp, cp in itertools.product(divisors(gpus_per_node), pps, (1, 2, 4)):
         if gpus % (tp * pp * cp) or seq_length % (2 * cp):  # (CP: 2 x CP sequence chunks)
             continue
         dp = gpus // (tp * pp * cp)
-        for vpp in (1, 2, 4):
-            if vpp > 1 and (pp == 1 or model.num_layers % (pp * vpp)):
-                continue
+        splits = [(vpp, None) for vpp in (1, 2, 4)
+                  if model.num_layers % (pp * vpp) == 0 and (vpp == 1 or pp > 1)]
+        if uneven[pp] is not None:  # the balanced first/last split (no interleaving)
+            splits.append((1, uneven[pp]))
+        for vpp, split in splits:
             for ep, etp in itertools.product(divisors(experts), sorted({1, tp})):
                 if model.moe is None and (ep > 1 or etp != tp):
                     continue
@@ -204,7 +224,8 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
                                                             _recompute_modes(model)):
                     if dist_opt and dp * cp == 1:
                         continue
-                    lay = Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs)
+                    lay = Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs,
+                                 split=split)
                     if not rules_accept(model, lay, gpus, global_batch_size):
                         continue
                     out.append(lay)
@@ -247,7 +268,11 @@ def explain(r: dict, hw: Hardware) -> str:
     parts = sorted(((k, v) for k, v in t.items() if k != "total" and v > 0),
                    key=lambda kv: -kv[1])
     shares = ", ".join(f"{k} {100 * v / t['total']:.0f}%" for k, v in parts[:3])
-    return (f"TP{lay['tp']} PP{lay['pp']} VPP{lay['vpp']} EP{lay['ep']} ETP{lay['etp']} "
+    split = lay.get("split")
+    pp = f"PP{lay['pp']}" if split is None else \
+        f"PP{lay['pp']} (layers {split[0]}/{split[1]}/.../{split[-1]})" if lay["pp"] > 2 else \
+        f"PP{lay['pp']} (layers {split[0]}/{split[1]})"
+    return (f"TP{lay['tp']} {pp} VPP{lay['vpp']} EP{lay['ep']} ETP{lay['etp']} "
             f"DP{lay['dp']} CP{lay['cp']}{' a2a' if lay['cp_comm_type'] == 'a2a' else ''} "
             f"mbs{lay['micro_batch_size']}"
             f"{' distopt' if lay['distributed_optimizer'] else ''}"

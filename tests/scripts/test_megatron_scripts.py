@@ -192,3 +192,42 @@ def test_deepseek_v3_script_dry_runs(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_script_dry_runs(name, tmp_path, monkeypatch, capsys):
     assert _check_script(name, tmp_path, monkeypatch, capsys) >= 1
+
+
+def _deepseek_v3_argv(tmp_path) -> list[str]:
+    """The held DeepSeek-V3 script's non-FSDP flags (profiling and W&B branches on)."""
+    everything = [t for on, t in variants(held("deepseek_v3"))
+                  if all(v for c, v in on.items() if c != FSDP)]
+    return launch_argv(everything[0], str(tmp_path))
+
+
+# DeepSeek-V3's 61 layers over a pipeline, as Megatron's recipes split them: the script's
+# TP1 x EP8 node, times PP. (flags, world size, the refusal expected or None)
+DEEPSEEK_PP = {
+    # megatron/core/transformer/transformer_config.py's PP16 x VPP2 example, MTP with the loss
+    "layout_pp16_vpp2": ('--pipeline-model-parallel-size 16 --pipeline-model-parallel-layout '
+                         'Et*2|(tt|)*29,t|mL', 128, None),
+    # pipeline_parallel_layout.md's layout puts MTP on a stage of its own: not built
+    "documented_standalone_mtp": ('--pipeline-model-parallel-size 16 '
+                                  '--pipeline-model-parallel-layout Et*3|(tt|)*29,m|L', 128,
+                                  "not supported yet: --pipeline-model-parallel-layout with "
+                                  "the MTP layers 'm' outside the last stage"),
+    "first_last_pp8": ("--pipeline-model-parallel-size 8 --decoder-first-pipeline-num-layers 8 "
+                       "--decoder-last-pipeline-num-layers 5", 64, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEEPSEEK_PP))
+def test_deepseek_v3_script_with_uneven_pipeline_splits(case, tmp_path, monkeypatch, capsys):
+    """The script plus Megatron's uneven split flags dry-runs (the per-rank memory is of
+    the busiest stage of that split), or stops at the one line megamoe's limit gives."""
+    flags, world, refusal = DEEPSEEK_PP[case]
+    argv = _deepseek_v3_argv(tmp_path) + flags.split()
+    code, out, err = _dry_run(argv, world, 129280, monkeypatch, capsys)
+    if refusal is not None:
+        assert code == 2 and refusal in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        return
+    assert code == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["parameters"] > 0 and report["per_rank_memory_gib"] > 0

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -109,9 +110,11 @@ def _measure_layout(flags: str, world_size: int) -> tuple[dict[str, float], int]
 
 
 def _predicted(flags: str, world_size: int, stage: int) -> dict[str, float]:
+    from megamoe.planning.dry_run import launch_layout
+
     args, run = _run_config(flags, world_size)
-    return pl.stage_bytes(run.model, _layout(args), stage, 2 if args.bf16 else 4,
-                          state_bytes(run.optim))
+    lay = replace(_layout(args), split=launch_layout(run).split)  # an uneven split's layers
+    return pl.stage_bytes(run.model, lay, stage, 2 if args.bf16 else 4, state_bytes(run.optim))
 
 
 def _check(flags: str, world_size: int, measured: dict[str, float], stage: int) -> str:
@@ -151,6 +154,8 @@ TWO_RANK_LAYOUTS = [
     "--tensor-model-parallel-size 2 --sequence-parallel --bf16",
     "--pipeline-model-parallel-size 2",
     "--pipeline-model-parallel-size 2 --bf16",
+    # uneven: the first stage holds only the embedding, the last both layers and the loss
+    "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|ttL",
     "--expert-model-parallel-size 2",
     "--expert-model-parallel-size 2 --use-distributed-optimizer",
     "--expert-model-parallel-size 2 --bf16 --use-distributed-optimizer",
@@ -240,7 +245,11 @@ def test_never_proposes_illegal_layouts(preset, gpus):
     for lay in layouts:
         assert lay.tp * lay.pp * lay.cp * lay.dp == gpus
         assert model.num_attention_heads % lay.tp == 0 and model.num_query_groups % lay.tp == 0
-        assert model.num_layers % (lay.pp * lay.vpp) == 0
+        if lay.split is None:
+            assert model.num_layers % (lay.pp * lay.vpp) == 0
+        else:  # the balanced --decoder-first/last-pipeline-num-layers split
+            assert lay.vpp == 1 and sum(lay.split) == model.num_layers and min(lay.split) >= 1
+            assert len(set(lay.split[1:-1])) <= 1
         assert model.moe.num_experts % lay.ep == 0 and (gpus // lay.pp) % (lay.ep * lay.etp) == 0
         assert 256 % (lay.micro_batch_size * lay.dp) == 0
         assert not (lay.vpp > 1 and lay.pp == 1)

@@ -196,7 +196,8 @@ def test_planner_activations_count_the_last_stage_with_its_mtp_layers():
 
     args, run = _run_config("--pipeline-model-parallel-size 2 --mtp-num-layers 3", 2)
     lay = _layout(args)
-    last = pl._stage_activations(run.model, lay, run.model.seq_length, 2, 3, 1)
-    first = pl._stage_activations(run.model, lay, run.model.seq_length, 2, 0, 2)
+    # (one decoder layer per stage; the last holds 1 micro-batch, the first 2)
+    last = pl._stage_activations(run.model, lay, run.model.seq_length, 2, 3, [1], [1])[0]
+    first = pl._stage_activations(run.model, lay, run.model.seq_length, 2, 0, [2], [1])[0]
     assert last > first
     assert estimate("--mtp-num-layers 3") == last > estimate("") == first
