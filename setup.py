@@ -28,8 +28,9 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "tensorboard", "matplotlib",
-                 "transformers>=4.46"],
+        # pytest-xdist: scripts/test.sh runs the suite on two workers (one per core)
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "tensorboard",
+                 "matplotlib", "transformers>=4.46"],
         "logging": ["tensorboard", "wandb", "matplotlib"],  # matplotlib: expert-load heatmap
         # CUDA clusters only: never install it on a CPU-only machine (it builds against a
         # CUDA torch). Only what megamoe imports: grouped_gemm (the CUTLASS expert GEMMs);

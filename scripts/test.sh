@@ -20,9 +20,14 @@ case "${1:-}" in
            tests/tools/test_convert.py tests/tools/test_convert_families.py
            tests/tools/test_convert_deepseek.py) ;;
 esac
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" WANDB_MODE=offline
+# Two workers, one per core (pytest-xdist; a file's tests stay on one worker, so its
+# module fixtures are built once), one thread each. TEST_WORKERS=0 runs in one process.
+WORKERS="${TEST_WORKERS:-2}"
+XDIST=()
+if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" WANDB_MODE=offline
 set +e
-python -m pytest -m "$MARK" "$@" "${PATHS[@]}"
+python -m pytest -m "$MARK" "${XDIST[@]}" "$@" "${PATHS[@]}"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "no tests selected (marker: $MARK)"; exit 0; fi

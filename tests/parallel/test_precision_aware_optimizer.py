@@ -106,7 +106,7 @@ def test_state_bytes_shrink_by_the_dtype_factor():
 
     def planned(extra: str) -> dict:
         out: list[str] = []
-        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run --bf16 "
+        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run --json --bf16 "
                                       f"--use-distributed-optimizer {extra}"), world_size=1)
         pretrain(args, print_fn=out.append)
         return json.loads(out[-1])["per_rank_memory_bytes"]

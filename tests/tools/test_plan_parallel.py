@@ -233,7 +233,7 @@ def _rules_accept(model_flags: str, model, lay: pl.Layout, gpus: int, gbs: int) 
 
 
 @pytest.mark.parametrize("preset,gpus", [
-    ("tiny.yaml", 8), ("olmoe-1b-7b.yaml", 16),
+    ("tiny.yaml", 8), pytest.param("olmoe-1b-7b.yaml", 16, marks=pytest.mark.slow),
     pytest.param("mixtral-8x7b.yaml", 64, marks=pytest.mark.slow),
     pytest.param("qwen3-30b-a3b.yaml", 32, marks=pytest.mark.slow),
     pytest.param("qwen3-235b-a22b.yaml", 256, marks=pytest.mark.slow)])

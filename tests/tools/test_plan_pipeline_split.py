@@ -64,7 +64,8 @@ def test_planner_proposes_uneven_splits_that_launch(capsys, monkeypatch):
     assert any(f.startswith("--decoder-") for f in flags)
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--num-layers", "7",
-            "--dry-run", "--global-batch-size", "16", "--vocab-size", "256", "--mock-data",
+            "--dry-run", "--json", "--global-batch-size", "16", "--vocab-size", "256",
+            "--mock-data",
             *shlex.split(" ".join(flags))]
     try:
         rc = pretrain_main(argv)

@@ -119,6 +119,7 @@ def _shared_losses(rank: int, world_size: int, extra: str) -> list[float]:
     return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
 
 
+@pytest.mark.slow  # (their logits and one-process resume stay in the default set)
 def test_old_whole_shared_experts_resume_under_tp2_and_one_process(tmp_path):
     """The old checkpoint (weights and Adam states of the whole shared experts) resumes
     under TP=2 + SP (each rank reads its slices) and in one process, with the losses of a

@@ -112,6 +112,7 @@ def _crash_and_resume(tmp_path, phases: list[str], fmt: str) -> None:
             ["iter_0000003", "iter_0000004", TRACKER], phase
 
 
+@pytest.mark.slow  # (the torch_dist case below stays in the default set)
 def test_sigkill_during_save_then_resume(tmp_path):
     _crash_and_resume(tmp_path, ["after_write", "after_tracker"], "torch")
 
@@ -167,7 +168,7 @@ def _train_real(prefix: str, extra: str) -> list[dict]:
     return pretrain(args, print_fn=lambda _m: None).history
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", [pytest.param("torch", marks=pytest.mark.slow), "torch_dist"])
 def test_exact_resume_on_gpt_dataset_is_bitwise(tmp_path, fmt):
     prefix = _gpt_corpus(str(tmp_path / "corpus"))
     n = 3
@@ -216,7 +217,7 @@ def _logged_batch_sizes(out: list[str]) -> list[int]:
     return [int(m.group(5)) for line in out for m in [LINE.search(line)] if m]
 
 
-@pytest.mark.parametrize("name", sorted(SAMPLE_RUNS))
+@pytest.mark.parametrize("name", [pytest.param("lr_samples", marks=pytest.mark.slow), "rampup"])
 def test_exact_resume_of_sample_based_training_is_bitwise(tmp_path, name):
     """--train-samples runs stopped after N steps (--exit-interval) and resumed from the
     checkpoint continue bitwise like the run that never stopped (fp32, dropout on, GPT
@@ -253,7 +254,7 @@ def test_exact_resume_of_sample_based_training_is_bitwise(tmp_path, name):
         assert torch.equal(v, tb[k]), k
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", [pytest.param("torch", marks=pytest.mark.slow), "torch_dist"])
 def test_async_save_matches_blocking_save(tmp_path, fmt):
     f = f"--ckpt-format {fmt}"
     _run(f"--train-iters 3 --save-interval 1 --save {tmp_path / 'sync'} {f}")
@@ -295,7 +296,7 @@ def _one_line(code: int, err: str, needles: list[str]) -> None:
         assert n in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", [pytest.param("torch", marks=pytest.mark.slow), "torch_dist"])
 def test_bad_load_is_one_line_and_leaves_save_untouched(tmp_path, capsys, fmt):
     from megamoe.cli.main import main
 

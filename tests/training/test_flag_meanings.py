@@ -82,8 +82,10 @@ def _logged(rank: int, world_size: int, extra: str) -> list[tuple[float, float]]
     # (divisor 64 x TP 2 pads the vocabulary to the single process's 128 rows)
     ("--tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 64",
      ""),
-    ("--expert-model-parallel-size 2 --use-distributed-optimizer", ""),
-    ("--pipeline-model-parallel-size 2", "--moe-layer-freq ([0]+[1])"),
+    pytest.param("--expert-model-parallel-size 2 --use-distributed-optimizer", "",
+                 marks=pytest.mark.slow),  # (the layout sweep: slow set; TP2 stays)
+    pytest.param("--pipeline-model-parallel-size 2", "--moe-layer-freq ([0]+[1])",
+                 marks=pytest.mark.slow),
 ], ids=["tp2", "ep2_dp2_distopt", "pp2"])
 def test_parallel_layouts_log_the_single_process_values(layout, model):
     """Every parameter and gradient element counted once across tp / ep / pp and the

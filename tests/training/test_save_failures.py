@@ -143,7 +143,8 @@ EACCES = "[Errno 13] Permission denied: "
 @pytest.mark.parametrize("spec, flags, where, reason", [
     # only rank 1's shard write fails; DCP reports it to every rank
     ("enospc-dist:2:1", "", " on rank 1", ENOSPC),
-    ("enospc-dist:2:1", "--async-save", " on rank 1", ENOSPC),
+    pytest.param("enospc-dist:2:1", "--async-save", " on rank 1", ENOSPC,
+                 marks=pytest.mark.slow),
     # rank 0 alone: the temporary directory, then common.pt (after every rank's shards)
     ("eacces-tmp:2", "", " on rank 0", EACCES),
     ("enospc-common:2", "", " on rank 0", ENOSPC),
