@@ -112,6 +112,7 @@ def _tp_worker(rank: int, world: int, sp: bool) -> None:
     assert (tp_attn(mine(x), rotary) - mine(want)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["tp2", "tp2_sp"])
 def test_projection_norm_under_tp2_matches_single_process(sp):
     run_distributed(_tp_worker, 2, 120, sp)

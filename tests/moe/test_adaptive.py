@@ -120,6 +120,7 @@ def _switching_worker(rank: int, world: int) -> bool:
     return True
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_switching_mode_every_step_trains_like_the_fixed_layout():
     assert all(run_distributed(_switching_worker, 2, 120))
 
@@ -261,7 +262,8 @@ def _untouched_worker(rank: int, world: int, dtype_name: str, distributed: bool)
     return True
 
 
-@pytest.mark.parametrize("dtype_name, distributed", [("bfloat16", False), ("float32", False),
-                                                     ("bfloat16", True)])
+@pytest.mark.parametrize("dtype_name, distributed", [
+    ("bfloat16", False), ("float32", False),
+    pytest.param("bfloat16", True, marks=pytest.mark.slow)])
 def test_calibration_touches_no_gradient_or_optimizer_state(dtype_name, distributed):
     assert all(run_distributed(_untouched_worker, 2, 120, dtype_name, distributed))

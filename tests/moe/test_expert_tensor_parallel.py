@@ -162,6 +162,7 @@ def _shared_share_worker(rank: int, world: int) -> tuple[int, int, float, float]
             flops(full.shared_experts, x, grad))
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_each_tp_rank_holds_and_runs_its_share_of_the_shared_experts():
     """TP=2: each rank holds half of the shared experts' matrices (the [1, H] gate and the
     fc2 bias [H] stay whole) and runs half of their FLOPs, forward and backward (before,

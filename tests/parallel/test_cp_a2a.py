@@ -104,6 +104,7 @@ def _count_a2a_bytes(rank, world_size, v_dim):
     return sum(sent)
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_planner_a2a_volume_is_what_the_all_to_alls_send():
     """The planner's CP cost for a2a layouts (a2a_bytes_per_layer) equals the bytes the
     op's all-to-alls send per rank for one forward and backward, V narrower than K."""

@@ -185,6 +185,7 @@ def _count_ring_bytes(rank, world_size, v_dim):
 @pytest.mark.parametrize("cp,v_dim", [  # (V narrower than K covers the equal case's sizes)
     (2, 3), pytest.param(2, D, marks=pytest.mark.slow),
     pytest.param(4, D, marks=pytest.mark.slow), pytest.param(4, 3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_planner_ring_volume_is_what_the_ring_sends(cp, v_dim):
     """The planner's CP cost (ring_bytes_per_layer) equals the bytes the real ring sends
     per rank for one layer's forward and backward, also when V's head dim is not K's

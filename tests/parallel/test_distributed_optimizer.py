@@ -74,6 +74,7 @@ def _memory_and_step_worker(rank: int, world: int) -> dict:
     return {"bytes": opt.state_bytes(), "numel": sum(p.numel() for p in model.parameters())}
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_optimizer_memory_shrinks_with_dp():
     """Measured for the report: Adam states per rank for DP = 1, 2, 4 (fp32: the main
     slices are views of the parameters' own shard, no copy)."""

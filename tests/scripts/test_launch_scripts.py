@@ -26,6 +26,7 @@ def _json_line(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_mixtral_script_megatron_layout_validates_or_names_the_missing_feature(tmp_path):
     """Megatron's layout (TP4, EP4, SP, distributed optimizer on 16 GPUs) either validates
     or stops with exactly one "not supported yet" line naming a flag the script passes."""

@@ -170,7 +170,8 @@ def test_check_off_skips_the_step_and_trains_on(monkeypatch, kind, nan_iters):
 
 @pytest.mark.parametrize("spec, flags, what", [
     # DP=2, distributed optimizer: only rank 1's loss (and so its gradients) is NaN
-    ("nan-loss:2:1", "--use-distributed-optimizer", "the loss"),
+    pytest.param("nan-loss:2:1", "--use-distributed-optimizer", "the loss",
+                 marks=pytest.mark.slow),
     # DP=2: only rank 1's local gradients are Inf; after the reduction every rank's are,
     # so this names rank 1 only if the check looks before the reduction
     ("inf-grad:2:1", "", "the gradients"),

@@ -66,6 +66,7 @@ def _parity(layout: str, world: int) -> None:
             single[-1]["valid lm loss"]), (rank, single[-1], hist[-1])
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_per_token_loss_cp2_matches_single_process():
     _parity("--context-parallel-size 2", 2)
 

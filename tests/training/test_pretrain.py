@@ -119,6 +119,7 @@ def _global_aux_worker(rank: int, world_size: int) -> list[dict]:
     return _run(f"{GLOBAL_AUX} --micro-batch-size 2", world_size=world_size)
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_global_aux_loss_data_parallel_matches_single_process():
     """One micro-batch per rank: token counts summed over DP ranks give the single-process
     global batch's loss, and DP-averaged gradients its gradient (Megatron #3672)."""

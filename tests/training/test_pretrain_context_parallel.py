@@ -58,6 +58,7 @@ def test_cp2_matches_single_process(docs):
            dense_only=True)
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_cp2_a2a_matches_single_process():
     """--cp-comm-type a2a (Ulysses: heads exchanged for the sequence), with documents."""
     _check(run_distributed(_worker, 2, 240, f"--context-parallel-size 2 --cp-comm-type a2a "

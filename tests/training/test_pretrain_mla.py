@@ -152,6 +152,7 @@ def _check_cp(flags: str, layout: str, world: int, keys=KEYS) -> None:
         _same(single, hist, keys)
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_mla_cp2_with_documents_matches_single_process():
     _check_cp(DOCS, "--context-parallel-size 2", 2)
 

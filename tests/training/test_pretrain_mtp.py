@@ -78,6 +78,7 @@ def test_mtp_under_pipeline_parallelism_matches_single_process():
 CP2_DOCS = "--context-parallel-size 2 --reset-attention-mask --reset-position-ids"
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_mtp_under_context_parallelism_matches_single_process():
     """CP=2 with documents: each depth's shifted targets cross the cp ranks' chunks and the
     depth losses are means over the whole sequence."""

@@ -146,6 +146,7 @@ def test_the_replay_counts_nothing_twice(recompute):
         torch.testing.assert_close(got[2][name], grad, rtol=1e-6, atol=1e-9, msg=name)
 
 
+@pytest.mark.slow  # (default-set budget: a representative case stays)
 def test_expert_parallel_alltoall_replays_its_all_to_all():
     """EP=2, alltoall dispatcher: the MoE layer's recompute replays dispatch and combine on
     both ranks (the default set's multi-rank case)."""

@@ -146,7 +146,7 @@ EACCES = "[Errno 13] Permission denied: "
     pytest.param("enospc-dist:2:1", "--async-save", " on rank 1", ENOSPC,
                  marks=pytest.mark.slow),
     # rank 0 alone: the temporary directory, then common.pt (after every rank's shards)
-    ("eacces-tmp:2", "", " on rank 0", EACCES),
+    pytest.param("eacces-tmp:2", "", " on rank 0", EACCES, marks=pytest.mark.slow),
     ("enospc-common:2", "", " on rank 0", ENOSPC),
     # --ckpt-format torch: rank 0 writes alone, rank 1 must not wait for it forever
     ("enospc-file:2", "--ckpt-format torch", "", ENOSPC),
