@@ -63,7 +63,8 @@ def _modes_worker(rank: int, world: int, dispatcher: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("dispatcher", [
+    "alltoall", pytest.param("allgather", marks=pytest.mark.slow)])
 def test_every_mode_matches_expert_parallel(dispatcher):
     assert all(run_distributed(_modes_worker, 2, 120, dispatcher))
 
@@ -263,7 +264,7 @@ def _untouched_worker(rank: int, world: int, dtype_name: str, distributed: bool)
 
 
 @pytest.mark.parametrize("dtype_name, distributed", [
-    ("bfloat16", False), ("float32", False),
+    ("bfloat16", False), pytest.param("float32", False, marks=pytest.mark.slow),
     pytest.param("bfloat16", True, marks=pytest.mark.slow)])
 def test_calibration_touches_no_gradient_or_optimizer_state(dtype_name, distributed):
     assert all(run_distributed(_untouched_worker, 2, 120, dtype_name, distributed))

@@ -197,6 +197,7 @@ def _dp_body(rank, world):
     return grad / world, r.expert_bias.clone(), out.routing_map_TE.sum(0)
 
 
+@pytest.mark.slow  # (test_megatron_differences keeps a DP2 global-aux case)
 def test_global_aux_loss_and_expert_bias_over_data_parallel_ranks():
     """2 ranks with unequal token counts: the DP-averaged gradient equals the gradient of
     the global loss over all tokens (not 1/DP of it, Megatron #3672), and the bias update

@@ -66,7 +66,7 @@ def _worker(rank, world_size, comm_type, docs):
 
 
 @pytest.mark.parametrize("cp,comm_type,docs", [
-    (2, "p2p", False), (2, "p2p", True),
+    pytest.param(2, "p2p", False, marks=pytest.mark.slow), (2, "p2p", True),
     pytest.param(4, "allgather", True, marks=pytest.mark.slow),
     pytest.param(4, "p2p", True, marks=pytest.mark.slow),
     pytest.param(4, "p2p", False, marks=pytest.mark.slow),
@@ -108,7 +108,7 @@ def _mla_worker(rank, world_size, comm_type):
 
 
 @pytest.mark.parametrize("cp,comm_type", [
-    (2, "p2p"), (2, "allgather"),
+    (2, "p2p"), pytest.param(2, "allgather", marks=pytest.mark.slow),
     pytest.param(4, "p2p", marks=pytest.mark.slow),
     pytest.param(4, "allgather", marks=pytest.mark.slow),
 ])

@@ -174,7 +174,7 @@ def test_check_off_skips_the_step_and_trains_on(monkeypatch, kind, nan_iters):
                  marks=pytest.mark.slow),
     # DP=2: only rank 1's local gradients are Inf; after the reduction every rank's are,
     # so this names rank 1 only if the check looks before the reduction
-    ("inf-grad:2:1", "", "the gradients"),
+    pytest.param("inf-grad:2:1", "", "the gradients", marks=pytest.mark.slow),
     pytest.param("inf-grad:2:1", "--use-distributed-optimizer", "the gradients",
                  marks=pytest.mark.slow),
     # the same with the buckets reduced during the backward: each checked before its

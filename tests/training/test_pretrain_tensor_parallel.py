@@ -94,7 +94,7 @@ TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel"
 
 
 @pytest.mark.parametrize("shared, layout, world_size", [
-    (f"{SHARED} --moe-shared-expert-gate", "", 2),
+    pytest.param(f"{SHARED} --moe-shared-expert-gate", "", 2, marks=pytest.mark.slow),
     pytest.param(SHARED, "", 2, marks=pytest.mark.slow),
     pytest.param(f"{SHARED} --moe-shared-expert-gate", "--expert-tensor-parallel-size 1", 2,
                  marks=pytest.mark.slow),

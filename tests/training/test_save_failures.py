@@ -147,7 +147,7 @@ EACCES = "[Errno 13] Permission denied: "
                  marks=pytest.mark.slow),
     # rank 0 alone: the temporary directory, then common.pt (after every rank's shards)
     pytest.param("eacces-tmp:2", "", " on rank 0", EACCES, marks=pytest.mark.slow),
-    ("enospc-common:2", "", " on rank 0", ENOSPC),
+    pytest.param("enospc-common:2", "", " on rank 0", ENOSPC, marks=pytest.mark.slow),
     # --ckpt-format torch: rank 0 writes alone, rank 1 must not wait for it forever
     ("enospc-file:2", "--ckpt-format torch", "", ENOSPC),
 ])

@@ -158,7 +158,7 @@ def _layout_worker(rank: int, world_size: int, layout: str) -> tuple[list[float]
 
 
 @pytest.mark.parametrize("layout", [
-    "",  # data parallel: micro-batch 2 x dp 2 per chunk of the global batch
+    pytest.param("", marks=pytest.mark.slow),  # data parallel: micro-batch 2 x dp 2 per chunk
     pytest.param("--pipeline-model-parallel-size 2",  # 1F1B over 2, then 4 micro-batches
                  marks=pytest.mark.slow),
     pytest.param("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
