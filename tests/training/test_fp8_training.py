@@ -72,3 +72,42 @@ def test_tiny_mixtral_fp8_delayed_ends_within_2pct_of_bf16(corpus_prefix, extra)
     bf16 = _final_loss(corpus_prefix, "", 100)
     fp8 = _final_loss(corpus_prefix, extra, 100)
     assert abs(fp8 - bf16) / bf16 < 0.02, (fp8, bf16)
+
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data")
+
+
+@pytest.mark.parametrize("flags,says", [
+    ("--fp8-format e4m3 --fp8-recipe mxfp8", "not supported yet: --fp8-recipe mxfp8"),
+    ("--fp8-format e4m3 --fp8-recipe blockwise", "not supported yet: --fp8-recipe blockwise"),
+    ("--fp8-format e4m3 --fp8-recipe custom", "not supported yet: --fp8-recipe custom"),
+    ("--fp8-format e4m3 --fp8-param-gather --use-distributed-optimizer",
+     "not supported yet: --fp8-param-gather"),
+    ("--fp8-format e4m3 --first-last-layers-bf16", "not supported yet: --first-last-layers-bf16"),
+    ("--fp8-format e4m3 --moe-router-padding-for-fp8",
+     "not supported yet: --moe-router-padding-for-fp8"),
+    ("--fp8-format e4m3 --no-fp8-wgrad", "not supported yet: --no-fp8-wgrad"),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-margin 1",
+     "--fp8-margin applies to --fp8-recipe delayed only"),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-compute-algo max",
+     "--fp8-amax-compute-algo applies to --fp8-recipe delayed only"),
+    ("--fp8-format e4m3 --save /nonexistent/ckpt", "not supported yet: --save with --fp8-recipe "
+                                                   "delayed"),
+    ("--fp8-format hybrid --fp16", "not supported yet: --fp8-format with --fp16"),
+    ("--fp8-interval 2", "--fp8-interval is deprecated"),
+    ("--fp8-format e5m2", "--fp8-format: invalid choice"),
+])
+def test_fp8_refusals_are_one_line(capsys, flags, says):
+    from tests.flags import parse_error
+
+    err = parse_error(capsys, f"{BASE} {flags}", 1)
+    assert says in err, err
+
+
+def test_fp8_without_bf16_is_accepted_as_megatron():
+    """Megatron-LM (d98e8a64) has no rule tying --fp8-format to --bf16: FP8 GEMMs write the
+    input's dtype, fp32 here."""
+    args = parse_args(shlex.split(f"{BASE} --fp8-format hybrid --fp8-recipe tensorwise"),
+                      world_size=1)
+    assert args.fp8_format == "hybrid" and not args.bf16
