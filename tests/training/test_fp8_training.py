@@ -111,3 +111,34 @@ def test_fp8_without_bf16_is_accepted_as_megatron():
     args = parse_args(shlex.split(f"{BASE} --fp8-format hybrid --fp8-recipe tensorwise"),
                       world_size=1)
     assert args.fp8_format == "hybrid" and not args.bf16
+
+
+DELAYED = "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 --train-iters 4"
+
+
+def _tiny_moe_losses(extra: str, world_size: int = 1) -> list[float]:
+    from tests.training.test_pretrain import TINY_MOE
+
+    args = parse_args(shlex.split(f"{TINY_MOE} {extra}"), world_size=world_size)
+    return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
+
+
+def _dp_delayed_worker(rank: int, world_size: int, extra: str) -> list[float]:
+    return _tiny_moe_losses(f"{DELAYED} {extra}", world_size)
+
+
+@pytest.mark.parametrize("extra", ["", pytest.param("--tp-only-amax-red", marks=pytest.mark.slow)])
+def test_fp8_delayed_data_parallel_matches_single_process(extra):
+    """DP2 against one process, the same micro-batches: with the amaxes max-reduced over
+    TP x DP x CP (Megatron's default) every rank's scales are the single process's, so the
+    losses agree to fp32 rounding (1e-5, as the bf16-free DP test). With
+    --tp-only-amax-red the DP ranks keep their own amaxes: the scales, and so the losses
+    from step 2 on, differ."""
+    from tests.distributed import run_distributed
+
+    single = _tiny_moe_losses(DELAYED)
+    per_rank = run_distributed(_dp_delayed_worker, 2, 180, extra)
+    for losses in per_rank:
+        close = [abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, losses)]
+        assert close[0]  # step 1: every scale is still 1
+        assert all(close) == (extra == ""), (single, losses)
