@@ -111,7 +111,7 @@ def _check_gemm(got, a, b, ea, eb, a_q, b_q):
         + k * 2.0 ** -24 * (a.abs() + ea) @ (b.abs() + eb)
     err = (got - a @ b).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
-    return float((err.norm() / (a @ b).norm()))
+    return float(err.norm() / (a @ b).norm())
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])

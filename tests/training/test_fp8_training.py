@@ -142,3 +142,33 @@ def test_fp8_delayed_data_parallel_matches_single_process(extra):
         close = [abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, losses)]
         assert close[0]  # step 1: every scale is still 1
         assert all(close) == (extra == ""), (single, losses)
+
+
+@pytest.mark.parametrize("extra,world", [
+    ("--fp8-format hybrid --fp8-amax-history-len 4", 1),
+    ("--fp8-format e4m3 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2", 4),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise", 1),
+])
+def test_dry_run_reports_fp8_amax_history_bytes(extra, world):
+    """--dry-run's count equals the hand count (TINY_MOE: per layer QKV and proj, 3 tensors
+    each, and 2 expert GEMMs x 3 operands x local experts; (history + scale) x 4 bytes), and
+    for one process the bytes the built model holds."""
+    from megamoe.cli.mapping import run_config_from_args
+    from megamoe.training.build import build_model
+    from tests.training.test_pretrain import TINY_MOE
+
+    out: list[str] = []
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run {extra}"),
+                      world_size=world)
+    pretrain(args, print_fn=out.append)
+    import json
+
+    fp8 = json.loads(out[-1])["fp8"]
+    layers, experts, hist = (2, 4, 4) if world == 1 else (1, 2, 1)
+    per_layer = 2 * 3 + 2 * 3 * experts
+    expected = 0 if "tensorwise" in extra else layers * per_layer * (hist + 1) * 4
+    assert fp8["amax_history_bytes_per_rank"] == expected and fp8["gemms"] == 8
+    if world == 1:
+        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}"), world_size=1)
+        model = build_model(run_config_from_args(args, 97))
+        assert model.fp8_state.amax_history_bytes() == expected
