@@ -192,3 +192,24 @@ def test_delayed_state_round_trip_and_checks():
         other.load_state_dict(bad)
     with pytest.raises(ValueError, match="differ from this model"):
         other.load_state_dict({"b.x": saved["a.x"]})
+
+
+def test_fp8_gemms_stay_on_the_device_without_host_reads():
+    """Under FakeTensorMode on the stand-in accelerator ("meta", tests/test_fake_device.py):
+    a host tensor mixed in raises FakeTensorDeviceMismatchError and a value read (.item())
+    raises; the FP8 linear, the grouped GEMM and the delayed update run through."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dev = torch.device("meta")
+    with FakeTensorMode():
+        for recipe in ("tensorwise", "delayed"):
+            state = Fp8State(Fp8Config(format="hybrid", recipe=recipe))
+            lin, experts = state.new_scaling("l", 1, dev), state.new_scaling("e", 2, dev)
+            x = torch.randn(32, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.randn(48, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            w_e = torch.randn(2, 64, 16, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            y = fp8_linear(x, w, None, lin)
+            (y.sum() + fp8_grouped_mm(x, w_e, [20, 12], experts).sum()).backward()
+            state.update()
+            assert y.dtype == torch.bfloat16 and x.grad.device == dev
+            assert w_e.grad.device == dev

@@ -16,9 +16,11 @@ from megamoe.model.fp8.quantize import amax_of, quantize
 
 
 def _row_scales(scale_E: torch.Tensor, sizes: list[int], num_rows: int) -> torch.Tensor:
-    """Expert e's scale repeated over its rows: [N, 1]."""
-    counts = torch.tensor(sizes, device=scale_E.device)
-    return torch.repeat_interleave(scale_E, counts, output_size=num_rows).unsqueeze(-1)
+    """Expert e's scale repeated over its rows: [N, 1] (built on the device from the
+    host sizes: no host-to-device copy)."""
+    if num_rows == 0:
+        return scale_E.new_ones(0, 1)
+    return torch.cat([scale_E[e].expand(n) for e, n in enumerate(sizes) if n]).unsqueeze(-1)
 
 
 def _quantize_rows(meta, x_NK: torch.Tensor, sizes: list[int]):
