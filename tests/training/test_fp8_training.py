@@ -195,3 +195,18 @@ def test_fp8_tensorwise_parallel_layouts_match_one_process(extra):
     single = _tiny_moe_losses(TENSORWISE)
     for losses in run_distributed(_tensorwise_worker, 2, 240, extra):
         assert max(abs(a - b) / a for a, b in zip(single, losses)) < 2e-4, (single, losses)
+
+
+def _pp_delayed_worker(rank: int, world_size: int) -> list[float]:
+    return _tiny_moe_losses(f"{DELAYED} --pipeline-model-parallel-size 2", world_size)
+
+
+@pytest.mark.slow
+def test_fp8_delayed_pipeline_parallel_matches_one_process():
+    """PP2: each stage holds and updates its own layers' scaling (the amax group lies inside
+    a stage); the last stage's losses are one process's (measured: equal)."""
+    from tests.distributed import run_distributed
+
+    single = _tiny_moe_losses(DELAYED)
+    last = run_distributed(_pp_delayed_worker, 2, 240)[1]
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, last)), (single, last)
