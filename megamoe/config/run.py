@@ -259,9 +259,9 @@ class RunConfig:
 
     def _validate_fp8(self) -> None:
         """FP8 combinations not built yet (config/fp8.py checks the FP8 flags themselves)."""
-        require(not (self.fp8.recipe == "delayed" and self.checkpoint.save),
-                "not supported yet: --save with --fp8-recipe delayed (its amax histories "
-                "are not checkpointed yet, so a resume would not be exact); use --fp8-recipe "
-                "tensorwise")
+        require(not (self.fp8.recipe == "delayed" and self.checkpoint.save
+                     and self.checkpoint.ckpt_format == "torch"),
+                "not supported yet: --ckpt-format torch with --fp8-recipe delayed (its amax "
+                "histories are saved in torch_dist checkpoints only)")
         require(not (self.model.moe is not None and self.moe_execution.adaptive_parallelism),
                 "not supported yet: --fp8-format with --moe-adaptive-parallelism")

@@ -92,8 +92,8 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
      "--fp8-margin applies to --fp8-recipe delayed only"),
     ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-compute-algo max",
      "--fp8-amax-compute-algo applies to --fp8-recipe delayed only"),
-    ("--fp8-format e4m3 --save /nonexistent/ckpt", "not supported yet: --save with --fp8-recipe "
-                                                   "delayed"),
+    ("--fp8-format e4m3 --ckpt-format torch --save /nonexistent/ckpt",
+     "not supported yet: --ckpt-format torch with --fp8-recipe delayed"),
     ("--fp8-format hybrid --fp16", "not supported yet: --fp8-format with --fp16"),
     ("--fp8-interval 2", "--fp8-interval is deprecated"),
     ("--fp8-format e5m2", "--fp8-format: invalid choice"),
@@ -210,3 +210,49 @@ def test_fp8_delayed_pipeline_parallel_matches_one_process():
     single = _tiny_moe_losses(DELAYED)
     last = run_distributed(_pp_delayed_worker, 2, 240)[1]
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, last)), (single, last)
+
+
+def test_fp8_delayed_resume_is_exact(tmp_path):
+    """4 steps straight, or 2 steps, a torch_dist save, and 2 more from it: the same losses
+    (the amax histories and scales come back from common.pt). A run that resumes with its
+    scaling reset (the checkpoint's "fp8" dropped) differs: the test can tell."""
+    import torch
+
+    straight = _tiny_moe_losses(DELAYED)
+    ckpt = tmp_path / "ckpt"
+    _tiny_moe_losses(f"{DELAYED.replace('--train-iters 4', '--train-iters 2')} "
+                     f"--save {ckpt} --save-interval 2")
+    resumed = _tiny_moe_losses(f"{DELAYED} --load {ckpt}")
+    assert resumed == straight[2:], (straight, resumed)
+    common = ckpt / "iter_0000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    assert len(state["fp8"]) == 1 and state["fp8"][0]
+    del state["fp8"]
+    torch.save(state, common)
+    reset = _tiny_moe_losses(f"{DELAYED} --load {ckpt}")
+    assert reset != straight[2:]
+
+
+@pytest.mark.parametrize("corrupt,says", [
+    (lambda s: s["fp8"][0].update({next(iter(s["fp8"][0])): {"scale": "x"}}),
+     "expected an fp32 tensor"),
+    (lambda s: next(iter(s["fp8"][0].values()))["scale"].fill_(-1.0),
+     "values must be finite and positive"),
+    (lambda s: s.update({"fp8": {"a": 1}}), "field 'fp8' must hold one FP8 scaling state"),
+])
+def test_corrupt_fp8_state_is_one_line_naming_the_file(tmp_path, corrupt, says):
+    import torch
+
+    from megamoe.training.checkpoint.safe_load import CheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_moe_losses(f"{DELAYED.replace('--train-iters 4', '--train-iters 1')} "
+                     f"--save {ckpt} --save-interval 1")
+    common = ckpt / "iter_0000001" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    corrupt(state)
+    torch.save(state, common)
+    with pytest.raises(CheckpointError) as e:
+        _tiny_moe_losses(f"{DELAYED} --load {ckpt}")
+    assert str(common.parent) in str(e.value) and says in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
