@@ -158,7 +158,7 @@ def test_dry_run_reports_fp8_amax_history_bytes(extra, world):
     from tests.training.test_pretrain import TINY_MOE
 
     out: list[str] = []
-    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run {extra}"),
+    args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 --dry-run --json {extra}"),
                       world_size=world)
     pretrain(args, print_fn=out.append)
     import json
