@@ -125,8 +125,9 @@ class GroupedExperts(nn.Module):
             b2_NH = b2_NH * self.fc2_bias_scale
         return y_NH + (b2_NH if p_N1 is None else b2_NH * p_N1)
 
-
     def _mm(self, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes) -> torch.Tensor:
+        """One projection's grouped GEMM: FP8 when the FP8 policy set one, else the
+        backend's."""
         if self.fp8 is not None:
             return self.fp8(x_NK, w_EKM, sizes)
         return grouped_mm(x_NK, w_EKM, sizes, self.backend)
