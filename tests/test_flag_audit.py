@@ -33,12 +33,12 @@ from tests.training.test_pretrain import ROOT, TINY_MOE
 
 CONFIGS = (C.ModelConfig, C.MoEConfig, C.ParallelConfig, C.DataConfig, C.OptimizerConfig,
            C.TrainConfig, C.CheckpointConfig, C.LoggingConfig, C.MoEExecutionConfig,
-           C.MoETrainingConfig, C.RecomputeConfig)
+           C.MoETrainingConfig, C.RecomputeConfig, C.Fp8Config)
 SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "parallel",
            C.DataConfig: "data", C.OptimizerConfig: "optim", C.TrainConfig: "train",
            C.CheckpointConfig: "checkpoint", C.LoggingConfig: "logging",
            C.MoEExecutionConfig: "moe_execution", C.MoETrainingConfig: "moe_training",
-           C.RecomputeConfig: "recompute"}
+           C.RecomputeConfig: "recompute", C.Fp8Config: "fp8"}
 
 MLA = "--multi-latent-attention"  # (TINY_MOE's --group-query-attention is dropped with it)
 AWARE = "--use-precision-aware-optimizer --use-distributed-optimizer"
@@ -84,6 +84,9 @@ REFUSED_VALUES = {
                            "built; fp32 main parameters are what runs "
                            "(tests/parallel/test_precision_aware_optimizer.py::"
                            "test_unbuilt_and_invalid_combinations_are_one_line)",
+    "--fp8-interval": "deprecated in Megatron-LM (Transformer Engine >= 1.8 ignores it); "
+                      "1 is what runs, another value is one line "
+                      "(tests/training/test_fp8_training.py::test_fp8_refusals_are_one_line)",
     "--transformer-impl": "transformer_engine: --dry-run and the planner accept it, a run "
                           "that builds the model refuses it; local is what runs",
 }
@@ -430,6 +433,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--main-grads-dtype": (f"{AWARE} --bf16 --main-grads-dtype bf16", 1, "bf16"),
     "--exp-avg-dtype": (f"{AWARE} --exp-avg-dtype fp16", 1, "fp16"),
     "--exp-avg-sq-dtype": (f"{AWARE} --exp-avg-sq-dtype bf16", 1, "bf16"),
+    "--fp8-format": ("--fp8-format hybrid", 1, "hybrid"),
+    "--fp8-recipe": ("--fp8-format e4m3 --fp8-recipe tensorwise", 1, "tensorwise"),
+    "--fp8-margin": ("--fp8-format e4m3 --fp8-margin 2", 1, 2),
+    "--fp8-amax-history-len": ("--fp8-format e4m3 --fp8-amax-history-len 8", 1, 8),
+    "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),
+    "--tp-only-amax-red": ("--fp8-format e4m3 --tp-only-amax-red", 1, True),
 }
 
 

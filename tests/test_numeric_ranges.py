@@ -162,6 +162,14 @@ BAD = [
     ("--ddp-bucket-size", "0", "--overlap-grad-reduce", 1, "must be positive"),
     ("--recompute-num-layers", "0", "--recompute-granularity full --recompute-method uniform",
      1, "must be >= 1"),
+    # FP8
+    ("--fp8-margin", "-1", "--fp8-format hybrid", 1, "must be an integer in [0, 64]"),
+    ("--fp8-margin", "65", "--fp8-format hybrid", 1, "must be an integer in [0, 64]"),
+    ("--fp8-amax-history-len", "0", "--fp8-format hybrid", 1,
+     "must be an integer in [1, 65536]"),
+    ("--fp8-amax-history-len", "65537", "--fp8-format hybrid", 1,
+     "must be an integer in [1, 65536]"),
+    ("--fp8-interval", "0", "", 1, "megamoe accepts only 1"),
 ]
 
 # Flags whose range another rule covers (not supported yet whatever the value), or that are
@@ -170,6 +178,7 @@ COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
     "--check-weight-hash-across-dp-replicas-interval",
     "--rotary-seq-len-interpolation-factor", "--null-tokenizer-pad-id",
+    "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)
     "--train-samples", "--rampup-batch-size", "--lr-decay-samples", "--lr-warmup-samples",
@@ -215,6 +224,7 @@ GOOD = [
     f"{MOE} --moe-expert-capacity-factor 0.5",
     "--optimizer sgd --sgd-momentum 0",
     "--vocab-size 100 --null-tokenizer-eod-id 0", "--vocab-size 100 --null-tokenizer-eod-id 99",
+    "--fp8-format e4m3 --fp8-margin 0 --fp8-amax-history-len 1",
 ]
 
 

@@ -19,6 +19,7 @@ from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.console_args import add_console_args, check_console_args
 from megamoe.cli.extensions import add_negations, mark_extensions
+from megamoe.cli.fp8_args import add_fp8_args
 from megamoe.cli.loss_scale_args import add_loss_scale_args
 from megamoe.cli.pipeline_args import add_pipeline_split_args
 from megamoe.cli.precision_args import add_precision_args
@@ -396,6 +397,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_checkpoint_and_logging_args(parser)
     add_runtime_args(parser)
     add_precision_args(parser)
+    add_fp8_args(parser)
     add_equivalent_args(parser)
     add_refused_args(parser)
     add_console_args(parser)

@@ -19,6 +19,7 @@ MEGAMOE_EXTENSIONS = (
     "--qk-layernorm-scope", "--moe-a2a-overlap-degree", "--moe-adaptive-parallelism",
     "--moe-capacity-over-tp-gathered-sequence", "--moe-expert-bias-counts-before-capacity",
     "--log-first-iterations", "--json",
+    "--tp-only-amax-red",  # megatron-core's TransformerConfig field; no Megatron-LM flag
     # spellings older Megatron-LM releases had (since removed there)
     "--moe-token-dropping", "--moe-use-legacy-grouped-gemm",
 )

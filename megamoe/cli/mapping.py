@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from megamoe.config import (
     CheckpointConfig,
     DataConfig,
+    Fp8Config,
     LoggingConfig,
     ModelConfig,
     MoEConfig,
@@ -68,4 +69,5 @@ def run_config_from_args(args: argparse.Namespace, vocab_size: int) -> RunConfig
         moe_execution=config_from_args(MoEExecutionConfig, args),
         moe_training=config_from_args(MoETrainingConfig, args),
         recompute=config_from_args(RecomputeConfig, args),
+        fp8=config_from_args(Fp8Config, args),
         command_line=jsonable(args))

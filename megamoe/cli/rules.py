@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from megamoe.cli.compat_args import derive_compat
+from megamoe.cli.fp8_args import check_fp8_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.precision_args import check_precision_args
 from megamoe.config import ConfigError
@@ -323,6 +324,7 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _derive_defaults(args, env_world_size() if world_size is None else world_size)
     _check_required(args)
     check_precision_args(args)
+    check_fp8_args(args)
     _check_fsdp(args)  # (before the configs, which know no fsdp_dtensor format)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)

@@ -7,6 +7,7 @@ and messages. A layer receives only its own config, never the whole run.
 
 from megamoe.config.data import DataConfig
 from megamoe.config.fields import ConfigError, to_dict
+from megamoe.config.fp8 import Fp8Config
 from megamoe.config.model import ModelConfig
 from megamoe.config.moe import MoEConfig, MoEExecutionConfig, MoETrainingConfig
 from megamoe.config.optim import OptimizerConfig
@@ -17,7 +18,7 @@ from megamoe.config.run import RunConfig
 from megamoe.config.train import CheckpointConfig, LoggingConfig, TrainConfig
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "Fp8Config", "LoggingConfig", "ModelConfig",
     "MoEConfig", "MoEExecutionConfig", "MoETrainingConfig", "OptimizerConfig",
     "ParallelConfig", "PipelineSplit", "RecomputeConfig", "RunConfig", "TrainConfig",
     "pipeline_layer_ranges", "to_dict",

@@ -25,6 +25,12 @@ NOT_SUPPORTED_YET = (
     "--trust-remote-code",  # a tokenizer's own Python code (megamoe reads tokenizer.json)
     # Megatron's run-health checks (issue 26): the rerun state machine and DP weight hashes
     "--check-for-spiky-loss", "--rerun-mode", "--check-weight-hash-across-dp-replicas-interval",
+    # FP8 beyond the tensorwise and delayed recipes (issue 32; cli/fp8_args.py)
+    "--fp8-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+    "--num-layers-at-end-in-bf16", "--fp8-output-proj", "--fp8-quantizer-factory",
+    "--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-transpose-cache",
+    "--reuse-grad-buf-for-mxfp8-param-ag", "--moe-router-padding-for-quantization",
+    "--moe-router-padding-for-fp8",
 )
 
 

@@ -55,6 +55,8 @@ class GroupedExperts(nn.Module):
         self.combine_in_experts = swiglu or ffn_hidden_size <= hidden_size
         self.backend = "auto" if grouped_gemm else "loop"
         self.recompute_act = False  # --recompute-modules moe_act (parallelize sets it)
+        # FP8 grouped GEMM (x_NK, w_EKM, GroupSizes) -> y_NM, set by the FP8 policy
+        self.fp8 = None
         fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
         # Swiglu fc1 columns: [:F] = gate (HF w1), [F:] = up (HF w3).
         self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out))
@@ -97,9 +99,11 @@ class GroupedExperts(nn.Module):
         dispatcher handed them over on the host already.
         """
         sizes = as_group_sizes(tokens_per_expert_E)
+        if token_indices_N is not None and self.fp8 is not None:
+            x_NH, token_indices_N = x_NH[token_indices_N], None  # FP8 quantises rows
         if token_indices_N is None:
             num_rows = x_NH.shape[0]
-            h_NF = grouped_mm(x_NH, self.fc1_weight, sizes, self.backend)
+            h_NF = self._mm(x_NH, self.fc1_weight, sizes)
         else:
             num_rows = token_indices_N.shape[0]
             h_NF = gather_grouped_mm(x_NH, token_indices_N, self.fc1_weight, sizes,
@@ -113,13 +117,20 @@ class GroupedExperts(nn.Module):
         # moe_act: fc2 does not keep a_NF; backward recomputes it from h_NF (kept anyway).
         with maybe_discard(self.recompute_act, a_NF,
                            lambda: self._weighted_activation(h_NF, p_N)):
-            y_NH = grouped_mm(a_NF, self.fc2_weight, sizes, self.backend)
+            y_NH = self._mm(a_NF, self.fc2_weight, sizes)
         b2_NH = _rows_bias(self.fc2_bias, sizes.device_E, num_rows)
         if b2_NH is None:
             return y_NH
         if self.fc2_bias_scale != 1.0:
             b2_NH = b2_NH * self.fc2_bias_scale
         return y_NH + (b2_NH if p_N1 is None else b2_NH * p_N1)
+
+    def _mm(self, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes) -> torch.Tensor:
+        """One projection's grouped GEMM: FP8 when the FP8 policy set one, else the
+        backend's."""
+        if self.fp8 is not None:
+            return self.fp8(x_NK, w_EKM, sizes)
+        return grouped_mm(x_NK, w_EKM, sizes, self.backend)
 
 
 def use_grouped_gemm(model: nn.Module, enabled: bool) -> None:

@@ -26,9 +26,12 @@ class Linear(nn.Module):
         self.init_stds = {"weight": init_std}  # (what a meta-built model draws)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.fp8 = None  # an FP8 GEMM (x, W, b) -> y set by the FP8 policy (model/fp8/)
         nn.init.normal_(self.weight, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -127,6 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.init_stds = {"weight": init_std}  # (what a meta-built model draws)
         self.weight = nn.Parameter(_full_normal((out_features, in_features), init_std))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.fp8 = None  # an FP8 GEMM (x, W, b) -> y set by the FP8 policy (model/fp8/)
         self.shard(tp)
 
     @property
@@ -152,6 +153,8 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, self.tp.group)  # [S/TP, B, H] -> [S, B, H]
         else:
             x = copy_to_tp(x, self.tp.group)
+        if self.fp8 is not None:
+            return self.fp8(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -172,6 +175,7 @@ class RowParallelLinear(nn.Module):
         self.init_stds = {"weight": init_std}  # (what a meta-built model draws)
         self.weight = nn.Parameter(_full_normal((out_features, in_features), init_std))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.fp8 = None  # an FP8 GEMM (x, W, b) -> y set by the FP8 policy (model/fp8/)
         self.shard(tp)
 
     @torch.no_grad()
@@ -191,7 +195,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)
         y = (reduce_scatter_to_sequence(y, self.tp.group) if self.tp.sp
              else reduce_from_tp(y, self.tp.group))
         return y if self.bias is None else y + self.bias

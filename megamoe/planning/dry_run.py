@@ -13,6 +13,7 @@ from megamoe.config import ConfigError, OptimizerConfig, RunConfig
 from megamoe.model.flops import num_parameters
 from megamoe.model.gpt_model import GPTModel
 from megamoe.planning.activations import recompute_name
+from megamoe.planning.fp8_memory import fp8_report
 from megamoe.planning.memory import Layout, StateBytes, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 
@@ -91,6 +92,10 @@ def format_table(report: dict, run: RunConfig) -> list[str]:
               for key, label in MEMORY_ROWS),
             ("per-rank checkpoint host copy",
              format_bytes(report["per_rank_checkpoint_host_bytes"]))]
+    if "fp8" in report:
+        f = report["fp8"]
+        rows.append(("FP8", f"{f['format']} {f['recipe']}, {f['gemms']} GEMMs, amax "
+                            f"histories {format_bytes(f['amax_history_bytes_per_rank'])}"))
     width = max(len(name) for name, _ in rows)
     return (["dry run: the model and one rank of this layout (largest pipeline stage)"]
             + [f"  {name:<{width}}  {value}" for name, value in rows])
@@ -113,7 +118,7 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print,
         raise ConfigError(f"the model's sizes give {total:.3g} parameters: more than a tensor "
                           f"can index (check --hidden-size, --ffn-hidden-size, --num-layers, "
                           f"--num-experts, --vocab-size)")
-    actual = total
+    actual, model = total, None
     if run.model.num_layers <= MAX_META_LAYERS:
         with torch.device("meta"):
             model = GPTModel(run.model)
@@ -123,6 +128,8 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print,
               "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
               "per_rank_memory_gib": round(memory["total"] / 2**30, 3),
               "per_rank_checkpoint_host_bytes": int(transient["save_host"])}
+    if run.fp8.enabled:  # delayed scaling's amax histories (planning/fp8_memory.py)
+        report["fp8"] = fp8_report(run, model)
     if as_json:
         print_fn(json.dumps(report))
     else:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megamoe.config import RunConfig
+from megamoe.model.fp8.policy import apply_fp8
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.moefy import upcycle_model
 from megamoe.parallel.mesh import Mesh, single_process_mesh
@@ -42,12 +43,22 @@ def build_model(run: RunConfig, mesh: Optional[Mesh] = None) -> torch.nn.Module:
         model = parallelize(_upcycled(run), mesh, run.parallel, run.moe_execution,
                             seed=seed, dtype=dtype, recompute=run.recompute,
                             compile_layers=run.train.compile)
-        return model.to(mesh.device)
+        return _with_fp8(model.to(mesh.device), run, mesh)
     with torch.device("meta"):
         model = GPTModel(run.model)
     model = parallelize(model, mesh, run.parallel, run.moe_execution, seed=seed, dtype=dtype,
                         recompute=run.recompute, compile_layers=run.train.compile)
-    return materialize(model, mesh, seed, on_host=run.parallel.use_cpu_initialization)
+    model = materialize(model, mesh, seed, on_host=run.parallel.use_cpu_initialization)
+    return _with_fp8(model, run, mesh)
+
+
+def _with_fp8(model: torch.nn.Module, run: RunConfig, mesh: Mesh) -> torch.nn.Module:
+    """--fp8-format: the transformer layers' GEMMs in FP8 (model/fp8/policy.py); delayed
+    scaling's amaxes are reduced over TP x DP x CP (TP x CP with --tp-only-amax-red), as
+    Megatron's get_amax_reduction_group(with_context_parallel=True)."""
+    group = mesh.group("tp_cp" if run.fp8.tp_only_amax_red else "tp_dp_cp")
+    apply_fp8(model, run.fp8, mesh.device, group)
+    return model
 
 
 def _upcycled(run: RunConfig) -> torch.nn.Module:

@@ -117,6 +117,9 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
                                    grad_sync=getattr(optimizer, "grad_sync", None),
                                    per_token=per_token_loss(run, mesh),
                                    loss_scale=optimizer.get_loss_scale())
+    fp8_state = getattr(model, "fp8_state", None)
+    if fp8_state is not None:  # delayed scaling: reduce this step's amaxes, new scales
+        fp8_state.update()
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging

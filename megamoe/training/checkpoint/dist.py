@@ -44,6 +44,7 @@ from megamoe.config import ModelConfig
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.fields import check_fields
+from megamoe.training.checkpoint.fp8_state import gather_fp8_states, restore_fp8_state
 from megamoe.training.checkpoint.publish import (
     COMMON,
     agree,
@@ -236,6 +237,8 @@ def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer,
     alone). Returns the published directory."""
     rank, world = _world(single)
     state, optim_common = _tensor_state(model, optimizer, mesh, world, save_optim, copy=False)
+    fp8 = gather_fp8_states(model, rank, world)
+    extra = {**(extra or {}), **({"fp8": fp8} if fp8 is not None else {})}
     common = _common(iteration, consumed_samples, args, model_config, scheduler, optim_common,
                      save_rng, mesh, rank, world, extra)
     tmp = _prepare(root, iteration, rank, world)
@@ -265,8 +268,10 @@ class AsyncDistSaver:
         state, optim_common = _tensor_state(model, optimizer, mesh, self.world, save_optim,
                                             copy=True)
         # written by finalize(), after later steps: this iteration's values (snapshot.py)
+        fp8 = gather_fp8_states(model, self.rank, self.world)  # host copies: a snapshot
         common = snapshot(_common(iteration, consumed_samples, args, model_config, scheduler,
-                                  optim_common, save_rng, mesh, self.rank, self.world, None))
+                                  optim_common, save_rng, mesh, self.rank, self.world,
+                                  {"fp8": fp8} if fp8 is not None else None))
         tmp = _prepare(root, iteration, self.rank, self.world)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
                                 no_dist=self.world == 1, async_stager=_AlreadyStaged())
@@ -440,6 +445,7 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
         if load_rng and rngs and same_layout:
             set_rng_state(rngs[rank])
             common["rng_restored"] = True
+        common["fp8_note"] = restore_fp8_state(model, common, rank, same_layout, ckpt_dir)
     return common
 
 

@@ -149,6 +149,10 @@ def check_fields(path: str, state: Any, dist: bool = False) -> dict:
             raise _fail(path, "rng", "must hold one RNG state per saved rank")
         for i, r in enumerate(rng):
             _rng(path, f"rng[{i}]", r)
+    fp8 = state.get("fp8")
+    if fp8 is not None and (not isinstance(fp8, list) or len(fp8) != state["world_size"]
+                            or not all(isinstance(r, dict) for r in fp8)):
+        raise _fail(path, "fp8", "must hold one FP8 scaling state (a dict) per saved rank")
     if not isinstance(state.get("layout", {}), dict):
         raise _fail(path, "layout", "must be a dict")
     _step(path, state.get("optimizer"))

@@ -178,6 +178,8 @@ class CheckpointManager:
         if c.finetune:
             return 0, 0
         iteration = int(common["iteration"])
+        if common.get("fp8_note"):
+            self._log(common["fp8_note"])
         if not c.no_load_rng and common.get("rng") and not common["rng_restored"]:
             self._log(f"> checkpoint saved under another layout ({common.get('layout')}): "
                       f"RNG states reseeded from --seed {seed} and the iteration")

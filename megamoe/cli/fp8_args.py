@@ -1,0 +1,66 @@
+"""FP8 flags with Megatron-LM's names, choices and defaults (generated there from
+megatron-core's TransformerConfig fp8 fields, plus --fp8-param-gather and the MXFP8 /
+FSDP buffer flags; Megatron-LM d98e8a64). What they do: config/fp8.py and model/fp8/.
+
+Built: --fp8-format, --fp8-recipe tensorwise / delayed, --fp8-margin,
+--fp8-amax-history-len, --fp8-amax-compute-algo, and --tp-only-amax-red (megatron-core's
+TransformerConfig.tp_only_amax_red, which Megatron-LM's parser does not expose: a megamoe
+extension). Every other FP8 flag of Megatron's parser is parsed so that a Megatron script
+gets "not supported yet: --flag" (config/unsupported.py), not "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megamoe.config import ConfigError
+from megamoe.config.fp8 import AMAX_COMPUTE_ALGOS, FORMATS, RECIPES
+
+
+def add_fp8_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("FP8 (Megatron-LM's)")
+    g.add_argument("--fp8-format", default=None, choices=FORMATS,
+                   help="FP8 GEMMs for the transformer layers' linears and experts: e4m3 "
+                        "everywhere, or hybrid (e4m3 inputs and weights, e5m2 gradients)")
+    g.add_argument("--fp8-recipe", default="delayed", choices=RECIPES,
+                   help="tensorwise (per-tensor current scaling) or delayed (scales from an "
+                        "amax history); mxfp8, blockwise, custom: not supported yet")
+    g.add_argument("--fp8-margin", type=int, default=0,
+                   help="delayed scaling: scale = fp8_max / amax / 2^margin")
+    g.add_argument("--fp8-interval", type=int, default=1,
+                   help="deprecated (Transformer Engine >= 1.8 ignores it); only 1 accepted")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed scaling: steps of amax history per tensor")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent",
+                   choices=AMAX_COMPUTE_ALGOS,
+                   help="delayed scaling: the amax of the scale, the history's max or the "
+                        "most recent")
+    g.add_argument("--tp-only-amax-red", action="store_true",
+                   help="reduce delayed scaling's amaxes over TP x CP only (default: "
+                        "TP x DP x CP, as Megatron)")
+    for flag in ("--fp8-param-gather", "--first-last-layers-bf16", "--fp8-output-proj",
+                 "--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-transpose-cache",
+                 "--reuse-grad-buf-for-mxfp8-param-ag",
+                 "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8"):
+        g.add_argument(flag, action="store_true", help="not supported yet")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="not supported yet")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="not supported yet")
+    g.add_argument("--fp8-quantizer-factory", default=None, help="not supported yet")
+
+
+def check_fp8_args(args: argparse.Namespace) -> None:
+    """The FP8 rules only the command line sees (config/fp8.py checks the rest)."""
+    if args.fp8_interval != 1:
+        raise ConfigError("--fp8-interval is deprecated and ignored by Transformer Engine "
+                          f">= 1.8 (Megatron-LM); megamoe accepts only 1, got "
+                          f"{args.fp8_interval}")
+    if args.fp8_format is None:
+        return
+    if args.fp16:
+        # TE runs FP8 GEMMs under fp16 too, but megamoe's dynamic loss scaler does not see
+        # FP8 overflows (saturation hides them): not combined yet
+        raise ConfigError("not supported yet: --fp8-format with --fp16 (use --bf16 or fp32)")
+    if getattr(args, "compile", False):
+        raise ConfigError("not supported yet: --fp8-format with --compile")

@@ -1,0 +1,68 @@
+"""FP8 training (Megatron-LM's --fp8-* flags, megatron/core/transformer/transformer_config.py
+at d98e8a64: `fp8`, `fp8_recipe`, `fp8_margin`, `fp8_amax_history_len`,
+`fp8_amax_compute_algo`, `tp_only_amax_red`).
+
+`format` None means no FP8 (Megatron's default). Built here: the `tensorwise` recipe
+(Transformer Engine's Float8CurrentScaling: each tensor scaled by its own amax when it is
+quantised) and `delayed` (TE's DelayedScaling: the scale comes from an amax history updated
+after use). The GEMMs run on torch._scaled_mm (megamoe/model/fp8/). Megatron passes the
+margin, history length and compute algorithm only to DelayedScaling; under tensorwise they
+would be ignored, so a non-default value there is refused (cli/fp8_args.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megamoe.config.fields import flag, require
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+BUILT_RECIPES = ("tensorwise", "delayed")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+MAX_AMAX_HISTORY_LEN = 1 << 16  # TE keeps one fp32 per entry per tensor: bounded
+
+
+@dataclass
+class Fp8Config:
+    format: Optional[str] = flag("--fp8-format", None, dest="fp8_format")
+    recipe: str = flag("--fp8-recipe", "delayed")
+    margin: int = flag("--fp8-margin", 0)
+    amax_history_len: int = flag("--fp8-amax-history-len", 1)
+    amax_compute_algo: str = flag("--fp8-amax-compute-algo", "most_recent")
+    tp_only_amax_red: bool = flag("--tp-only-amax-red", False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.format is not None
+
+    def validate(self) -> None:
+        require(self.format in (None, *FORMATS),
+                f"--fp8-format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        require(self.recipe in RECIPES,
+                f"--fp8-recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        require(self.amax_compute_algo in AMAX_COMPUTE_ALGOS,
+                f"--fp8-amax-compute-algo must be most_recent or max, got "
+                f"{self.amax_compute_algo!r}")
+        require(isinstance(self.margin, int) and 0 <= self.margin <= 64,
+                f"--fp8-margin must be an integer in [0, 64], got {self.margin!r}")
+        require(isinstance(self.amax_history_len, int)
+                and 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN,
+                f"--fp8-amax-history-len must be an integer in [1, {MAX_AMAX_HISTORY_LEN}], "
+                f"got {self.amax_history_len!r}")
+        if self.format is None:
+            return
+        require(self.recipe in BUILT_RECIPES,
+                f"not supported yet: --fp8-recipe {self.recipe} (built: tensorwise, delayed)")
+        if self.recipe == "tensorwise":
+            for name, value, default in (("--fp8-margin", self.margin, 0),
+                                         ("--fp8-amax-history-len", self.amax_history_len, 1),
+                                         ("--fp8-amax-compute-algo", self.amax_compute_algo,
+                                          "most_recent")):
+                require(value == default,
+                        f"{name} applies to --fp8-recipe delayed only (Transformer Engine's "
+                        f"current scaling has no such setting), got {value}")

@@ -1,0 +1,153 @@
+"""The FP8 policy: which GEMMs of a model run in FP8, and the scaling state of the run.
+
+As Megatron with Transformer Engine: every linear inside the transformer layers (QKV,
+attention output, dense MLP fc1/fc2, shared experts, MLA's projections, MTP's eh_proj) and
+the routed experts' GEMMs run in FP8; the router, norms, softmax, embeddings, output
+layer and the optimizer stay in the model's precision. The layers are not changed: each
+gets an `fp8` GEMM (their forward calls it instead of F.linear / the grouped GEMM), so the
+parameters, their names and the checkpoints are the same with and without FP8.
+
+`Fp8State` holds every operand's scaling. Under delayed scaling `update()` runs once per
+training step, after the forward-backward pass: the current amax slots of all tensors are
+max-reduced over the amax group in one all-reduce (Megatron's TP x DP x CP group, TP x CP
+with --tp-only-amax-red) and each history rolls (scaling.py). TE updates after each
+micro-batch; here one history slot covers the step's micro-batches (their max): the same
+with one micro-batch (docs/fp8.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megamoe.config.fp8 import Fp8Config
+from megamoe.model.fp8.grouped import fp8_grouped_mm
+from megamoe.model.fp8.linear import LinearScaling, fp8_linear
+from megamoe.model.fp8.quantize import format_dtypes
+from megamoe.model.fp8.scaling import Fp8Meta
+from megamoe.model.mtp import MTPLayer
+from megamoe.model.transformer_block import TransformerLayer
+from megamoe.moe.experts import GroupedExperts
+from megamoe.moe.grouped_gemm import as_group_sizes
+from megamoe.parallel.linear import Linear
+from megamoe.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+DENSE_LINEARS = (ColumnParallelLinear, RowParallelLinear, Linear)
+
+
+class Fp8Gemm:
+    """A dense layer's FP8 GEMM: (x, W [N, K], b) -> x @ W^T + b."""
+
+    def __init__(self, scaling: LinearScaling) -> None:
+        self.scaling = scaling
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return fp8_linear(x, weight, bias, self.scaling)
+
+
+def fp8_gemm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every GEMM the policy runs in FP8, in module order (the order of
+    the amax buffer: the same on every rank of an amax group)."""
+    out, seen = [], set()
+    for name, m in model.named_modules():
+        if not isinstance(m, (TransformerLayer, MTPLayer)):
+            continue
+        for sub_name, sub in m.named_modules(prefix=name):
+            if isinstance(sub, (*DENSE_LINEARS, GroupedExperts)) and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append((sub_name, sub))
+    return out
+
+
+class Fp8State:
+    """The FP8 scaling of one model: {GEMM name.operand: Fp8Meta}, the recipe's update and
+    its checkpoint state."""
+
+    def __init__(self, config: Fp8Config, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.config, self.group = config, group
+        self.scalings: dict[str, LinearScaling] = {}
+
+    def new_scaling(self, name: str, n: int, device: torch.device) -> LinearScaling:
+        c = self.config
+        fwd, bwd = format_dtypes(c.format)
+
+        def meta(dtype):
+            return Fp8Meta(c.recipe, dtype, n, history_len=c.amax_history_len,
+                           compute_algo=c.amax_compute_algo, margin=c.margin, device=device)
+        self.scalings[name] = LinearScaling(meta(fwd), meta(fwd), meta(bwd))
+        return self.scalings[name]
+
+    def _metas(self) -> list[tuple[str, Fp8Meta]]:
+        return [(f"{name}.{op}", getattr(s, op)) for name, s in self.scalings.items()
+                for op in ("x", "w", "g")]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Delayed scaling, after a step's forward-backward: reduce the current amaxes
+        (max over the amax group, one all-reduce), then update every history and scale."""
+        metas = [m for _, m in self._metas() if m.delayed]
+        if not metas:
+            return
+        current = torch.cat([m.amax_history[0] for m in metas])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(current, op=dist.ReduceOp.MAX, group=self.group)
+        for m, amax in zip(metas, current.split([m.n for m in metas])):
+            m.amax_history[0].copy_(amax)
+            m.update()
+
+    def amax_history_bytes(self) -> int:
+        return sum(m.amax_history.numel() * 4 + m.scale.numel() * 4
+                   for _, m in self._metas() if m.delayed)
+
+    def state_dict(self) -> dict:
+        """Delayed scaling's amax histories and scales (snapshots), by GEMM name."""
+        return {key: m.state() for key, m in self._metas() if m.delayed}
+
+    def load_state_dict(self, state: dict, where: str = "fp8 state") -> None:
+        """Load `state_dict()`; every tensor the recipe needs must be there with its
+        shape (checked: a checkpoint is untrusted)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{where}: expected a dict of FP8 scaling states")
+        mine = dict(self._metas())
+        wanted = {k for k, m in mine.items() if m.delayed}
+        if set(state) != wanted:
+            missing, extra = sorted(wanted - set(state)), sorted(set(state) - wanted)
+            raise ValueError(f"{where}: the FP8 tensors differ from this model's "
+                             f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        for key in sorted(wanted):
+            mine[key].load_state(state[key], f"{where}[{key}]")
+
+
+def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
+              group: Optional[dist.ProcessGroup] = None) -> Optional[Fp8State]:
+    """Give every GEMM of `fp8_gemm_modules(model)` its FP8 GEMM under `config` (None and
+    nothing changed when FP8 is off). `group`: the amax reduction group."""
+    if not config.enabled:
+        return None
+    state = Fp8State(config, group)
+    for name, m in fp8_gemm_modules(model):
+        if isinstance(m, GroupedExperts):
+            for w in ("fc1", "fc2"):
+                m_scaling = state.new_scaling(f"{name}.{w}", m.num_local_experts, device)
+                setattr(m, f"fp8_{w}", m_scaling)
+            m.fp8 = _ExpertsGemm(m)
+        else:
+            m.fp8 = Fp8Gemm(state.new_scaling(name, 1, device))
+    model.fp8_state = state
+    return state
+
+
+class _ExpertsGemm:
+    """Routes each of the experts' two GEMMs to its own scaling (fc1 or fc2 by weight)."""
+
+    def __init__(self, experts: GroupedExperts) -> None:
+        self.experts = experts
+
+    def __call__(self, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes) -> torch.Tensor:
+        e = self.experts
+        scaling = e.fp8_fc1 if w_EKM is e.fc1_weight else e.fp8_fc2
+        return fp8_grouped_mm(x_NK, w_EKM, as_group_sizes(sizes).host_list(), scaling)
