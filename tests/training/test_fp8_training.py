@@ -212,7 +212,7 @@ def test_fp8_delayed_pipeline_parallel_matches_one_process():
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(single, last)), (single, last)
 
 
-@pytest.mark.parametrize("save", ["", "--async-save"])
+@pytest.mark.parametrize("save", ["", pytest.param("--async-save", marks=pytest.mark.slow)])
 def test_fp8_delayed_resume_is_exact(tmp_path, save):
     """4 steps straight, or 2 steps, a torch_dist save, and 2 more from it: the same losses
     (the amax histories and scales come back from common.pt). A run that resumes with its
