@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megamoe.training.checkpoint import build_single_process_model
-from tests.tools.megatron_peer.mcore_venv import PeerUnavailable, peer_python, run_peer
+from tests.tools.megatron_peer.mcore_venv import run_peer
 from tools.checkpoint.convert import main as convert
 
 # tools/checkpoint/megatron_format.py, as convert.py imports it (its folder on sys.path)
@@ -33,30 +33,6 @@ megatron_format = importlib.import_module("megatron_format")
 
 TOKENS = [[(7 * i + 3 * b + 1) % 100 for i in range(16)] for b in range(2)]
 VOCAB = 100  # the peer's args.vocab_size (its padded vocabulary is 128)
-
-
-@pytest.fixture(scope="module")
-def mcore_python() -> str:
-    try:
-        return peer_python()
-    except PeerUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"megatron-core peer unavailable in CI: {e}")
-        pytest.skip(f"megatron-core peer unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory, mcore_python):
-    """variant -> a Megatron-LM save directory written by megatron-core (made on demand)."""
-    root, made = tmp_path_factory.mktemp("megatron"), {}
-
-    def get(variant: str) -> str:
-        if variant not in made:
-            out = str(root / variant)
-            run_peer(["save", "--variant", variant, "--out", out], python=mcore_python)
-            made[variant] = out
-        return made[variant]
-    return get
 
 
 def _logits(ckpt_root: str) -> torch.Tensor:

@@ -23,26 +23,18 @@ import torch
 from megamoe.training.checkpoint import build_single_process_model
 from tests.tools.megatron_peer.mcore_venv import (
     PEER_LEGACY,
-    PeerUnavailable,
-    peer_python,
     run_peer,
 )
-from tests.tools.test_convert_megatron import Payload, _assert_close, _fails_cleanly
+from tests.tools.test_convert_megatron import (
+    Payload,
+    _assert_close,
+    _fails_cleanly,
+)
 from tools.checkpoint.convert import main as convert
 
 TOKENS = [[(7 * i + 3 * b + 1) % 100 for i in range(16)] for b in range(2)]
 DEFAULT = ("mixtral", 2, 2, 2, 2, None)  # variant, TP, PP, EP, expert TP, virtual stages
 RANK_FILE = os.path.join("iter_0000007", "mp_rank_01_001_001", "model_optim_rng.pt")
-
-
-@pytest.fixture(scope="module")
-def mcore_python() -> str:
-    try:
-        return peer_python()
-    except PeerUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"megatron-core peer unavailable in CI: {e}")
-        pytest.skip(f"megatron-core peer unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

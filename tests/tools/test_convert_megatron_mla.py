@@ -39,7 +39,7 @@ from megamoe.model.megatron_mla import mla_to_megamoe
 from megamoe.model.mtp import MTPLossTracker
 from megamoe.training.checkpoint import build_single_process_model
 from megamoe.training.checkpoint.safe_load import read_dcp_metadata
-from tests.tools.megatron_peer.mcore_venv import PeerUnavailable, peer_python, run_peer
+from tests.tools.megatron_peer.mcore_venv import run_peer
 from tests.tools.test_convert_megatron import (
     _assert_close,
     _fails_cleanly,
@@ -54,30 +54,6 @@ TOKENS = [[(7 * i + 3 * b + 1) % 100 for i in range(16)] for b in range(2)]
 LABELS = [[(7 * i + 3 * b + 8) % 100 for i in range(16)] for b in range(2)]  # peer.py's
 VOCAB = 100
 IT = "iter_0000007"
-
-
-@pytest.fixture(scope="module")
-def mcore_python() -> str:
-    try:
-        return peer_python()
-    except PeerUnavailable as e:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"megatron-core peer unavailable in CI: {e}")
-        pytest.skip(f"megatron-core peer unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory, mcore_python):
-    """variant -> a Megatron-LM save directory written by megatron-core (made on demand)."""
-    root, made = tmp_path_factory.mktemp("megatron-mla"), {}
-
-    def get(variant: str) -> str:
-        if variant not in made:
-            out = str(root / variant)
-            run_peer(["save", "--variant", variant, "--out", out], python=mcore_python)
-            made[variant] = out
-        return made[variant]
-    return get
 
 
 def _model(ckpt_root: str):
