@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megamoe.cli.main import main
-from tests.training.test_pretrain import TINY_MOE, _run
+from tests.training.test_pretrain import TINY_MOE
 
 # Replacement values: wrong types, out of range, non-finite, huge, empty, non-UTF-8 bytes.
 REPLACEMENTS: list[Any] = [
@@ -76,16 +76,6 @@ def _cases(state: dict, n: int, seed: int) -> list[tuple[tuple, Any]]:
     if n >= len(everything):
         return everything
     return random.Random(seed).sample(everything, n)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz")
-    out = {}
-    for fmt in ("torch", "torch_dist"):
-        out[fmt] = str(root / fmt)
-        _run(f"--train-iters 1 --save {out[fmt]} --ckpt-format {fmt}")
-    return out
 
 
 def _describe(value: Any) -> str:
@@ -165,26 +155,26 @@ def _state(saved_root: str, name: str) -> dict:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_fuzzed_fields_resume_or_stop_in_one_line(saved, tmp_path, capsys, kind):
+def test_fuzzed_fields_resume_or_stop_in_one_line(checkpoints, tmp_path, capsys, kind):
     fmt, name = KINDS[kind]
-    _fuzz(saved[fmt], str(tmp_path), name, _cases(_state(saved[fmt], name), n=5,
-                                                 seed=20261125), capsys)
+    cases = _cases(_state(checkpoints[fmt], name), n=5, seed=20261125)
+    _fuzz(checkpoints[fmt], str(tmp_path), name, cases, capsys)
 
 
-def test_fuzzed_metadata_entries_resume_or_stop_in_one_line(saved, tmp_path, capsys):
-    _fuzz(saved["torch_dist"], str(tmp_path), ".metadata",
-          _metadata_cases(saved["torch_dist"], n=4, seed=20261125), capsys)
+def test_fuzzed_metadata_entries_resume_or_stop_in_one_line(checkpoints, tmp_path, capsys):
+    _fuzz(checkpoints["torch_dist"], str(tmp_path), ".metadata",
+          _metadata_cases(checkpoints["torch_dist"], n=4, seed=20261125), capsys)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_more_fields_fuzzed(saved, tmp_path, capsys, kind):
+def test_more_fields_fuzzed(checkpoints, tmp_path, capsys, kind):
     fmt, name = KINDS[kind]
-    _fuzz(saved[fmt], str(tmp_path), name, _cases(_state(saved[fmt], name), n=80, seed=0),
-          capsys)
+    cases = _cases(_state(checkpoints[fmt], name), n=80, seed=0)
+    _fuzz(checkpoints[fmt], str(tmp_path), name, cases, capsys)
 
 
 @pytest.mark.slow
-def test_more_metadata_entries_fuzzed(saved, tmp_path, capsys):
-    _fuzz(saved["torch_dist"], str(tmp_path), ".metadata",
-          _metadata_cases(saved["torch_dist"], n=40, seed=0), capsys)
+def test_more_metadata_entries_fuzzed(checkpoints, tmp_path, capsys):
+    _fuzz(checkpoints["torch_dist"], str(tmp_path), ".metadata",
+          _metadata_cases(checkpoints["torch_dist"], n=40, seed=0), capsys)

@@ -23,7 +23,7 @@ from megamoe.training.checkpoint.safe_load import (
     load_torch_file,
     read_dcp_metadata,
 )
-from tests.training.test_pretrain import ROOT, TINY_MOE, _run
+from tests.training.test_pretrain import ROOT, TINY_MOE
 
 
 class Payload:
@@ -48,16 +48,6 @@ def _craft_metadata(path: str, marker: str) -> None:
     metadata.planner_data = {"trap": Payload(marker)}
     with open(path, "wb") as f:
         pickle.dump(metadata, f)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpts")
-    out = {}
-    for fmt in ("torch", "torch_dist"):
-        out[fmt] = str(root / fmt)
-        _run(f"--train-iters 1 --save {out[fmt]} --ckpt-format {fmt}")
-    return out
 
 
 def _crafted(checkpoints, tmp_path, where: str) -> tuple[str, str, str]:
