@@ -21,7 +21,8 @@ from megamoe.config.optim import FP32_MAX
 from megamoe.training.checkpoint.safe_load import CheckpointError
 
 
-def _fail(path: str, field: str, problem: str) -> CheckpointError:
+def field_error(path: str, field: str, problem: str) -> CheckpointError:
+    """The one-line error for a bad field (named, never quoted)."""
     return CheckpointError(f"{path}: field {field!r} {problem}")
 
 
@@ -31,23 +32,23 @@ def _is_count(value: Any) -> bool:
 
 def _count(path: str, state: dict, field: str) -> None:
     if field not in state:
-        raise _fail(path, field, "is missing")
+        raise field_error(path, field, "is missing")
     value = state[field]
     if not _is_count(value):
         found = value if isinstance(value, int) and not isinstance(value, bool) \
             else type(value).__name__  # a negative number, or only the type
-        raise _fail(path, field, f"must be a non-negative integer, found {found}")
+        raise field_error(path, field, f"must be a non-negative integer, found {found}")
 
 
 def _scheduler(path: str, sched: Any) -> None:
     if sched is None:
         return
     if not isinstance(sched, dict):
-        raise _fail(path, "scheduler", f"must be a dict, found {type(sched).__name__}")
+        raise field_error(path, "scheduler", f"must be a dict, found {type(sched).__name__}")
     if not _is_count(sched.get("num_steps")):
-        raise _fail(path, "scheduler.num_steps", "must be a non-negative integer")
+        raise field_error(path, "scheduler.num_steps", "must be a non-negative integer")
     if not isinstance(sched.get("unit", ""), str):
-        raise _fail(path, "scheduler.unit", "must be a string")
+        raise field_error(path, "scheduler.unit", "must be a string")
 
 
 def _accepted(set_state: Callable[[Any], Any], state: Any) -> bool:
@@ -63,27 +64,27 @@ def _accepted(set_state: Callable[[Any], Any], state: Any) -> bool:
 def _rng(path: str, field: str, rng: Any) -> None:
     """One process's RNG states as rng_state.py saves them."""
     if not isinstance(rng, dict) or not {"python", "numpy", "torch"} <= rng.keys():
-        raise _fail(path, field, "must be a dict of python, numpy and torch RNG states")
+        raise field_error(path, field, "must be a dict of python, numpy and torch RNG states")
     py = rng["python"]
     if not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple)
             and all(isinstance(x, int) for x in py[1])
             and _accepted(random.Random().setstate, py)):
-        raise _fail(path, f"{field}.python", "is not a Python random state")
+        raise field_error(path, f"{field}.python", "is not a Python random state")
     npy = rng["numpy"]
     if not (isinstance(npy, tuple) and len(npy) == 5 and isinstance(npy[0], str)
             and isinstance(npy[1], np.ndarray) and npy[1].dtype == np.uint32
             and npy[1].shape == (624,)
             and _accepted(np.random.RandomState().set_state, npy)):
-        raise _fail(path, f"{field}.numpy", "is not a numpy MT19937 state")
+        raise field_error(path, f"{field}.numpy", "is not a numpy MT19937 state")
     for key in ("torch", "cuda"):
         t = rng.get(key)
         if key in rng and not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8
                                and t.dim() == 1):
-            raise _fail(path, f"{field}.{key}", "is not a torch generator state "
+            raise field_error(path, f"{field}.{key}", "is not a torch generator state "
                         "(a 1-D uint8 tensor)")
     cpu_generator = torch.Generator(device="cpu")  # the saved state is the CPU generator's
     if not _accepted(cpu_generator.set_state, rng["torch"]):
-        raise _fail(path, f"{field}.torch", "is not a torch CPU generator state")
+        raise field_error(path, f"{field}.torch", "is not a torch CPU generator state")
 
 
 def _step(path: str, optim: Any) -> None:
@@ -91,16 +92,16 @@ def _step(path: str, optim: Any) -> None:
         return
     if not isinstance(optim, dict) or not isinstance(optim.get("names"), list) or not all(
             isinstance(n, str) for n in optim["names"]):
-        raise _fail(path, "optimizer", "must hold the state names (a list of strings)")
+        raise field_error(path, "optimizer", "must hold the state names (a list of strings)")
     step = optim.get("step")
     if step is None:
         if "exp_avg" in optim["names"]:  # Adam's moments without their step count
-            raise _fail(path, "optimizer.step", "is missing (Adam's moments are saved)")
+            raise field_error(path, "optimizer.step", "is missing (Adam's moments are saved)")
         return
     ok = isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()
     value = float(step) if ok else math.nan
     if not (ok and math.isfinite(value) and value >= 0 and value == int(value)):
-        raise _fail(path, "optimizer.step", "must be a non-negative whole number "
+        raise field_error(path, "optimizer.step", "must be a non-negative whole number "
                     "(a 1-element float tensor)")
 
 
@@ -113,19 +114,19 @@ def _grad_scaler(path: str, optim: Any) -> None:
         return
     field, scaler = "optimizer.grad_scaler", optim["grad_scaler"]
     if not isinstance(scaler, dict):
-        raise _fail(path, field, f"must be a dict, found {type(scaler).__name__}")
+        raise field_error(path, field, f"must be a dict, found {type(scaler).__name__}")
     if not scaler:
         return
     scale = scaler.get("scale")
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
             and math.isfinite(scale) and 0 < scale <= FP32_MAX):
-        raise _fail(path, f"{field}.scale", "must be a positive number finite in fp32")
+        raise field_error(path, f"{field}.scale", "must be a positive number finite in fp32")
     if not _is_count(scaler.get("growth_tracker")):
-        raise _fail(path, f"{field}.growth_tracker", "must be a non-negative integer")
+        raise field_error(path, f"{field}.growth_tracker", "must be a non-negative integer")
     tracker = scaler.get("hysteresis_tracker")
     if not (isinstance(tracker, int) and not isinstance(tracker, bool)
             and abs(tracker) < 2**62):
-        raise _fail(path, f"{field}.hysteresis_tracker", "must be an integer")
+        raise field_error(path, f"{field}.hysteresis_tracker", "must be an integer")
 
 
 def check_fields(path: str, state: Any, dist: bool = False) -> dict:
@@ -146,14 +147,14 @@ def check_fields(path: str, state: Any, dist: bool = False) -> dict:
     _count(path, state, "world_size")
     if rng is not None:
         if not isinstance(rng, list) or len(rng) != state["world_size"]:
-            raise _fail(path, "rng", "must hold one RNG state per saved rank")
+            raise field_error(path, "rng", "must hold one RNG state per saved rank")
         for i, r in enumerate(rng):
             _rng(path, f"rng[{i}]", r)
     fp8 = state.get("fp8")
     if fp8 is not None and (not isinstance(fp8, list) or len(fp8) != state["world_size"]
                             or not all(isinstance(r, dict) for r in fp8)):
-        raise _fail(path, "fp8", "must hold one FP8 scaling state (a dict) per saved rank")
+        raise field_error(path, "fp8", "must hold one FP8 scaling state (a dict) per saved rank")
     if not isinstance(state.get("layout", {}), dict):
-        raise _fail(path, "layout", "must be a dict")
+        raise field_error(path, "layout", "must be a dict")
     _step(path, state.get("optimizer"))
     return state

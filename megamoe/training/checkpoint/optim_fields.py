@@ -14,11 +14,7 @@ from typing import Any
 
 import torch
 
-from megamoe.training.checkpoint.safe_load import CheckpointError
-
-
-def _fail(path: str, field: str, problem: str) -> CheckpointError:
-    return CheckpointError(f"{path}: field {field!r} {problem}")
+from megamoe.training.checkpoint.fields import field_error
 
 
 def _finite_number(v: Any) -> bool:
@@ -42,7 +38,7 @@ def _like(path: str, field: str, saved: Any, live: Any) -> None:
     else:
         ok = True
     if not ok:
-        raise _fail(path, field, f"must be like {type(live).__name__} "
+        raise field_error(path, field, f"must be like {type(live).__name__} "
                     f"(found {type(saved).__name__})")
 
 
@@ -50,15 +46,15 @@ def _groups(path: str, saved: Any, live_groups: list[dict]) -> dict[int, torch.S
     """The saved param_groups against this optimizer's -> saved param id -> its shape."""
     field = "optimizer.optimizer.param_groups"
     if not isinstance(saved, list) or len(saved) != len(live_groups):
-        raise _fail(path, field, f"must be a list of {len(live_groups)} groups")
+        raise field_error(path, field, f"must be a list of {len(live_groups)} groups")
     shapes: dict[int, torch.Size] = {}
     for g, (group, live) in enumerate(zip(saved, live_groups)):
         if not isinstance(group, dict):
-            raise _fail(path, f"{field}[{g}]", "must be a dict")
+            raise field_error(path, f"{field}[{g}]", "must be a dict")
         ids = group.get("params")
         if not (isinstance(ids, list) and len(ids) == len(live["params"])
                 and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-            raise _fail(path, f"{field}[{g}].params", f"must list {len(live['params'])} "
+            raise field_error(path, f"{field}[{g}].params", f"must list {len(live['params'])} "
                         "parameter numbers")
         for key, value in live.items():
             if key != "params" and key in group:
@@ -70,27 +66,27 @@ def _groups(path: str, saved: Any, live_groups: list[dict]) -> dict[int, torch.S
 def _states(path: str, saved: Any, shapes: dict[int, torch.Size]) -> None:
     field = "optimizer.optimizer.state"
     if not isinstance(saved, dict):
-        raise _fail(path, field, "must be a dict")
+        raise field_error(path, field, "must be a dict")
     for i, state in saved.items():
         if i not in shapes or not isinstance(state, dict):
-            raise _fail(path, f"{field}", "must map the groups' parameter numbers to dicts")
+            raise field_error(path, f"{field}", "must map the groups' parameter numbers to dicts")
         for name, v in state.items():
             where = f"{field}[{i}].{name}"
             if name == "step":
                 value = float(v) if (isinstance(v, torch.Tensor) and v.numel() == 1) \
                     else v if _finite_number(v) else math.nan
                 if not (math.isfinite(value) and value >= 0):
-                    raise _fail(path, where, "must be a non-negative number")
+                    raise field_error(path, where, "must be a non-negative number")
             elif not (isinstance(v, torch.Tensor) and v.is_floating_point()
                       and v.shape == shapes[i]):
-                raise _fail(path, where, f"must be a float tensor of shape {list(shapes[i])}")
+                raise field_error(path, where, f"must be a float tensor of shape {list(shapes[i])}")
 
 
 def check_optimizer_state(path: str, saved: Any, optimizer: Any) -> None:
     """`saved` (a wrapper's state_dict: {"optimizer": torch's, "main_params"?, ...}) fits
     `optimizer` (MixedPrecisionOptimizer or DistributedOptimizer); else CheckpointError."""
     if not isinstance(saved, dict) or not isinstance(saved.get("optimizer"), dict):
-        raise _fail(path, "optimizer", "must be a dict holding the optimizer's state")
+        raise field_error(path, "optimizer", "must be a dict holding the optimizer's state")
     inner = saved["optimizer"]
     live_groups = optimizer.optimizer.param_groups
     shapes = _groups(path, inner.get("param_groups"), live_groups)
@@ -102,5 +98,5 @@ def check_optimizer_state(path: str, saved: Any, optimizer: Any) -> None:
         if not (isinstance(mains, list) and len(mains) == len(live) and all(
                 isinstance(m, torch.Tensor) and m.is_floating_point() and m.shape == p.shape
                 for m, p in zip(mains, live))):
-            raise _fail(path, "optimizer.main_params", f"must be {len(live)} float tensors "
+            raise field_error(path, "optimizer.main_params", f"must be {len(live)} float tensors "
                         "shaped as the parameters")
