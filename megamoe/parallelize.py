@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megamoe.config import MoEExecutionConfig, ParallelConfig, RecomputeConfig
+from megamoe.config.fields import require
 from megamoe.model.attention import SelfAttention
 from megamoe.model.gpt_model import GPTEmbedding, GPTModel
 from megamoe.model.mla import MLASelfAttention
@@ -185,6 +186,9 @@ def apply_recompute(model: nn.Module, recompute: RecomputeConfig) -> nn.Module:
             m.recompute_up_proj = "mla_up_proj" in selected
         elif isinstance(m, MoELayer):
             m.recompute_shared = "shared_experts" in selected
+            require(not (m.recompute_shared and m.shared_expert_overlap),
+                    "--recompute-modules shared_experts cannot work with "
+                    "--moe-shared-expert-overlap")
         elif isinstance(m, GroupedExperts):
             m.recompute_act = "moe_act" in selected
     return model
@@ -257,6 +261,8 @@ def parallelize_moe(model: nn.Module, *, ep_group: Group = None, tp_group: Group
                 execution.a2a_overlap_degree)
             shard_experts(layer.experts, dispatcher.local_start, dispatcher.num_local_experts)
         shared = layer.shared_experts
+        execution.check_shared_expert_overlap(shared is not None, layer.recompute_shared)
+        layer.shared_expert_overlap = execution.shared_expert_overlap
         if tp > 1 and shared is not None and shared.linear_fc1.tp.size == 1:
             # A layer parallelized on its own (step 1 shards a whole model's): the MoE
             # layer under TP always takes sequence shards.

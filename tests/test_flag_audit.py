@@ -218,6 +218,9 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
         ("--moe-shared-expert-intermediate-size 32", 1, 32),
     "--moe-shared-expert-gate":
         ("--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate", 1, True),
+    "--moe-shared-expert-overlap":
+        ("--moe-shared-expert-intermediate-size 32 --moe-token-dispatcher-type alltoall "
+         "--moe-shared-expert-overlap", 1, True),
     "--moe-router-score-function": ("--moe-router-score-function sigmoid", 1, "sigmoid"),
     "--moe-router-pre-softmax": ("--moe-router-pre-softmax", 1, True),
     "--moe-router-topk-scaling-factor": ("--moe-router-topk-scaling-factor 2.5", 1, 2.5),

@@ -184,6 +184,8 @@ class MoEExecutionConfig:
     token_dispatcher_type: str = flag("--moe-token-dispatcher-type", "allgather")
     a2a_overlap_degree: int = flag("--moe-a2a-overlap-degree", 1)  # chunks pipelined
     adaptive_parallelism: bool = flag("--moe-adaptive-parallelism", False)  # ep / dp / tp
+    # the shared expert computes while the dispatcher's all-to-alls are in flight
+    shared_expert_overlap: bool = flag("--moe-shared-expert-overlap", False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -195,6 +197,23 @@ class MoEExecutionConfig:
         require(kind != "flex", "not supported yet: --moe-token-dispatcher-type flex")
         overlap = self.a2a_overlap_degree
         require(overlap >= 1, f"--moe-a2a-overlap-degree must be >= 1, got {overlap}")
+
+    def check_shared_expert_overlap(self, shared_experts: bool, recompute_shared: bool
+                                    ) -> None:
+        """Where Megatron-LM refuses --moe-shared-expert-overlap (TransformerConfig); with
+        no shared expert Megatron ignores it, megamoe refuses it (a flag that would do
+        nothing)."""
+        if not self.shared_expert_overlap:
+            return
+        require(shared_experts, "--moe-shared-expert-overlap needs shared experts "
+                                "(--moe-shared-expert-intermediate-size)")
+        require(self.token_dispatcher_type in ("alltoall", "flex"),
+                "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type "
+                "alltoall or flex")
+        require(not recompute_shared, "--recompute-modules shared_experts cannot work with "
+                                      "--moe-shared-expert-overlap")
+        require(not self.adaptive_parallelism, "not supported yet: --moe-shared-expert-"
+                                               "overlap with --moe-adaptive-parallelism")
 
     def check_layout(self, ep: int, etp: int, expert_biases: bool) -> None:
         """What the layout and the experts must be for these settings (called by the

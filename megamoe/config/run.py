@@ -52,6 +52,10 @@ class RunConfig:
                     "--expert-model-parallel-size > 1 needs --num-experts")
         self._validate_checkpoint()
         self._validate_recompute()
+        moe = self.model.moe
+        self.moe_execution.check_shared_expert_overlap(
+            moe is not None and moe.shared_expert_intermediate_size is not None,
+            "shared_experts" in self.recompute.selected)
         if self.model.mtp_num_layers:
             self._validate_mtp()
         if self.parallel.context_parallel_size > 1:

@@ -11,7 +11,6 @@ NOT_SUPPORTED_YET = (
     "--rotary-seq-len-interpolation-factor",
     "--apply-layernorm-1p",
     "--moe-use-legacy-grouped-gemm",
-    "--moe-shared-expert-overlap",
     "--null-tokenizer-pad-id",  # a pad id masked out of the loss (Megatron's GPTDataset)
     # Megatron-FSDP (the DeepSeek-V3 script's FSDP branch); --ckpt-format fsdp_dtensor is
     # refused by value (cli/rules.py)

@@ -203,13 +203,24 @@ class SharedExpertMLP(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """x_TH: the layer's input rows (under SP this rank's sequence shard) -> the same
         rows of the shared experts' output."""
+        return self.fc2_forward(*self.fc1_forward(x_TH))
+
+    def fc1_forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """First half (--moe-shared-expert-overlap runs it during the dispatch): fc1 and
+        the activation, and the gate's score -> (activation, score or None)."""
         h_TF = self.linear_fc1(x_TH)  # [T (SP: gathered), F or 2F] (local: / TP)
         if self.swiglu:
             gate_TF, up_TF = h_TF.chunk(2, dim=-1)
             h_TF = F.silu(gate_TF) * up_TF
         else:
             h_TF = F.gelu(h_TF)
-        y_TH = self.linear_fc2(h_TF)  # summed over TP (SP: reduce-scattered to x's rows)
+        score_T1 = None
         if self.gate_weight is not None:
-            y_TH = y_TH * torch.sigmoid(F.linear(x_TH, self.gate_weight))  # [T, 1] bcast
-        return y_TH
+            score_T1 = torch.sigmoid(F.linear(x_TH, self.gate_weight))  # [T, 1]
+        return h_TF, score_T1
+
+    def fc2_forward(self, h_TF: torch.Tensor, score_T1: Optional[torch.Tensor]
+                    ) -> torch.Tensor:
+        """Second half (during the combine under the overlap): fc2, scaled by the gate."""
+        y_TH = self.linear_fc2(h_TF)  # summed over TP (SP: reduce-scattered to x's rows)
+        return y_TH if score_T1 is None else y_TH * score_T1  # [T, 1] broadcast

@@ -24,6 +24,7 @@ from megamoe.moe.dispatchers import LocalDispatcher, TokenDispatcher
 from megamoe.moe.experts import GroupedExperts, SequentialExperts, SharedExpertMLP
 from megamoe.moe.losses import attach_aux_loss
 from megamoe.moe.router import TopKRouter
+from megamoe.moe.shared_overlap import SharedExpertOverlap
 from megamoe.parallel.checkpointing import is_recomputing, maybe_checkpoint
 
 
@@ -72,6 +73,9 @@ class MoELayer(nn.Module):
                 init_method_std=init_method_std, output_init_std=output_std)
         self.dispatcher: TokenDispatcher = LocalDispatcher.for_experts(self.experts)
         self.recompute_shared = False  # --recompute-modules shared_experts (parallelize)
+        # --moe-shared-expert-overlap (parallelize; moe/shared_overlap.py): the shared
+        # expert runs inside the dispatcher, while its exchanges are in flight.
+        self.shared_expert_overlap = False
         self._register_statistics(config.num_experts)
 
     def _register_statistics(self, num_experts: int) -> None:
@@ -142,11 +146,18 @@ class MoELayer(nn.Module):
         # Expert bias: Megatron counts the kept assignments (after the drops).
         before = self.config.expert_bias_counts_before_capacity
         self.router.count_for_expert_bias(routed_E if before else kept_E)
-        out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode)
-        if self.shared_experts is not None:  # on the layer's input: under SP its shard
-            mine_TH = x_TH if full is hidden else hidden.reshape(-1, self.hidden_size)
-            shared_TH = maybe_checkpoint(self.recompute_shared, self.shared_experts, mine_TH)
-            out_TH = out_TH + shared_TH.to(out_TH.dtype)
+        mine_TH = x_TH if full is hidden else hidden.reshape(-1, self.hidden_size)
+        if self.shared_expert_overlap and self.shared_experts is not None:
+            shared = SharedExpertOverlap(self.shared_experts, mine_TH)
+            out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode,
+                                     shared=shared)
+            out_TH = out_TH + shared.output().to(out_TH.dtype)
+        else:
+            out_TH = self.dispatcher(x_TH, probs_TE, routing_map_TE, self.experts, pad, mode)
+            if self.shared_experts is not None:  # on the layer's input: under SP its shard
+                shared_TH = maybe_checkpoint(self.recompute_shared, self.shared_experts,
+                                             mine_TH)
+                out_TH = out_TH + shared_TH.to(out_TH.dtype)
         if aux_loss is not None:
             out_TH = attach_aux_loss(out_TH, aux_loss)
         return out_TH.reshape(hidden.shape)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megamoe.moe.dispatchers.base import Experts
+from megamoe.moe.dispatchers.base import Experts, SharedHalves
 from megamoe.moe.dispatchers.expert_parallel import ExpertParallelDispatcher
 from megamoe.moe.grouped_gemm import GroupSizes
 from megamoe.moe.permute import (
@@ -87,10 +87,15 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def forward(self, x_TH: torch.Tensor, probs_TE: torch.Tensor,
                 routing_map_TE: torch.Tensor, experts: Experts, pad: Optional[int] = None,
-                mode: Optional[str] = None) -> torch.Tensor:
-        if self.overlap_degree == 1 or self.group is None:
-            return super().forward(x_TH, probs_TE, routing_map_TE, experts)
-        return self._forward_overlapped(x_TH, probs_TE, routing_map_TE, experts)
+                mode: Optional[str] = None, shared: Optional[SharedHalves] = None
+                ) -> torch.Tensor:
+        """With `shared` (--moe-shared-expert-overlap) the exchanges are asynchronous, as
+        with an overlap degree > 1 (which is then also honoured): the shared expert's fc1
+        runs while the (first) dispatch all-to-all is in flight, its fc2 while the (last)
+        combine all-to-all is."""
+        if self.group is None or (self.overlap_degree == 1 and shared is None):
+            return super().forward(x_TH, probs_TE, routing_map_TE, experts, shared=shared)
+        return self._forward_overlapped(x_TH, probs_TE, routing_map_TE, experts, shared)
 
     def exchange_split_sizes(self, tokens_per_expert_CE: list[torch.Tensor]) -> list[_Splits]:
         """Communicate the split sizes of every chunk in one all-to-all of counts, then
@@ -110,7 +115,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
                                recv_counts_SL=recv_SL, tokens_per_local_expert=per_local))
         return out
 
-    def _forward_overlapped(self, x_TH, probs_TE, routing_map_TE, experts) -> torch.Tensor:
+    def _forward_overlapped(self, x_TH, probs_TE, routing_map_TE, experts,
+                            shared: Optional[SharedHalves] = None) -> torch.Tensor:
         n = self.overlap_degree
         bounds = _chunk_sizes(x_TH.shape[0], n)
         # Every chunk's permutation from one nonzero (rows chunk-major), every chunk's
@@ -133,6 +139,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
                                     handles[c])
 
         pending = start(0)
+        if shared is not None:  # while the (first) dispatch exchange is in flight
+            shared.fc1()
         back = []
         for c in range(n):  # communication of chunk c + 1 overlaps compute of chunk c
             upcoming = start(c + 1) if c + 1 < n else None
@@ -145,6 +153,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             back.append((h, all_to_all_start(y_src, sp.input_splits, sp.output_splits,
                                              self.group, h)))
             pending = upcoming
+        if shared is not None:  # while the (last) combine exchange is in flight
+            shared.fc2()
         outs = []
         for (h, y_pending), st in zip(back, states):
             sp = st.splits

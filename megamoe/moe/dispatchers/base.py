@@ -11,17 +11,26 @@ one. The parallelize step chooses it; the layer only calls it:
     y = experts(*inputs)
     out_TH = dispatcher.combine(y, state)
 
-`forward` does exactly that; a dispatcher that overlaps communication with the expert
+`forward` does exactly that (with the shared expert's halves between, under
+--moe-shared-expert-overlap); a dispatcher that overlaps communication with the expert
 GEMMs or picks an execution mode per call overrides `forward` and keeps the meaning.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 Experts = Callable[..., torch.Tensor]
+
+
+class SharedHalves(Protocol):
+    """The shared expert's two halves (moe/shared_overlap.py's SharedExpertOverlap)."""
+
+    def fc1(self) -> None: ...
+
+    def fc2(self) -> None: ...
 
 
 class TokenDispatcher:
@@ -60,10 +69,18 @@ class TokenDispatcher:
 
     def forward(self, x_TH: torch.Tensor, probs_TE: torch.Tensor,
                 routing_map_TE: torch.Tensor, experts: Experts, pad: Optional[int] = None,
-                mode: Optional[str] = None) -> torch.Tensor:
-        """dispatch -> experts -> combine."""
+                mode: Optional[str] = None, shared: Optional[SharedHalves] = None
+                ) -> torch.Tensor:
+        """dispatch -> experts -> combine; `shared` (--moe-shared-expert-overlap,
+        moe/shared_overlap.py) has its halves run after the dispatch and the combine (an
+        asynchronous dispatcher runs them while its exchanges are in flight)."""
         inputs, state = self.dispatch(x_TH, probs_TE, routing_map_TE, pad)
-        return self.combine(experts(*inputs), state)
+        if shared is not None:
+            shared.fc1()
+        out_TH = self.combine(experts(*inputs), state)
+        if shared is not None:
+            shared.fc2()
+        return out_TH
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.forward(*args, **kwargs)

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megamoe.moe.dispatchers.base import Experts, TokenDispatcher
+from megamoe.moe.dispatchers.base import Experts, SharedHalves, TokenDispatcher
 from megamoe.parallel.comm import (
     copy_to_tp,
     gather_from_sequence,
@@ -74,14 +74,17 @@ class TensorParallelDispatcher(TokenDispatcher):
 
     def forward(self, x_TH: torch.Tensor, probs_TE: torch.Tensor,
                 routing_map_TE: torch.Tensor, experts: Experts, pad: Optional[int] = None,
-                mode: Optional[str] = None) -> torch.Tensor:
+                mode: Optional[str] = None, shared: Optional[SharedHalves] = None
+                ) -> torch.Tensor:
+        """`shared`'s halves run inside the inner dispatcher's exchanges."""
         if self.etp_group is not None:  # every etp rank sees all tokens, gradients summed
             x_in, probs_in = copy_to_tp(x_TH, self.etp_group), copy_to_tp(probs_TE,
                                                                          self.etp_group)
             pad_all = None if pad is None else pad * self.capacity_shards()
-            out_TH = self.inner(x_in, probs_in, routing_map_TE, experts, pad_all, mode)
+            out_TH = self.inner(x_in, probs_in, routing_map_TE, experts, pad_all, mode,
+                                shared=shared)
             return reduce_scatter_to_sequence(out_TH, self.etp_group)
         group = self.tp_group  # this rank's rows = its own sequence shard
         x_in, probs_in = scatter_to_sequence(x_TH, group), scatter_to_sequence(probs_TE, group)
         map_in = routing_map_TE.chunk(group_size(group))[group_rank(group)]
-        return self.inner(x_in, probs_in, map_in, experts, pad, mode)
+        return self.inner(x_in, probs_in, map_in, experts, pad, mode, shared=shared)
