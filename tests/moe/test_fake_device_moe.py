@@ -105,20 +105,30 @@ TP2_ETP2 = ParallelConfig(world_size=2, tensor_model_parallel_size=2, sequence_p
                           expert_tensor_parallel_size=2)
 VARIANTS = {  # name: (dispatcher, a2a overlap degree, layout)
     "alltoall": ("alltoall", 1, EP2), "allgather": ("allgather", 1, EP2),
-    "alltoall-overlap2": ("alltoall", 2, EP2), "tp2-sp-etp2": ("alltoall", 1, TP2_ETP2)}
+    "alltoall-overlap2": ("alltoall", 2, EP2), "tp2-sp-etp2": ("alltoall", 1, TP2_ETP2),
+    "shared-overlap": ("alltoall", 1, EP2)}
+# --moe-shared-expert-overlap: a gated shared expert inside the all-to-all's exchanges.
+SHARED = dataclasses.replace(MOE, moe=dataclasses.replace(
+    MOE.moe, shared_expert_intermediate_size=32, shared_expert_gate=True))
 
 
 def _execution(variant: str) -> MoEExecutionConfig:
     dispatcher, overlap, _ = VARIANTS[variant]
     return MoEExecutionConfig(grouped_gemm=True, token_dispatcher_type=dispatcher,
-                              a2a_overlap_degree=overlap)
+                              a2a_overlap_degree=overlap,
+                              shared_expert_overlap=variant == "shared-overlap")
+
+
+def _config(variant: str):
+    return SHARED if variant == "shared-overlap" else MOE
 
 
 def _record_rank(rank: int, world_size: int, dispatcher: str) -> list:
     layout = VARIANTS[dispatcher][2]
     mesh = build_mesh(layout, "gloo", torch.device("cpu"))
     execution = _execution(dispatcher)
-    model = materialize(_model(mesh, layout, execution, torch.bfloat16), mesh, seed=1)
+    model = materialize(_model(mesh, layout, execution, torch.bfloat16, _config(dispatcher)),
+                        mesh, seed=1)
     reads = HostReads()
     _step(model, _tokens(rank, mesh.device), reads)
     return reads.log
@@ -135,7 +145,7 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
     layout = VARIANTS[dispatcher][2]
     mesh = build_mesh(layout, "fake", ACCEL)
     execution = _execution(dispatcher)
-    model = _model(mesh, layout, execution, torch.bfloat16)
+    model = _model(mesh, layout, execution, torch.bfloat16, _config(dispatcher))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = materialize(model, mesh, seed=1)
         replay = HostReads(log)
@@ -150,7 +160,8 @@ def replay_rank(rank: int, dispatcher: str, log_path: str) -> None:
 @pytest.mark.parametrize("dispatcher", [
     "alltoall", pytest.param("allgather", marks=pytest.mark.slow),
     pytest.param("alltoall-overlap2", marks=pytest.mark.slow),
-    pytest.param("tp2-sp-etp2", marks=pytest.mark.slow)])
+    pytest.param("tp2-sp-etp2", marks=pytest.mark.slow),
+    pytest.param("shared-overlap", marks=pytest.mark.slow)])
 def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
     logs = run_distributed(_record_rank, 2, 120, dispatcher)
     if VARIANTS[dispatcher][2] is EP2 and VARIANTS[dispatcher][0] == "alltoall":

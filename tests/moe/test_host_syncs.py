@@ -312,8 +312,9 @@ def test_single_rank_layer_syncs(case):
 # (dispatcher, overlap degree, experts): grouped ("torch" backend), grouped with the
 # per-expert loop backend, user modules (SequentialExperts). The latter two need the rows
 # per local expert on the host: the all-to-all hands them over with its one copy.
+# "shared": grouped, plus a gated shared expert under --moe-shared-expert-overlap.
 EP_CASES = [("alltoall", 1, "grouped"), ("alltoall", 2, "grouped"), ("alltoall", 1, "loop"),
-            ("alltoall", 2, "modules"), ("allgather", 1, "grouped")]
+            ("alltoall", 2, "modules"), ("allgather", 1, "grouped"), ("alltoall", 1, "shared")]
 
 
 def _ep_layer(dispatcher: str, overlap: int, experts: str):
@@ -327,11 +328,15 @@ def _ep_layer(dispatcher: str, overlap: int, experts: str):
     if experts == "modules":
         modules = [torch.nn.Sequential(torch.nn.Linear(H, F_), torch.nn.GELU(),
                                        torch.nn.Linear(F_, H)) for _ in range(E)]
+    shared = experts == "shared"
     layer = MoELayer(hidden_size=H, experts=modules, num_experts=E, topk=K,
                      ffn_hidden_size=F_, aux_loss_coeffs=[0.0], init_method_std=0.3,
-                     grouped_gemm=experts == "grouped")
+                     grouped_gemm=experts in ("grouped", "shared"),
+                     shared_expert_intermediate_size=F_ if shared else None,
+                     shared_expert_gate=shared)
     return parallelize_moe(layer, ep_group=dist.group.WORLD, execution=MoEExecutionConfig(
-        token_dispatcher_type=dispatcher, a2a_overlap_degree=overlap))
+        token_dispatcher_type=dispatcher, a2a_overlap_degree=overlap,
+        shared_expert_overlap=shared))
 
 
 def _ep_worker(rank: int, world: int) -> list:
