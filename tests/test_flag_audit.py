@@ -218,6 +218,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
         ("--moe-shared-expert-intermediate-size 32", 1, 32),
     "--moe-shared-expert-gate":
         ("--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate", 1, True),
+    "--trust-remote-code": ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+                            "{tmp}/tok --trust-remote-code", 1, True),
     "--moe-shared-expert-overlap":
         ("--moe-shared-expert-intermediate-size 32 --moe-token-dispatcher-type alltoall "
          "--moe-shared-expert-overlap", 1, True),

@@ -37,6 +37,8 @@ class DataConfig:
     vocab_file: Optional[str] = flag("--vocab-file", None)
     merge_file: Optional[str] = flag("--merge-file", None)
     vocab_size: Optional[int] = flag("--vocab-size", None)  # NullTokenizer
+    # a HuggingFaceTokenizer directory that is Python code runs it (data/remote_tokenizer.py)
+    trust_remote_code: bool = flag("--trust-remote-code", False)
     # Megatron's NullTokenizer ids: --vocab-size tokens, EOD = vocab_size - 1 unless set.
     # (--null-tokenizer-pad-id other than -1, no pad token, is refused: config/unsupported.)
     null_tokenizer_eod_id: Optional[int] = flag("--null-tokenizer-eod-id", None)
@@ -71,6 +73,9 @@ class DataConfig:
         require(not (self.train_data_path and self.per_split_data_args_path),
                 "--per-split-data-args-path and --train-data-path are mutually exclusive")
         kind = self.tokenizer_type
+        require(not self.trust_remote_code or kind == "HuggingFaceTokenizer",
+                "--trust-remote-code needs --tokenizer-type HuggingFaceTokenizer (the only "
+                "tokenizer whose code it would trust)")
         if kind is None:  # library use may hand build_gpt_datasets a tokenizer object
             return
         require(kind in TOKENIZER_TYPES, f"--tokenizer-type must be one of "

@@ -21,7 +21,6 @@ NOT_SUPPORTED_YET = (
     "--megatron-fsdp-grad-comm-dtype",
     "--megatron-fsdp-main-grads-dtype",
     "--tp-comm-overlap",  # Transformer Engine's userbuffer overlap
-    "--trust-remote-code",  # a tokenizer's own Python code (megamoe reads tokenizer.json)
     # Megatron's run-health checks (issue 26): the rerun state machine and DP weight hashes
     "--check-for-spiky-loss", "--rerun-mode", "--check-weight-hash-across-dp-replicas-interval",
     # FP8 beyond the tensorwise and delayed recipes (issue 32; cli/fp8_args.py)

@@ -21,7 +21,8 @@ def tokenizer_for(config: DataConfig):
                                null_eod_id=config.null_tokenizer_eod_id)
     return build_tokenizer(config.tokenizer_type, tokenizer_model=config.tokenizer_model,
                            vocab_file=config.vocab_file, merge_file=config.merge_file,
-                           vocab_size=config.vocab_size, null_eod_id=config.null_tokenizer_eod_id)
+                           vocab_size=config.vocab_size, null_eod_id=config.null_tokenizer_eod_id,
+                           trust_remote_code=config.trust_remote_code)
 
 
 def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from megamoe.config.data import TOKENIZER_TYPES
 from megamoe.data.errors import DataError
+from megamoe.data.remote_tokenizer import load_remote_code_tokenizer
 
 # End-of-document spellings tried, in order, when a tokenizer.json does not name its eos.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>",
@@ -189,8 +190,11 @@ class NullTokenizer:
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None, null_eod_id: Optional[int] = None):
-    """The tokenizer for a Megatron `--tokenizer-type` and its files."""
+                    vocab_size: Optional[int] = None, null_eod_id: Optional[int] = None,
+                    trust_remote_code: bool = False):
+    """The tokenizer for a Megatron `--tokenizer-type` and its files; a HuggingFaceTokenizer
+    directory that is its own Python code runs it only with `trust_remote_code`
+    (data/remote_tokenizer.py)."""
     if tokenizer_type in ("SentencePieceTokenizer", "Llama2Tokenizer"):
         path = _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
         cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" else (
@@ -201,6 +205,10 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = Non
             raise DataError("HuggingFaceTokenizer needs --tokenizer-model")
         if not os.path.exists(tokenizer_model):
             raise DataError(f"{tokenizer_model}: file not found (--tokenizer-model)")
+        if os.path.isdir(tokenizer_model):
+            remote = load_remote_code_tokenizer(tokenizer_model, trust_remote_code)
+            if remote is not None:
+                return remote
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(_require_file(vocab_file, "--vocab-file", tokenizer_type),
