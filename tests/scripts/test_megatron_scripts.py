@@ -57,11 +57,9 @@ SCRIPTS = {
         "MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel", ())}),
     "qwen3_30b_a3b": (8, 151936, TOKENIZER + RUN + ["--global-batch-size", "8"], {}),
     "deepseek_v2_lite": (8, 102400, TOKENIZER + RUN + ["--global-batch-size", "8"], {}),
-    # Kimi-K2: shared-expert overlap and its tiktoken tokenizer's own Python code
-    # (--trust-remote-code) are not built; its fixed --padded-vocab-size 163840 is.
-    "kimi_k2": (8, 163840, TOKENIZER + RUN + ["--global-batch-size", "8"], {None: (
-        "not supported yet: --moe-shared-expert-overlap",
-        ("--moe-shared-expert-overlap", "--trust-remote-code"))}),
+    # Kimi-K2: every flag passes, its shared-expert overlap (alltoall dispatcher), its
+    # tokenizer's own Python code (--trust-remote-code) and fixed --padded-vocab-size.
+    "kimi_k2": (8, 163840, TOKENIZER + RUN + ["--global-batch-size", "8"], {}),
     "moe_readme_quick_start": (8, 32000, README_MODEL + RUN + ["--global-batch-size", "8"],
                                {None: ("not supported yet: --tp-comm-overlap",
                                        ("--tp-comm-overlap",))}),
@@ -186,6 +184,15 @@ def test_deepseek_v3_script_dry_runs(tmp_path, monkeypatch, capsys):
     the FSDP branch is refused; the other combinations and scripts are in the slow set."""
     everything = lambda on: all(v for c, v in on.items() if c != FSDP)
     assert _check_script("deepseek_v3", tmp_path, monkeypatch, capsys, everything) == 2
+
+
+def test_kimi_k2_script_dry_runs(tmp_path, monkeypatch, capsys):
+    """Issue 28's leftovers: --moe-shared-expert-overlap and --trust-remote-code, refused
+    before, pass (with them in the command line, not dropped)."""
+    assert SCRIPTS["kimi_k2"][3] == {}
+    tokens = variants(held("kimi_k2"))[0][1]
+    assert {"--moe-shared-expert-overlap", "--trust-remote-code"} <= set(tokens)
+    assert _check_script("kimi_k2", tmp_path, monkeypatch, capsys) == 1
 
 
 @pytest.mark.slow
