@@ -7,6 +7,7 @@ one line where Megatron-LM refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe.moe.dispatchers.alltoall as alltoall_module
+import megamoe.moe.shared_overlap as so
 from megamoe.config import MoEConfig, MoEExecutionConfig
 from megamoe.moe.experts import SharedExpertMLP
 from megamoe.moe.layer import MoELayer
@@ -153,3 +155,48 @@ def test_unsplit_forward_is_the_two_halves():
     h, score = mlp.fc1_forward(x)
     ref = mlp.linear_fc2(h) * torch.sigmoid(x @ mlp.gate_weight.t())
     torch.testing.assert_close(mlp(x), ref)
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream: logs waits and whether work runs inside it."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log, self.active = name, log, False
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+def test_cuda_stream_protocol(monkeypatch):
+    """The CUDA-only branch (no GPU here): the side stream waits for the default one before
+    fc1, both halves run inside the side stream, the input is recorded on the side stream
+    and the output on the default one, and the default stream waits before the sum."""
+    log: list[str] = []
+    side, default = _FakeStream("side", log), _FakeStream("default", log)
+
+    @contextlib.contextmanager
+    def on(stream):
+        stream.active = True
+        yield
+        stream.active = False
+
+    monkeypatch.setattr(so, "side_stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, s: log.append(f"{tuple(t.shape)} on {s.name}"))
+    torch.manual_seed(0)
+    mlp = SharedExpertMLP(H, SHARED, swiglu=True, add_bias=False, gate=True,
+                          init_method_std=0.3, output_init_std=0.3)
+    for half in ("fc1_forward", "fc2_forward"):
+        fn = getattr(mlp, half)
+        monkeypatch.setattr(mlp, half, lambda *a, fn=fn, half=half: (
+            log.append(f"{half} on {'side' if side.active else 'default'}"), fn(*a))[1])
+    x = torch.randn(T, H)
+    shared = SharedExpertOverlap(mlp, x)
+    shared.fc1()
+    shared.fc2()
+    out = shared.output()
+    assert log == ["side waits default", f"{(T, H)} on side", "fc1_forward on side",
+                   "fc2_forward on side", "default waits side", f"{(T, H)} on default"]
+    torch.testing.assert_close(out, SharedExpertMLP.forward(mlp, x))
