@@ -129,6 +129,35 @@ def test_overlap_with_a2a_overlap_degree_2():
                      "wait", "wait"]] * 2
 
 
+def _tp2_worker(rank: int, world: int, etp: bool) -> bool:
+    """TP=2 + SP (the layer takes this rank's sequence shard; the shared expert's fc1
+    all-gathers the sequence and its fc2 reduce-scatters it inside the halves)."""
+    full = _layer(gate=True)
+    group = dist.group.WORLD
+    plain, overlapped = (parallelize_moe(copy.deepcopy(full), tp_group=group,
+                                         etp_group=group if etp else None,
+                                         execution=MoEExecutionConfig(
+                                             token_dispatcher_type="alltoall",
+                                             shared_expert_overlap=on))
+                         for on in (False, True))
+    g = torch.Generator().manual_seed(0)  # every TP rank holds the same sequence
+    x_SBH, grad_SBH = torch.randn(2, T, 2, H, generator=g)
+    rows = slice(rank * T // world, (rank + 1) * T // world)
+    ref = _run(plain, x_SBH[rows], grad_SBH[rows])
+    got = _run(overlapped, x_SBH[rows], grad_SBH[rows])
+    for a, b in zip(got[:2], ref[:2]):
+        torch.testing.assert_close(a, b, **TOL)
+    for name in ref[2]:
+        torch.testing.assert_close(got[2][name], ref[2][name], **TOL, msg=name)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("etp", [True, False], ids=["etp2", "etp1"])
+def test_overlap_equals_plain_layer_under_tp2_sp(etp):
+    assert run_distributed(_tp2_worker, 2, 120, etp) == [True, True]
+
+
 SHARED_FLAGS = "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-overlap"
 
 
