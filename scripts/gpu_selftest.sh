@@ -4,10 +4,11 @@
 # One GPU: the CUDA kernels against the portable math (grouped GEMM backends, fused Adam,
 # norms, flash attention), host syncs per MoE layer, fp32 training on the GPU equal to the
 # CPU's, a tiny Mixtral learning in bf16 with its tokens/s and MFU, the MoE layer
-# benchmark in bf16. Two or more: every layout under NCCL (TP2+SP, EP2 all-to-all, PP2 1F1B
+# benchmark in bf16, the shared-expert overlap (side stream) against the plain layer. Two
+# or more: every layout under NCCL (TP2+SP, EP2 all-to-all, PP2 1F1B
 # and interleaved, DP2 distributed optimizer, CP2 p2p ring and a2a; TP2xEP2 and TP2xPP2 on
-# four) gives the one-GPU fp32 losses and grad norms, and a TP2 checkpoint resumes on one
-# GPU.
+# four; EP2 with the shared-expert overlap) gives the one-GPU fp32 losses and grad norms,
+# and a TP2 checkpoint resumes on one GPU.
 # Prints one line per check (PASS/FAIL name, then its JSON); exits 0 when all pass, 1 when
 # any fails, 2 (one line, nothing run) when no CUDA GPU is visible. Do not source env.sh
 # first: it installs the CPU torch wheel; use the cluster's CUDA torch.
@@ -78,6 +79,15 @@ echo "== one GPU"
 check fp32_gpu_run history "$WORK/ref.json" 1 "${TINY[@]}" "${ITERS[@]}"
 check fp32_cpu_run env CUDA_VISIBLE_DEVICES= $PY tools/gpu_selftest.py history "$WORK/cpu.json" -- "${TINY[@]}" "${ITERS[@]}"
 check gpu_equals_cpu_fp32 $PY tools/gpu_selftest.py compare "$WORK/cpu.json" "$WORK/ref.json"
+# --moe-shared-expert-overlap: the shared expert on its side CUDA stream gives the plain
+# layer's losses (docs/shared-expert-overlap.md)
+SHARED=(--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate
+        --moe-token-dispatcher-type alltoall)
+check shared_run history "$WORK/shared.json" 1 "${TINY[@]}" "${ITERS[@]}" "${SHARED[@]}"
+check shared_overlap_run history "$WORK/shared_overlap.json" 1 "${TINY[@]}" "${ITERS[@]}" \
+  "${SHARED[@]}" --moe-shared-expert-overlap
+check shared_overlap_equals_plain $PY tools/gpu_selftest.py compare "$WORK/shared.json" \
+  "$WORK/shared_overlap.json"
 check bf16_run history "$WORK/bf16.json" 1 "${BF16[@]}"
 check bf16_learns $PY tools/gpu_selftest.py learns "$WORK/bf16.json" --ratio $RATIO
 [ "$REHEARSAL" = 0 ] && check moe_layer_bench_bf16 $PY tools/bench_moe_layer.py --device cuda --dtypes bf16 --json --repeats 10
@@ -98,6 +108,10 @@ if [ "$NGPU" -ge 2 ]; then
     check "${name}_run" history "$WORK/$name.json" 2 "${TINY[@]}" "${ITERS[@]}" ${layout#*:}
     check "${name}_equals_1gpu" $PY tools/gpu_selftest.py compare "$WORK/ref.json" "$WORK/$name.json"
   done
+  check ep2_shared_overlap_run history "$WORK/ep2_shared_overlap.json" 2 "${TINY[@]}" \
+    "${ITERS[@]}" "${SHARED[@]}" --moe-shared-expert-overlap --expert-model-parallel-size 2
+  check ep2_shared_overlap_equals_1gpu $PY tools/gpu_selftest.py compare "$WORK/shared.json" \
+    "$WORK/ep2_shared_overlap.json"
   echo "== TP2 checkpoint resumed on one GPU"
   CKPT="$WORK/ckpt_tp2"
   check tp2_save history "$WORK/tp2_save.json" 2 "${TINY[@]}" "${ITERS[@]}" \

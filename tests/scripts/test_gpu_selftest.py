@@ -77,5 +77,6 @@ def test_script_rehearses_every_step_on_the_cpu(tmp_path):
     for name in ("gpu_equals_cpu_fp32", "bf16_learns", "tp2_sp_equals_1gpu",
                  "ep2_alltoall_equals_1gpu", "pp2_interleaved_equals_1gpu",
                  "dp2_distopt_equals_1gpu", "cp2_p2p_equals_1gpu", "cp2_a2a_equals_1gpu",
-                 "tp2_resume_equals"):
+                 "tp2_resume_equals", "shared_overlap_equals_plain",
+                 "ep2_shared_overlap_equals_1gpu"):
         assert name in passed, out.stdout
