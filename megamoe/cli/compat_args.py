@@ -109,14 +109,6 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-FSDP's sharding: not supported yet")
     for flag in ("--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"):
         g.add_argument(flag, default=None, choices=["fp32", "bf16"], help="not supported yet")
-    # Megatron's run-health checks (its rerun state machine, weight-hash comparison across
-    # data-parallel replicas): refused by name rather than unknown to the parser.
-    g.add_argument("--check-for-spiky-loss", action="store_true", help="not supported yet")
-    g.add_argument("--rerun-mode", default=None,
-                   choices=["disabled", "validate_results", "report_stats"],
-                   help="Megatron's rerun state machine: not supported yet")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="not supported yet")
 
 
 def derive_compat(args: argparse.Namespace) -> None:
