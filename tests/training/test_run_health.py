@@ -204,3 +204,18 @@ def test_unbuilt_rerun_machinery_is_refused_in_one_line(capsys, extra, says):
         main(shlex.split(f"{TINY_MOE} --train-iters 1 {extra}"))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.slow
+def test_ranks_outside_the_diverged_replicas_stop_too():
+    """TP2 x DP2: rank 3's shard moved, so only the dp group {1, 3} sees the difference;
+    ranks 0 and 2 (whose replicas agree) stop as well, naming the rank that found it,
+    rather than waiting in the next collective."""
+    argv = (f"{TINY_MOE} --train-iters 3 {HASH} 1 --tensor-model-parallel-size 2 "
+            "--sequence-parallel")
+    results = run_distributed(_corrupting_rank, 4, 300, argv, 2, 3, "dense")
+    head = "iteration 2: parameter hashes not matching across DP replicas"
+    for rank, (code, err, _out) in enumerate(results):
+        says = ("differs on data-parallel rank 1 (global rank 3) from data-parallel rank 0 "
+                "(global rank 1)" if rank in (1, 3) else "found by global rank 1")
+        _one_line(code, err, [head, says])
