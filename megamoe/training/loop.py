@@ -116,7 +116,8 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
     timers = timers or Timers(0, mesh.device)
-    with timers.timer("forward-backward", 1), LocalLosses.recording() as local_losses:
+    with timers.timer("forward-backward", 1), \
+            LocalLosses.recording(spiky is not None) as local_losses:
         lm_loss = forward_backward(model, data_iter, n_micro,
                                    grad_sync=getattr(optimizer, "grad_sync", None),
                                    per_token=per_token_loss(run, mesh),

@@ -45,10 +45,12 @@ class LocalLosses:
 
     @classmethod
     @contextlib.contextmanager
-    def recording(cls) -> Iterator[list[torch.Tensor]]:
-        cls._values = []
+    def recording(cls, active: bool) -> Iterator[list[torch.Tensor]]:
+        """Keep the losses while the block runs (`active`: --check-for-spiky-loss; off,
+        the schedules' `record` does nothing, not even the sum)."""
+        cls._values = [] if active else None
         try:
-            yield cls._values
+            yield cls._values if active else []
         finally:
             cls._values = None
 

@@ -183,6 +183,17 @@ def test_spiky_values_are_the_local_micro_batch_token_sums():
     assert sum(seen) / len(seen) / tokens == pytest.approx(metrics["lm loss"], rel=1e-5)
 
 
+def test_without_the_flag_no_micro_batch_loss_is_kept():
+    """Off (the default), the schedules record nothing: no extra sum per micro-batch."""
+    run, mesh, model, optimizer, scheduler = _components("")
+    seen = []
+    for name, m in model.named_modules():
+        if name.endswith("final_layernorm"):
+            m.register_forward_hook(lambda m, a, out: seen.append(spiky_loss.LocalLosses._values))
+    train_step(run, mesh, model, optimizer, scheduler, _batches(0), 1)
+    assert seen == [None] * 4
+
+
 # --- --rerun-mode and the refused flags ---------------------------------------------------
 
 def test_rerun_mode_default_is_disabled_a_named_difference_from_megatron():
