@@ -129,29 +129,34 @@ def test_spiky_rule_is_megatrons():
     assert got[-7:] == [False, True, True, True, False, True, False]
 
 
+class _Spike:
+    """loop.forward_backward with step `step`'s final-norm output x 1000 (logits x 1000:
+    every micro-batch's loss is spiky); the reference is one step's 4 micro-batches."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls, self.inner = step, 0, loop.forward_backward
+
+    def __call__(self, model, data_iter, n, *, forward_only=False, **kwargs):
+        if forward_only:
+            return self.inner(model, data_iter, n, forward_only=True, **kwargs)
+        self.calls += 1
+        hooks = [m.register_forward_hook(lambda m, a, out: out * 1000.0)
+                 for name, m in model.named_modules()
+                 if name.endswith("final_layernorm") and self.calls == self.step]
+        try:
+            return self.inner(model, data_iter, n, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+
+
 def test_spiky_loss_warns_on_the_spiky_step_and_trains_on(monkeypatch, caplog):
     """End to end (pretrain): with the reference taken over step 1's 4 micro-batches
     (NUM_SAMPLES lowered from Megatron's 100 to keep the test short), step 3's logits x 1000
     make every micro-batch's local loss spiky: four warnings in Megatron's words for
     iteration 3, none for 2, and the run completes (the check is not fatal)."""
     monkeypatch.setattr(spiky_loss, "NUM_SAMPLES", 4)
-    build, calls = loop.forward_backward, {"n": 0}
-
-    def spiking(model, data_iter, n, *, forward_only=False, **kwargs):
-        if forward_only:
-            return build(model, data_iter, n, forward_only=True, **kwargs)
-        calls["n"] += 1
-        hooks = []
-        if calls["n"] == 3:
-            hooks = [m.register_forward_hook(lambda m, a, out: out * 1000.0)
-                     for name, m in model.named_modules() if name.endswith("final_layernorm")]
-        try:
-            return build(model, data_iter, n, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-
-    monkeypatch.setattr(loop, "forward_backward", spiking)
+    monkeypatch.setattr(loop, "forward_backward", _Spike(3))
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 4 --check-for-spiky-loss"),
                       world_size=1)
     with caplog.at_level(logging.WARNING, logger=spiky_loss.__name__):
@@ -162,6 +167,30 @@ def test_spiky_loss_warns_on_the_spiky_step_and_trains_on(monkeypatch, caplog):
     assert all(s.startswith("Rank 0, node ") and ", iteration 3: Unexpected result " in s
                and s.endswith("(message='Spiky loss')") for s in spikes), spikes
     assert any(r.getMessage().startswith("Max value for loss: ") for r in caplog.records)
+
+
+def _spiky_rank(rank: int, world_size: int, argv: str) -> tuple[int, list[str]]:
+    """pretrain_gpt.py's main with step 3 spiky; (exit code, the spiky-loss warnings)."""
+    spiky_loss.NUM_SAMPLES = 4
+    loop.forward_backward = _Spike(3)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger(spiky_loss.__name__).addHandler(handler)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        code = main(shlex.split(argv))
+    return code, [m for m in seen if "Spiky loss" in m]
+
+
+@pytest.mark.slow
+def test_spiky_loss_under_pipelining_is_the_last_stages():
+    """PP2: the last stage (rank 1) holds the loss and warns for iteration 3's four
+    micro-batches; the first stage records nothing (and reads nothing)."""
+    argv = f"{TINY_MOE} --train-iters 4 --check-for-spiky-loss --pipeline-model-parallel-size 2"
+    (code0, first), (code1, last) = run_distributed(_spiky_rank, 2, 240, argv)
+    assert code0 == code1 == 0
+    assert first == [] and len(last) == 4, (first, last)
+    assert all(m.startswith("Rank 1, node ") and ", iteration 3: " in m for m in last), last
 
 
 def test_spiky_values_are_the_local_micro_batch_token_sums():
