@@ -21,6 +21,7 @@ from megamoe.training.loop import train_step
 from megamoe.training.spiky_loss import SpikyLossCheck
 from megamoe.training.weight_hash import param_hash
 from tests.distributed import run_distributed
+from tests.moe.test_host_syncs import HostSyncCounter
 from tests.training.test_nan_check import _batches, _components, _one_line
 from tests.training.test_pretrain import TINY_MOE
 
@@ -221,6 +222,21 @@ def test_without_the_flag_no_micro_batch_loss_is_kept():
             m.register_forward_hook(lambda m, a, out: seen.append(spiky_loss.LocalLosses._values))
     train_step(run, mesh, model, optimizer, scheduler, _batches(0), 1)
     assert seen == [None] * 4
+
+
+def test_the_spiky_check_adds_one_host_read_per_step():
+    """On: the step's micro-batch losses are read once (Megatron: once per micro-batch);
+    off: the step's host reads are the NaN check's, unchanged."""
+    totals = {}
+    for on in (False, True):
+        run, mesh, model, optimizer, scheduler = _components("")
+        data = _batches(0)
+        spiky = SpikyLossCheck(0, mesh.device) if on else None
+        train_step(run, mesh, model, optimizer, scheduler, data, 1, spiky=spiky)
+        with HostSyncCounter() as counter:
+            train_step(run, mesh, model, optimizer, scheduler, data, 2, spiky=spiky)
+        totals[on] = counter.total
+    assert totals[True] == totals[False] + 1, totals
 
 
 # --- --rerun-mode and the refused flags ---------------------------------------------------
