@@ -275,3 +275,20 @@ def test_ranks_outside_the_diverged_replicas_stop_too():
         says = ("differs on data-parallel rank 1 (global rank 3) from data-parallel rank 0 "
                 "(global rank 1)" if rank in (1, 3) else "found by global rank 1")
         _one_line(code, err, [head, says])
+
+
+@pytest.mark.slow
+def test_expert_parameters_compare_over_the_expert_data_parallel_group():
+    """EP2 x DP4 (edp 2): each ep rank holds other experts, so comparing them over the
+    dense dp group would fail at the start; over edp they match until rank 3's expert
+    weight moves, which only its edp group {1, 3} can see."""
+    argv = f"{TINY_MOE} --train-iters 3 {HASH} 1 --expert-model-parallel-size 2"
+    results = run_distributed(_corrupting_rank, 4, 300, argv, 2, 3, "expert")
+    head = "iteration 2: parameter hashes not matching across DP replicas"
+    for rank, (code, err, _out) in enumerate(results):
+        says = ("experts" if rank in (1, 3) else "found by global rank 1")
+        line = _one_line(code, err, [head, says])
+        if rank in (1, 3):
+            assert "differs on expert-data-parallel rank 1 (global rank 3) from " \
+                "expert-data-parallel rank 0 (global rank 1)" in line, line
+    assert ">>> Weight hashes match after 1 iterations..." in results[3][2]
