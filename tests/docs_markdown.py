@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +87,18 @@ def github_anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def anchors(path: str, text: str | None = None) -> set[str]:
+def mkdocs_anchor(heading: str) -> str:
+    """MkDocs' anchor of a heading (Python-Markdown's toc slugify over the rendered text):
+    as GitHub's, but runs of hyphens and spaces collapse to one hyphen and the ends are
+    stripped, so "`--fp16` and x" is "fp16-and-x" there and "--fp16-and-x" on GitHub."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(path: str, text: str | None = None, site: bool = False) -> set[str]:
+    """The anchors of `path`'s headings on GitHub, or (site=True) in the MkDocs site."""
     prose, _ = split_fences(read(path) if text is None else text)
     seen: dict[str, int] = {}
     out = set()
@@ -94,10 +106,10 @@ def anchors(path: str, text: str | None = None) -> set[str]:
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
-        slug = github_anchor(m.group(1))
+        slug = (mkdocs_anchor if site else github_anchor)(m.group(1))
         n = seen.get(slug, 0)
         seen[slug] = n + 1
-        out.add(slug if n == 0 else f"{slug}-{n}")
+        out.add(slug if n == 0 else f"{slug}{'_' if site else '-'}{n}")
     return out
 
 
@@ -119,6 +131,11 @@ def broken_links(path: str, text: str | None = None) -> list[str]:
                 bad.append(f"{path}:{n}: {target} (no such file)")
             elif anchor and dest.endswith(".md"):
                 own = dest == os.path.join(ROOT, path)
-                if anchor not in anchors(os.path.relpath(dest, ROOT), text if own else None):
+                rel = os.path.relpath(dest, ROOT)
+                if anchor not in anchors(rel, text if own else None):
                     bad.append(f"{path}:{n}: {target} (no such heading)")
+                elif rel.startswith("docs") and anchor not in anchors(
+                        rel, text if own else None, site=True):
+                    bad.append(f"{path}:{n}: {target} (not an anchor in the MkDocs site: "
+                               "avoid a heading that starts with -- or other punctuation)")
     return bad

@@ -87,6 +87,9 @@ REFUSED_VALUES = {
     "--fp8-interval": "deprecated in Megatron-LM (Transformer Engine >= 1.8 ignores it); "
                       "1 is what runs, another value is one line "
                       "(tests/training/test_fp8_training.py::test_fp8_refusals_are_one_line)",
+    "--rerun-mode": "only disabled (megamoe's default) is built; validate_results and "
+                    "report_stats are one line (tests/training/test_run_health.py::"
+                    "test_unbuilt_rerun_machinery_is_refused_in_one_line)",
     "--transformer-impl": "transformer_engine: --dry-run and the planner accept it, a run "
                           "that builds the model refuses it; local is what runs",
 }
@@ -370,6 +373,9 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--exit-signal-handler": ("--exit-signal-handler", 1, True),
     "--empty-unused-memory-level": ("--empty-unused-memory-level 2", 1, 2),
     "--no-check-for-nan-in-loss-and-grad": ("--no-check-for-nan-in-loss-and-grad", 1, False),
+    "--check-for-spiky-loss": ("--check-for-spiky-loss", 1, True),
+    "--check-weight-hash-across-dp-replicas-interval": (
+        "--check-weight-hash-across-dp-replicas-interval 5", 1, 5),
     "--save": ("--save {tmp}/ck", 1, "{tmp}/ck"),
     "--load": ("--load {tmp}/ck", 1, "{tmp}/ck"),
     "--save-interval": ("--save {tmp}/ck --save-interval 3", 1, 3),

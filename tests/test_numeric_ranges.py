@@ -170,13 +170,16 @@ BAD = [
     ("--fp8-amax-history-len", "65537", "--fp8-format hybrid", 1,
      "must be an integer in [1, 65536]"),
     ("--fp8-interval", "0", "", 1, "megamoe accepts only 1"),
+    # run health (Megatron takes the iteration modulo it)
+    ("--check-weight-hash-across-dp-replicas-interval", "0", "", 1, "must be positive"),
+    ("--check-weight-hash-across-dp-replicas-interval", "-2", "", 1, "must be positive"),
 ]
 
 # Flags whose range another rule covers (not supported yet whatever the value), or that are
 # not numeric ranges at all.
 COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
-    "--check-weight-hash-across-dp-replicas-interval",
+    "--error-injection-rate",
     "--rotary-seq-len-interpolation-factor", "--null-tokenizer-pad-id",
     "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16",
     # sample-based training: its own rules (tests/training/test_train_samples.py::

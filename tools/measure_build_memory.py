@@ -50,6 +50,16 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
+    """This process's own peak RSS: VmHWM of /proc/self/status, which starts afresh at exec.
+    (getrusage's ru_maxrss does not: Linux keeps the largest RSS over fork + exec, so a
+    launcher holding a GB, such as a pytest worker, would count as this process's peak.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 

@@ -24,7 +24,7 @@ from megamoe.cli.loss_scale_args import add_loss_scale_args
 from megamoe.cli.pipeline_args import add_pipeline_split_args
 from megamoe.cli.precision_args import add_precision_args
 from megamoe.cli.rules import ArgumentError, finalize_args
-from megamoe.cli.tokenizer_args import add_tokenizer_args
+from megamoe.cli.runhealth_args import add_runhealth_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
 
@@ -401,8 +401,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     add_fp8_args(parser)
     add_equivalent_args(parser)
     add_refused_args(parser)
+    add_runhealth_args(parser)
     add_console_args(parser)
-    add_tokenizer_args(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="YAML preset of flags (configs/); command-line flags override it "
                              "(--no-X undoes a preset's X: true)")

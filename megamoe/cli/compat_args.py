@@ -40,7 +40,8 @@ FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Real features: garbage collection, Python logging, checkpoint loading, attention
-    kernels (their meaning is Megatron-LM's; see each config field)."""
+    kernels, a tokenizer's own code (their meaning is Megatron-LM's; see each config
+    field)."""
     g = parser.add_argument_group("runtime (Megatron-LM's)")
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic garbage collector; collect at the "
@@ -56,6 +57,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="flash / fused (cuDNN or memory-efficient) / unfused (math) / local "
                         "(math) SDPA kernels; auto lets SDPA choose")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="with --tokenizer-type HuggingFaceTokenizer: run the Python code a "
+                        "tokenizer directory names in its tokenizer_config.json auto_map "
+                        "(from the directory, never the network; data/remote_tokenizer.py)")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="load whatever format --load holds (needed to load torch_dist "
                         "under --ckpt-format torch)")
@@ -107,14 +112,6 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron-FSDP's sharding: not supported yet")
     for flag in ("--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"):
         g.add_argument(flag, default=None, choices=["fp32", "bf16"], help="not supported yet")
-    # Megatron's run-health checks (its rerun state machine, weight-hash comparison across
-    # data-parallel replicas): refused by name rather than unknown to the parser.
-    g.add_argument("--check-for-spiky-loss", action="store_true", help="not supported yet")
-    g.add_argument("--rerun-mode", default=None,
-                   choices=["disabled", "validate_results", "report_stats"],
-                   help="Megatron's rerun state machine: not supported yet")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="not supported yet")
 
 
 def derive_compat(args: argparse.Namespace) -> None:

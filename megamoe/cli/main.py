@@ -29,9 +29,10 @@ from megamoe.training.exits import UnsavedExit
 from megamoe.training.log_targets import LogTargetError, check_log_targets
 from megamoe.training.loop import TrainState
 from megamoe.training.nonfinite import NonFiniteError
+from megamoe.training.weight_hash import WeightHashMismatch
 
 USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure,
-               NonFiniteError, LogTargetError)
+               NonFiniteError, LogTargetError, WeightHashMismatch)
 
 
 def _dry_run_vocab_size(data: DataConfig) -> int:

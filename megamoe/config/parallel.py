@@ -153,7 +153,7 @@ class ParallelConfig:
 
     def layer_ranges(self, num_layers: int, mtp_num_layers: int = 0
                      ) -> list[list[tuple[int, int]]]:
-        """This layout's [rank][chunk] -> (first layer, end layer) of `num_layers`
+        """This layout's (rank, chunk) -> (first layer, end layer) of `num_layers`
         (config/pipeline_split.py; the MTP depth is checked against a layout string)."""
         return self.split.ranges(num_layers, mtp_num_layers)
 

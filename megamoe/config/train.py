@@ -44,6 +44,13 @@ class TrainConfig:
     # optimizer step (training/nonfinite.py); off, such steps are skipped.
     check_for_nan_in_loss_and_grad: bool = flag("--no-check-for-nan-in-loss-and-grad", True,
                                                 dest="check_for_nan_in_loss_and_grad")
+    # Megatron's run-health checks (cli/runhealth_args.py): the parameters' hashes compared
+    # over the data-parallel replicas every N iterations (training/weight_hash.py), and a
+    # warning for a local micro-batch loss >= 10x the largest of the first 100
+    # (training/spiky_loss.py).
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(
+        "--check-weight-hash-across-dp-replicas-interval", None)
+    check_for_spiky_loss: bool = flag("--check-for-spiky-loss", False)
     # Megatron's torch.cuda.empty_cache() calls: >= 1 after each forward-backward (training
     # and evaluation), >= 2 also after the optimizer step (training/loop.py).
     empty_unused_memory_level: int = flag("--empty-unused-memory-level", 0)
@@ -72,7 +79,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_positive(self, "micro_batch_size", "global_batch_size", "eval_interval",
-                       "exit_interval", "train_samples", "exit_duration_in_mins")
+                       "exit_interval", "train_samples", "exit_duration_in_mins",
+                       "check_weight_hash_across_dp_replicas_interval")
         check_positive(self, "eval_iters", "manual_gc_interval", allow_zero=True)
         check_range(self, "seed", 0, 2**32, high_open=True)  # numpy's seed range
         require(self.empty_unused_memory_level in (0, 1, 2),

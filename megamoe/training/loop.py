@@ -33,7 +33,9 @@ from megamoe.training.metrics import (
 from megamoe.training.nonfinite import NonFiniteCheck
 from megamoe.training.profiling import Profiler
 from megamoe.training.schedules import Batch, forward_backward
+from megamoe.training.spiky_loss import LocalLosses, SpikyLossCheck
 from megamoe.training.timers import Timers, format_timers, tensorboard_scalars
+from megamoe.training.weight_hash import check_weight_hashes
 
 
 @dataclass
@@ -101,22 +103,27 @@ def _nonfinite_check(run: RunConfig, mesh: Mesh, lm_loss: torch.Tensor,
 def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, scheduler,
                data_iter: Iterator[Batch], iteration: int,
                global_batch_size: Optional[int] = None,
-               timers: Optional[Timers] = None) -> dict[str, float]:
+               timers: Optional[Timers] = None,
+               spiky: Optional[SpikyLossCheck] = None) -> dict[str, float]:
     """One iteration (`iteration`: its number, for messages) of `global_batch_size` samples
     (default --global-batch-size). With the NaN/Inf check on, a non-finite loss or gradient
     on any rank raises NonFiniteError on every rank before the optimizer step: weights,
     optimizer state and the schedule stay as they were. Under loss scaling (--fp16) the
     backward is scaled by the optimizer's loss scale; an overflow skips the step
-    ("skipped": 1; the iteration and its samples still count, as Megatron's)."""
+    ("skipped": 1; the iteration and its samples still count, as Megatron's).
+    `spiky`: --check-for-spiky-loss, fed this rank's micro-batch losses."""
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
     timers = timers or Timers(0, mesh.device)
-    with timers.timer("forward-backward", 1):
+    with timers.timer("forward-backward", 1), \
+            LocalLosses.recording(spiky is not None) as local_losses:
         lm_loss = forward_backward(model, data_iter, n_micro,
                                    grad_sync=getattr(optimizer, "grad_sync", None),
                                    per_token=per_token_loss(run, mesh),
                                    loss_scale=optimizer.get_loss_scale())
+    if spiky is not None:
+        spiky.see_step(local_losses, iteration)
     fp8_state = getattr(model, "fp8_state", None)
     if fp8_state is not None:  # delayed scaling: reduce this step's amaxes, new scales
         fp8_state.update()
@@ -313,6 +320,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)
     interval = _Interval(run, mesh, observer, print_fn)
     batch_size, saved_at = t.global_batch_size_at(state.consumed_train_samples), state.iteration
+    check_replicas(run, mesh, model, optimizer, state.iteration, print_fn, at_start=True)
     with ManualGC(t) as collector, Profiler(run.logging, mesh.rank) as profiler:
         _train_loop(run, mesh, model, optimizer, scheduler, train_iter, valid_iter, logger,
                     state, save_fn, print_fn, exits, observer, interval,
@@ -321,12 +329,26 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     return state
 
 
+def check_replicas(run: RunConfig, mesh: Mesh, model, optimizer, iteration: int,
+                   print_fn: Callable[[str], None], at_start: bool = False) -> None:
+    """--check-weight-hash-across-dp-replicas-interval: at the start of training and after
+    every N-th iteration (Megatron's train and post-step), the parameters' hashes are
+    compared over the data-parallel replicas (training/weight_hash.py)."""
+    interval = run.train.check_weight_hash_across_dp_replicas_interval
+    if interval is None or not (at_start or iteration % interval == 0):
+        return
+    optimizer.wait_param_gather()  # (--overlap-param-gather) the parameters up to date
+    if check_weight_hashes(model, mesh, iteration) and mesh.is_logging_rank:
+        print_fn(f">>> Weight hashes match after {iteration} iterations...")
+
+
 def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_iter,
                 valid_iter, logger, state: TrainState, save_fn, print_fn, exits,
                 observer: TrainingObserver, interval: _Interval,
                 hooks: tuple[ManualGC, Profiler], batch_size: int, saved_at: int) -> None:
     t, lg, save_interval = run.train, run.logging, run.checkpoint.save_interval
     collector, profiler = hooks
+    spiky = SpikyLossCheck(mesh.rank, mesh.device) if t.check_for_spiky_loss else None
     while state.iteration < t.train_iters:
         gbs = t.global_batch_size_at(state.consumed_train_samples)
         if gbs != batch_size and save_fn is not None and saved_at != state.iteration:
@@ -336,7 +358,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         step_start = time.time()
         profiler.before_step(state.iteration)
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
-                             state.iteration + 1, gbs, interval.timers)
+                             state.iteration + 1, gbs, interval.timers, spiky)
         step_ms = 1000.0 * (time.time() - step_start)
         if interval.clock.steps == 0 and mesh.is_logging_rank:  # a startup stage
             print_fn(f"> first step done: iteration {state.iteration + 1} took "
@@ -360,6 +382,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         elif log_early(interval.clock.steps, state.iteration, lg.log_first_iterations,
                        lg.log_interval):
             interval.report_early(state, optimizer, step_ms)
+        check_replicas(run, mesh, model, optimizer, state.iteration, print_fn)
         if valid_iter is not None and t.eval_iters > 0 and t.eval_interval \
                 and state.iteration % t.eval_interval == 0:
             optimizer.wait_param_gather()  # (--overlap-param-gather) parameters up to date

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megamoe.parallel.cp_layout import split_for_cp
 from megamoe.training.cp_batch import CPInfo, cp_lm_loss
+from megamoe.training.spiky_loss import LocalLosses
 
 Batch = dict[str, torch.Tensor]
 
@@ -81,7 +82,9 @@ def step_share(loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor, cp: CPInfo,
                num_microbatches: int, per_token: Optional[PerTokenLoss]) -> torch.Tensor:
     """This micro-batch's share of the step's LM loss (its backward's loss; the shares of
     a step sum to the rank's part of the step's loss), `loss_BS`/`loss_mask_BS` being this
-    rank's tokens (its cp part)."""
+    rank's tokens (its cp part). With --check-for-spiky-loss the micro-batch's local loss
+    is recorded for the check (training/spiky_loss.py)."""
+    LocalLosses.record(loss_BS, loss_mask_BS)
     if per_token is not None:
         mask = loss_mask_BS.to(torch.float32)
         return (loss_BS.float() * mask).sum() * per_token.scale

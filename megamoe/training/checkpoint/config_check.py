@@ -21,24 +21,63 @@ _SHAPE_FIELDS = {
 _MOE_SHAPE_FIELDS = {"num_experts": "--num-experts", "ffn_hidden_size": "--moe-ffn-hidden-size"}
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 def saved_padded_vocab_size(saved: dict) -> Optional[int]:
-    """The embedding rows of a checkpoint's model config dict (any megamoe version)."""
+    """The embedding rows of a checkpoint's model config dict (any megamoe version); None
+    where the fields that decide it are absent or not positive integers (untrusted)."""
     if "padded_vocab_size" in saved:
-        return int(saved["padded_vocab_size"])
-    if not isinstance(saved.get("vocab_size"), int):
+        v = saved["padded_vocab_size"]
+        return v if _positive_int(v) else None
+    if not _positive_int(saved.get("vocab_size")):
         return None
     for name in ("fixed_padded_vocab_size", "padded_vocab_size_from_checkpoint"):
         v = saved.get(name)  # --padded-vocab-size, or a kept size (a file's: checked)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        if _positive_int(v):
             return v
     tp = saved.get("vocab_padding_tp", 1)  # absent: written when padding ignored TP
-    m = saved.get("make_vocab_size_divisible_by", 1) * (tp if isinstance(tp, int) else 1)
+    m = saved.get("make_vocab_size_divisible_by", 1)
+    m = (m if _positive_int(m) else 1) * (tp if _positive_int(tp) else 1)
     return -(-saved["vocab_size"] // m) * m
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    """A value a saved config may hold: a scalar, or a list/tuple of scalars (compared with
+    `!=`, which a tensor or an odd object would turn into a traceback)."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _check_types(file: str, saved: Any) -> None:
+    """The saved config (an untrusted field) is a dict of plain values, its `moe` a dict."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{file}: field model_config must be a dict "
+                              f"(found {type(saved).__name__})")
+    moe = saved.get("moe")
+    for where, table, names in (("model_config", saved, list(_SHAPE_FIELDS) + [
+            "vocab_size", "make_vocab_size_divisible_by", "vocab_padding_tp",
+            "moe_layer_pattern"]), ("model_config.moe", moe or {}, list(_MOE_SHAPE_FIELDS))):
+        if not isinstance(table, dict):
+            raise CheckpointError(f"{file}: field {where} must be a dict "
+                                  f"(found {type(table).__name__})")
+        for name in names:
+            if name in table and not _plain(table[name]):
+                raise CheckpointError(f"{file}: field {where}.{name} has the wrong type "
+                                      f"({type(table[name]).__name__})")
 
 
 def check_model_config(file: str, saved: Optional[dict], config: Any) -> None:
     """Name the first flag whose value differs from the checkpoint's (shape-relevant only)."""
-    if not saved or config is None or not hasattr(config, "num_layers"):
+    if saved is None or config is None or not hasattr(config, "num_layers"):
+        return
+    _check_types(file, saved)
+    if not saved:
         return
     mine = dict(vars(config), padded_vocab_size=config.padded_vocab_size)
     if "padded_vocab_size" not in saved and "vocab_size" in saved:

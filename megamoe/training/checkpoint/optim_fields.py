@@ -70,6 +70,8 @@ def _states(path: str, saved: Any, shapes: dict[int, torch.Size]) -> None:
     for i, state in saved.items():
         if i not in shapes or not isinstance(state, dict):
             raise field_error(path, f"{field}", "must map the groups' parameter numbers to dicts")
+        if "exp_avg" in state and "step" not in state:  # bias correction needs the count
+            raise field_error(path, f"{field}[{i}].step", "is missing (Adam's moments are saved)")
         for name, v in state.items():
             where = f"{field}[{i}].{name}"
             if name == "step":
