@@ -7,11 +7,12 @@ HuggingFaceTokenizer with transformers' AutoTokenizer.from_pretrained(path,
 trust_remote_code=args.trust_remote_code); megamoe reads a tokenizer.json directly with
 `tokenizers` (data/tokenizers.py) and goes through transformers only for such a directory:
 
-  * it has a tokenizer.json: that file is read, with or without the flag (the flag
-    trusts code; a directory without code needs none);
-  * no tokenizer.json, an AutoTokenizer `auto_map`: with --trust-remote-code,
-    AutoTokenizer.from_pretrained(path, trust_remote_code=True, local_files_only=True)
-    runs the directory's code (never the network); without it, one line naming the flag.
+  * an AutoTokenizer `auto_map` and --trust-remote-code: AutoTokenizer.from_pretrained(
+    path, trust_remote_code=True, local_files_only=True) runs the directory's code (never
+    the network), as transformers does for Megatron with the flag, tokenizer.json or not;
+  * an `auto_map` without the flag: its tokenizer.json is read if it has one (no code
+    runs), else one line naming the flag;
+  * no `auto_map`: the tokenizer.json, with or without the flag (nothing to trust).
 
 As Megatron's wrapper: vocab_size = len(tokenizer) (special tokens included), eod = its
 eos token id, tokenize = tokenizer(text).input_ids (its special tokens included).
@@ -92,18 +93,19 @@ class RemoteCodeTokenizer:
 
 def load_remote_code_tokenizer(directory: str, trust_remote_code: bool
                                ) -> Optional[RemoteCodeTokenizer]:
-    """`directory`'s code tokenizer if it has one and no tokenizer.json; None if it is a
-    tokenizer.json directory. Its code without --trust-remote-code: one line naming it."""
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        return None
+    """`directory`'s code tokenizer when it names one and the flag trusts it; None when
+    its tokenizer.json is to be read. Code and no tokenizer.json without
+    --trust-remote-code: one line naming the flag."""
     class_name = remote_code_class(directory)
     if class_name is None:
         return None
-    if not trust_remote_code:
-        raise DataError(f"{directory}: the tokenizer is the directory's own Python code "
+    if trust_remote_code:
+        return RemoteCodeTokenizer(directory, class_name)
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return None
+    raise DataError(f"{directory}: the tokenizer is the directory's own Python code "
                         f"({class_name}, auto_map in tokenizer_config.json); pass "
                         "--trust-remote-code to run it")
-    return RemoteCodeTokenizer(directory, class_name)
 
 
 def _one_line(e: BaseException) -> str:

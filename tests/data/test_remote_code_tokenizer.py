@@ -132,8 +132,17 @@ def test_untrusted_auto_map_is_checked(tmp_path, config, message):
         remote_code_class(str(tmp_path))
 
 
-def test_a_tokenizer_json_directory_needs_no_code(tmp_path):
-    """With a tokenizer.json the file is read (no code runs) whatever the flag."""
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": AUTO_MAP}))
-    assert remote_code_class(str(tmp_path)) == "tokenization_tiny.TinyCharTokenizer"
-    assert not os.path.exists(tmp_path / "tokenization_tiny.py")
+def test_code_and_a_tokenizer_json(code_tokenizer):
+    """Code and a tokenizer.json: the flag runs the code (transformers' choice with
+    trust_remote_code=True); without it the tokenizer.json is read and no code runs."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "hi": 1, "<eos>": 2}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(
+        os.path.join(code_tokenizer, "tokenizer.json"))
+    plain = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=code_tokenizer)
+    assert (type(plain).__name__, plain.vocab_size, plain.eod) == ("HuggingFaceTokenizer", 3, 2)
+    code = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=code_tokenizer,
+                           trust_remote_code=True)
+    assert (type(code).__name__, code.vocab_size) == ("RemoteCodeTokenizer", len(CHARS) + 1)
+    assert remote_code_class(code_tokenizer) == "tokenization_tiny.TinyCharTokenizer"
