@@ -104,8 +104,8 @@ def load_remote_code_tokenizer(directory: str, trust_remote_code: bool
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return None
     raise DataError(f"{directory}: the tokenizer is the directory's own Python code "
-                        f"({class_name}, auto_map in tokenizer_config.json); pass "
-                        "--trust-remote-code to run it")
+                    f"({class_name}, auto_map in tokenizer_config.json); pass "
+                    "--trust-remote-code to run it")
 
 
 def _one_line(e: BaseException) -> str:
