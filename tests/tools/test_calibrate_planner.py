@@ -31,7 +31,9 @@ def report():
 
 def test_defaults_are_the_fit_and_docs_hold_its_numbers(report):
     """The planner's defaults drift from the fit -> fail; the docs' held-out ratios and
-    per-row numbers are what the script prints (to the docs' rounding)."""
+    per-row numbers are what the script prints. Tolerance: one unit of the last printed
+    digit (the docs hold rounded output; a last-bit float difference on another CPU may
+    flip a rounding, nothing more)."""
     hw = Hardware(gpus=8, gpu_memory_gb=80)
     assert (hw.gemm_efficiency, hw.comm_efficiency) == (
         report["fitted"]["gemm_efficiency"], report["fitted"]["comm_efficiency"])
@@ -40,7 +42,7 @@ def test_defaults_are_the_fit_and_docs_hold_its_numbers(report):
     m = re.search(r"median ([\d.]+), min ([\d.]+), max ([\d.]+) \((\d+) rows\)", doc)
     assert m, "docs/planner-calibration.md lost its held-out line"
     assert [float(x) for x in m.groups()[:3]] == pytest.approx(
-        [held["median"], held["min"], held["max"]], abs=5e-4)
+        [held["median"], held["min"], held["max"]], abs=1.1e-3)
     assert int(m.group(4)) == held["rows"] >= 3
     assert f"`gemm_efficiency` {report['fitted']['gemm_efficiency']:g}" in doc
     for row in report["rows"]:
@@ -50,7 +52,7 @@ def test_defaults_are_the_fit_and_docs_hold_its_numbers(report):
         assert [float(c) for c in cells[3:]] == pytest.approx(
             [row["published_tflops_per_gpu"], row["published_tokens_per_s_per_gpu"],
              row["predicted_before_tflops_per_gpu"], row["predicted_after_tflops_per_gpu"],
-             row["ratio_before"], row["ratio_after"]], abs=5e-4)
+             row["ratio_before"], row["ratio_after"]], rel=1e-3, abs=1.1e-3)
     not_comparable = {r["id"] for r in report["not_comparable"]}
     assert {"mz-235b-h100-tp2-ep8-fsdp", "br-2604.01-qwen3-235b-h100-fp8"} <= not_comparable
     assert all(f"| {i} |" in doc for i in not_comparable)
