@@ -4,7 +4,11 @@ recompute, micro batch) fits a model on N GPUs, and how fast it should run.
 
     python tools/plan_parallel.py --config configs/mixtral-8x7b.yaml --gpus 64 \
         --gpu-memory-gb 80 [--gpus-per-node 8 --intra-node-gbps 450 --inter-node-gbps 50
-        --peak-tflops 989 --global-batch-size 256 --json]
+        --peak-tflops 989 --gemm-efficiency 0.64 --comm-efficiency 1.0
+        --global-batch-size 256 --json]
+
+Times and TFLOP/s are modelled, not measured: the efficiency constants are fitted to
+published Megatron-Core H100 runs (docs/planner-calibration.md; held-out error there).
 
 Memory per GPU = weights + gradients + optimizer states + activations of the micro-batches
 in flight (1F1B keeps PP of them on the first stage) including the MoE dispatch buffers.
@@ -70,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU")
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU")
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--gemm-efficiency", type=float, default=0.6)
+    p.add_argument("--gemm-efficiency", type=float, default=Hardware.gemm_efficiency,
+                   help="fraction of peak GEMMs reach (default: fitted to published H100 "
+                   "runs, docs/planner-calibration.md)")
+    p.add_argument("--comm-efficiency", type=float, default=Hardware.comm_efficiency,
+                   help="fraction of link bandwidth collectives reach (default: fitted)")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
     p.add_argument("--global-batch-size", type=int, default=256)
@@ -80,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("gpus", "gpu_memory_gb", "gpus_per_node", "global_batch_size", "top"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("gemm_efficiency", "comm_efficiency"):
+        if not 0 < getattr(a, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in (0, 1]")
     if not os.path.isfile(a.config):
         p.error(f"--config: file not found: {a.config}")
     model = load_model(a.config, a.vocab_size, a.seq_length)
     hw = Hardware(a.gpus, a.gpu_memory_gb, a.gpus_per_node, a.intra_node_gbps,
-                  a.inter_node_gbps, a.peak_tflops, a.gemm_efficiency)
+                  a.inter_node_gbps, a.peak_tflops, a.gemm_efficiency, a.comm_efficiency)
     results = plan(model, hw, model.seq_length, a.global_batch_size, a.top)
     if a.json:
         print(json.dumps({"config": a.config, "gpus": a.gpus, "layouts": results}, indent=1))

@@ -34,6 +34,7 @@ from megamoe.model.flops import flops_per_token, recompute_flops_per_token
 from megamoe.parallel.context_parallel import ring_bytes_per_layer
 from megamoe.parallel.cp_a2a import a2a_bytes_per_layer
 from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
+from megamoe.planning.calibration import H100_COMM_EFFICIENCY, H100_GEMM_EFFICIENCY
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 from megamoe.planning.pipeline_balance import best_first_last, first_last_flags, imbalance
@@ -49,7 +50,10 @@ class Hardware:
     intra_node_gbps: float = 450.0  # GB/s per GPU (NVLink 4: 450 GB/s each way)
     inter_node_gbps: float = 50.0  # GB/s per GPU (one 400 Gb/s NIC per GPU)
     peak_tflops: float = 989.0  # H100 SXM dense bf16
-    gemm_efficiency: float = 0.6  # fraction of peak large bf16 GEMMs reach
+    # Fractions of peak that large bf16 GEMMs and of link bandwidth that collectives
+    # reach: fitted to published Megatron-Core runs (calibration.py).
+    gemm_efficiency: float = H100_GEMM_EFFICIENCY
+    comm_efficiency: float = H100_COMM_EFFICIENCY
 
 
 def divisors(n: int) -> list[int]:
@@ -58,7 +62,9 @@ def divisors(n: int) -> list[int]:
 
 def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
               global_batch_size: int) -> dict[str, float]:
-    """Seconds per global batch, by component."""
+    """Seconds per global batch of exactly `lay`, by component (modelled, not measured:
+    linear in 1 / gemm_efficiency and 1 / comm_efficiency, which calibrate_planner.py
+    uses to fit them)."""
     tokens = global_batch_size * seq_length
     flops = flops_per_token(model) * tokens / hw.gpus
     # What recompute replays: one more forward of the recomputed modules.
@@ -68,9 +74,9 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     eff = hw.gemm_efficiency * (1 - 0.05 * math.log2(lay.tp)) * (1 - 0.03 * math.log2(lay.etp))
     compute = flops / (hw.peak_tflops * 1e12 * eff)
 
-    def bw(group_span: int) -> float:  # collectives reach ~70% of the link's bandwidth
+    def bw(group_span: int) -> float:  # collectives reach comm_efficiency of the link
         link = hw.intra_node_gbps if group_span <= hw.gpus_per_node else hw.inter_node_gbps
-        return 0.7 * link * GB
+        return hw.comm_efficiency * link * GB
 
     h = model.hidden_size
     local_tokens = tokens / (lay.dp * lay.cp)  # tokens through one model replica's ranks
@@ -278,4 +284,5 @@ def explain(r: dict, hw: Hardware) -> str:
             f"{' distopt' if lay['distributed_optimizer'] else ''}"
             f"{'' if lay['recompute'] == 'none' else ' recompute ' + lay['recompute']}: "
             f"{r['memory_gb']['total']:.1f}/{hw.gpu_memory_gb:.0f} GB, "
-            f"{t['total']:.2f} s/step, {r['tflops_per_gpu']:.0f} TFLOP/s/GPU ({shares})")
+            f"modelled {t['total']:.2f} s/step, {r['tflops_per_gpu']:.0f} TFLOP/s/GPU "
+            f"({shares})")

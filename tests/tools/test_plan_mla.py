@@ -85,7 +85,7 @@ def test_planner_cp_cost_uses_mla_head_dims(tmp_path):
     got = step_time(model, lay, hw, model.seq_length, 64)["cp_comm"]
     tokens = 64 * model.seq_length / (lay.dp * lay.cp)
     want = ring_bytes_per_layer(16, 48, tokens, 2, 2, v_channels=32) * model.num_layers \
-        / (0.7 * hw.intra_node_gbps * 1e9)
+        / (hw.comm_efficiency * hw.intra_node_gbps * 1e9)
     assert got == pytest.approx(want, rel=1e-12)
     assert want != ring_bytes_per_layer(16, model.kv_channels, tokens, 2, 2) \
-        * model.num_layers / (0.7 * hw.intra_node_gbps * 1e9)
+        * model.num_layers / (hw.comm_efficiency * hw.intra_node_gbps * 1e9)

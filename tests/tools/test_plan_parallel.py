@@ -363,7 +363,7 @@ def test_planner_offers_a2a_where_heads_split_and_costs_it_by_its_volume():
     hw = Hardware(gpus=64, gpu_memory_gb=80)
     tokens = 256 * model.seq_length / (lay.dp * lay.cp)
     want = a2a_bytes_per_layer(32, 8, 128, 128, tokens, lay.cp, lay.tp) \
-        * model.num_layers / lay.pp / (0.7 * hw.intra_node_gbps * 1e9)
+        * model.num_layers / lay.pp / (hw.comm_efficiency * hw.intra_node_gbps * 1e9)
     got = step_time(model, lay, hw, model.seq_length, 256)["cp_comm"]
     assert got == pytest.approx(want, rel=1e-12)
     assert "--cp-comm-type=a2a" in pl.layout_flags(model, lay)
