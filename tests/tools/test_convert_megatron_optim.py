@@ -140,16 +140,46 @@ def test_distributed_optimizer_fully_reshardable(optim_saves, tmp_path, capsys):
     check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
 
 
-@pytest.mark.slow
-def test_swapped_moments_fail_the_check(optim_saves, tmp_path, monkeypatch):
-    """The check can fail: exp_avg imported as exp_avg_sq and back."""
+def test_swapped_moments_are_refused(optim_saves, tmp_path, monkeypatch, capsys):
+    """exp_avg imported as exp_avg_sq (and back) cannot pass: the converter refuses a
+    negative exp_avg_sq, with one line, and writes nothing."""
     monkeypatch.setitem(megatron_optim.NAMES, "exp_avg", "exp_avg_sq")
     monkeypatch.setitem(megatron_optim.NAMES, "exp_avg_sq", "exp_avg")
+    conv = str(tmp_path / "conv")
+    assert convert(["megatron-to-megamoe", "--input", optim_saves("fp32"), "--output",
+                    conv]) == 1
+    assert "optimizer state exp_avg_sq of" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(conv, "latest_checkpointed_iteration.txt"))
+
+
+def _skip_qkv_interleave(monkeypatch) -> None:
+    """Moments mapped without the per-query-group qkv interleave (weights untouched)."""
+    mapped = megatron_format.to_megamoe_states
+
+    def skipped(*args):
+        with monkeypatch.context() as m:
+            m.setattr(megatron_mapping, "qkv_to_megamoe", lambda w, config: w)
+            return mapped(*args)
+    monkeypatch.setattr(megatron_format, "to_megamoe_states", skipped)
+
+
+def _lose_the_step(monkeypatch) -> None:
+    monkeypatch.setattr(megatron_optim, "_step", lambda common, where: 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("breakage", [_skip_qkv_interleave, _lose_the_step])
+def test_broken_imports_fail_the_check(optim_saves, tmp_path, monkeypatch, breakage):
+    """The check can fail: a mapping that skips the qkv interleave for the moments, or a
+    step count that is not carried, each makes the resumed update differ."""
     save, conv = optim_saves("fp32"), str(tmp_path / "conv")
+    breakage(monkeypatch)
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
     monkeypatch.undo()
-    with pytest.raises(AssertionError):
-        check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
+    resumed = _resume_one_iteration(conv, str(tmp_path / "run"))
+    with pytest.raises(AssertionError) as e:
+        check_adamw_step(save, resumed)
+    print(f"{breakage.__name__}: {str(e.value).splitlines()[0][:200]}")
 
 
 def test_dp_reshardable_falls_back_to_weights_with_one_line(optim_saves, tmp_path, capsys):
