@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 
 import pytest
 import torch
@@ -140,6 +139,7 @@ def test_distributed_optimizer_fully_reshardable(optim_saves, tmp_path, capsys):
     check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
 
 
+@pytest.mark.slow
 def test_swapped_moments_are_refused(optim_saves, tmp_path, monkeypatch, capsys):
     """exp_avg imported as exp_avg_sq (and back) cannot pass: the converter refuses a
     negative exp_avg_sq, with one line, and writes nothing."""
@@ -182,6 +182,7 @@ def test_broken_imports_fail_the_check(optim_saves, tmp_path, monkeypatch, break
     print(f"{breakage.__name__}: {str(e.value).splitlines()[0][:200]}")
 
 
+@pytest.mark.slow
 def test_dp_reshardable_falls_back_to_weights_with_one_line(optim_saves, tmp_path, capsys):
     conv = str(tmp_path / "conv")
     save = optim_saves("distrib", "dp_reshardable")
@@ -194,16 +195,16 @@ def test_dp_reshardable_falls_back_to_weights_with_one_line(optim_saves, tmp_pat
 
 
 def _edit(save: str, dst: str, edit) -> str:
-    """A copy of `save` whose optimizer tensors (raw DCP) went through `edit`."""
-    shutil.copytree(save, dst)
-    it_dir = os.path.join(dst, "iter_0000002")
+    """A Megatron checkpoint like `save` whose optimizer tensors went through `edit`
+    (rewritten as valid DCP with its common state: only the values are wrong)."""
+    it_dir = os.path.join(save, "iter_0000002")
+    common, weights = megatron_format.read_megatron(it_dir)
     meta = megatron_format.read_dcp_metadata(os.path.join(it_dir, ".metadata"))
-    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for k, m in meta.state_dict_metadata.items()
-            if hasattr(m, "size") and k.startswith("optimizer.")}
-    dcp.load(want, checkpoint_id=it_dir, no_dist=True)
-    edit(want)
-    dcp.save(want, checkpoint_id=it_dir, no_dist=True)
+    optim = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items() if k.startswith("optimizer.")}
+    dcp.load(optim, checkpoint_id=it_dir, no_dist=True)
+    edit(optim)
+    megatron_format.write_megatron(dst, 2, {**weights, **optim}, common, [])
     return dst
 
 
@@ -212,6 +213,11 @@ def _edit(save: str, dst: str, edit) -> str:
      "optimizer state exp_avg_sq of output_layer.weight: not a finite tensor"),
     (lambda sd: sd["optimizer.state.exp_avg.decoder.final_layernorm.weight"].fill_(
         float("nan")), "optimizer state exp_avg of decoder.final_layernorm.weight"),
+    (lambda sd: sd.pop("optimizer.state.exp_avg.output_layer.weight"),
+     "optimizer state exp_avg misses output_layer.weight"),
+    (lambda sd: sd.__setitem__("optimizer.state.exp_avg_sq.output_layer.weight",
+                               torch.zeros(128, 32)),
+     "optimizer.state.exp_avg_sq.output_layer.weight is not a float tensor shaped [128, 64]"),
 ])
 def test_bad_optimizer_state_is_one_line_and_writes_nothing(optim_saves, tmp_path, capsys,
                                                             edit, says):
@@ -245,3 +251,9 @@ def test_find_optimizer_checks_the_step_and_the_states():
     with pytest.raises(megatron_optim.ConvertError, match="expected exp_avg and exp_avg_sq"):
         megatron_optim.find_optimizer(common(3), Meta, "x")
     assert megatron_optim.find_optimizer({"optimizer": None}, Meta, "x")[0] is None
+    Meta.state_dict_metadata = {"optimizer.distributed.dp_group_idx_0.param_state": None}
+    for sharding in ("dp_reshardable", "fully_sharded_model_space"):
+        found, why = megatron_optim.find_optimizer(
+            {**common(3), "content_metadata": {"distrib_optim_sharding_type": sharding}},
+            Meta, "x")
+        assert found is None and f"'{sharding}' layout is not read" in why
