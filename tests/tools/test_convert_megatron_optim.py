@@ -56,13 +56,14 @@ def optim_saves(tmp_path_factory, mcore_python):
     """(optimizer, sharding) -> a Megatron-LM save after two Adam steps (made on demand)."""
     root, made = tmp_path_factory.mktemp("megatron_optim"), {}
 
-    def get(optimizer: str = "fp32", sharding: str = "fully_reshardable") -> str:
-        if (optimizer, sharding) not in made:
-            out = str(root / f"{optimizer}-{sharding}")
-            run_peer(["--optimizer", optimizer, "--sharding", sharding, "--out", out],
+    def get(optimizer: str = "fp32", sharding: str = "fully_reshardable", *extra: str
+            ) -> str:
+        if (optimizer, sharding, extra) not in made:
+            out = str(root / f"{optimizer}-{sharding}{''.join(extra)}")
+            run_peer(["--optimizer", optimizer, "--sharding", sharding, "--out", out, *extra],
                      python=mcore_python, script=PEER_OPTIM)
-            made[(optimizer, sharding)] = out
-        return made[(optimizer, sharding)]
+            made[(optimizer, sharding, extra)] = out
+        return made[(optimizer, sharding, extra)]
     return get
 
 
@@ -81,11 +82,12 @@ def _raw(it_dir: str) -> tuple[dict, dict]:
 
 
 def _resumed(ckpt: str) -> tuple[dict, dict, ModelConfig, float]:
-    """(params, {exp_avg, exp_avg_sq}, config, step) of a megamoe torch_dist checkpoint,
-    loaded through megamoe's own --load path, each mapped to Megatron's names."""
+    """(fp32 main params, {exp_avg, exp_avg_sq}, config, step) of a megamoe torch_dist
+    checkpoint, loaded through megamoe's own --load path, each mapped to Megatron's
+    names."""
     common = read_common(ckpt)
     config = ModelConfig.from_dict(common["model_config"])
-    model = GPTModel(config)
+    model = GPTModel(config).to(torch.bfloat16 if common["args"]["bf16"] else torch.float32)
     opt = MixedPrecisionOptimizer(model, OptimizerConfig(lr=LR, weight_decay=WD))
     load_dist_checkpoint(ckpt, model, opt, None, None, single=True, load_rng=False)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -93,12 +95,14 @@ def _resumed(ckpt: str) -> tuple[dict, dict, ModelConfig, float]:
     per = {s: {names[id(p)]: st[s] for p, st in zip(opt.model_params, states)}
            for s in ("exp_avg", "exp_avg_sq")}
     sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if opt.separate_main:  # bf16 weights: the update is checked on the fp32 main copy
+        sd.update({names[id(p)]: st["main"] for p, st in zip(opt.model_params, states)})
     to = {s: megatron_mapping.to_megatron(d, config, "local") for s, d in per.items()}
     return megatron_mapping.to_megatron(sd, config, "local"), to, config, float(step)
 
 
-def _resume_one_iteration(converted: str, out: str) -> str:
-    assert pretrain_main(RUN + ["--load", converted, "--save", out]) == 0
+def _resume_one_iteration(converted: str, out: str, *extra: str) -> str:
+    assert pretrain_main(RUN + ["--load", converted, "--save", out, *extra]) == 0
     return os.path.join(out, "iter_0000003")
 
 
@@ -128,6 +132,16 @@ def test_resumed_run_makes_the_adamw_step_of_the_imported_state(optim_saves, tmp
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
     assert "Adam state of the non-distributed optimizer at step 2" in capsys.readouterr().out
     check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
+
+
+@pytest.mark.slow
+def test_bf16_float16_optimizer_main_params(optim_saves, tmp_path):
+    """--bf16 (Float16OptimizerWithFloat16Params): the fp32 main parameters travel, not
+    the bf16 weights upcast (their rounding, ~1e-4 here, is 300x the update tolerance)."""
+    save = optim_saves("fp32", "fully_reshardable", "--bf16")
+    conv = str(tmp_path / "conv")
+    assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
+    check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run"), "--bf16"))
 
 
 @pytest.mark.slow

@@ -2,12 +2,13 @@
 (mcore_venv.py), never imports megamoe.
 
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
-        [--sharding fully_reshardable] --out SAVE_DIR [--steps 2]
+        [--sharding fully_reshardable] [--bf16] --out SAVE_DIR [--steps 2]
 
 builds the variant's tiny GPTModel (peer.py), wraps it in megatron-core's
 DistributedDataParallel, builds its optimizer with `get_megatron_optimizer` (Adam with
 decoupled weight decay, as Megatron-LM's `--optimizer adam`: the non-distributed
-FP32Optimizer, or the DistributedOptimizer with one data-parallel rank), takes `--steps`
+FP32Optimizer, with --bf16 Float16OptimizerWithFloat16Params and its fp32 main
+parameters, or the DistributedOptimizer with one data-parallel rank), takes `--steps`
 real optimizer steps on TOKENS / LABELS (so the moments and the step count are not
 zero), then saves what Megatron-LM's save_checkpoint saves for `--ckpt-format
 torch_dist`: the model's and the optimizer's sharded state dicts (the optimizer's
@@ -63,20 +64,24 @@ torch.Tensor.cuda = lambda self, *a, **k: self  # the dp-zero gather's `.cuda()`
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
-def build(variant: str, distributed: bool):
+def build(variant: str, distributed: bool, bf16: bool):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = peer.build_model(variant).train()
+    dtype = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    model = peer.build_model(variant, layout=dtype).train()
+    if bf16:  # Megatron-LM's Float16Module: every parameter bf16
+        model = model.to(torch.bfloat16)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(
             use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
     config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD,
                              adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
-                             use_distributed_optimizer=distributed, clip_grad=1.0)
+                             use_distributed_optimizer=distributed, clip_grad=1.0,
+                             **dtype)
     return model, ddp, get_megatron_optimizer(config, [ddp])
 
 
@@ -96,13 +101,15 @@ def train(model, ddp, optimizer, steps: int) -> None:
 def save(a) -> None:
     from megatron.core import dist_checkpointing
 
-    model, ddp, optimizer = build(a.variant, a.optimizer == "distrib")
+    model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16)
     train(model, ddp, optimizer, a.steps)
     args = peer.megatron_args(a.variant, a.steps)
     args.use_distributed_optimizer = a.optimizer == "distrib"
     args.optimizer, args.adam_beta1, args.adam_beta2, args.adam_eps = "adam", *BETAS, EPS
     args.clip_grad, args.lr, args.lr_decay_style, args.lr_warmup_iters = 1.0, LR, "constant", 0
     args.weight_decay = WD
+    if a.bf16:
+        args.bf16, args.params_dtype = True, torch.bfloat16
     # Megatron-LM's _build_sharded_state_dict_metadata (megatron/training/checkpointing.py)
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if a.optimizer == "distrib":
@@ -128,6 +135,7 @@ def main() -> None:
     p.add_argument("--sharding", default="fully_reshardable")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="bf16 weights, fp32 main params")
     a = p.parse_args()
     torch.manual_seed(0)
     peer.init_process_group()
