@@ -131,6 +131,8 @@ def test_resumed_run_makes_the_adamw_step_of_the_imported_state(optim_saves, tmp
     conv = str(tmp_path / "conv")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
     assert "Adam state of the non-distributed optimizer at step 2" in capsys.readouterr().out
+    args = read_common(os.path.join(conv, "iter_0000002"))["args"]
+    assert (args["adam_beta1"], args["adam_beta2"], args["adam_eps"]) == (B1, B2, EPS)
     check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
 
 
@@ -271,3 +273,20 @@ def test_find_optimizer_checks_the_step_and_the_states():
             {**common(3), "content_metadata": {"distrib_optim_sharding_type": sharding}},
             Meta, "x")
         assert found is None and f"'{sharding}' layout is not read" in why
+
+
+def test_adam_hyperparameters_travel_with_the_args_and_are_checked():
+    """args.adam_beta1 / adam_beta2 / adam_eps / clip_grad become the flags of the
+    converted run; a value out of range is one line naming the field."""
+    import argparse
+
+    from megamoe.cli.megatron_args import MegatronArgsError, flags_from_args
+
+    flags = flags_from_args(argparse.Namespace(adam_beta1=0.8, adam_beta2=0.95,
+                                               adam_eps=1e-6, clip_grad=0.5))
+    assert " ".join(flags) == ("--adam-beta1 0.8 --adam-beta2 0.95 --adam-eps 1e-06 "
+                               "--clip-grad 0.5 --disable-bias-linear")
+    for field, value in (("adam_beta1", 1.5), ("adam_beta2", -0.1), ("adam_eps", "1e-8"),
+                         ("clip_grad", float("nan"))):
+        with pytest.raises(MegatronArgsError, match=f"args.{field} = "):
+            flags_from_args(argparse.Namespace(**{field: value}))
