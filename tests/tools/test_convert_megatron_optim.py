@@ -147,11 +147,18 @@ def test_bf16_float16_optimizer_main_params(optim_saves, tmp_path):
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_fully_reshardable(optim_saves, tmp_path, capsys):
-    save = optim_saves("distrib", "fully_reshardable")
+@pytest.mark.parametrize("optimizer, extra, says", [
+    ("distrib", (), "the distributed optimizer (fully_reshardable)"),
+    # EP2 (2 gloo ranks, DP 2): megatron-core's ChainedOptimizer of the dense and the
+    # expert optimizers, experts saved from both EP ranks
+    ("fp32", ("--ep", "2"), "the non-distributed optimizer"),
+    ("distrib", ("--ep", "2"), "the distributed optimizer (fully_reshardable)"),
+])
+def test_other_optimizers_and_layouts(optim_saves, tmp_path, capsys, optimizer, extra, says):
+    save = optim_saves(optimizer, "fully_reshardable", *extra)
     conv = str(tmp_path / "conv")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
-    assert "distributed optimizer (fully_reshardable) at step 2" in capsys.readouterr().out
+    assert f"Adam state of {says} at step 2" in capsys.readouterr().out
     check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
 
 
