@@ -7,9 +7,10 @@ as the oracle:
   layout, from the moments, main parameters and step count megatron-core saved: the
   resumed run's exp_avg gives the gradient it used (g = (m1 - b1 m0) / (1 - b1)); with it
   exp_avg_sq must be b2 v0 + (1 - b2) g^2 and the parameters p0 (1 - lr wd) - lr m1_hat /
-  (sqrt(v1_hat) + eps), bias-corrected at step 3. Tolerances: 1e-4 of each exp_avg_sq's
-  largest value (the gradient comes from a difference of moments, which cancels ~4
-  digits of fp32) and 1e-3 of lr on the update (parameters of ~0.05 rounded in fp32).
+  (sqrt(v1_hat) + eps), bias-corrected at step 3. Tolerances: 1e-5 of each exp_avg_sq's
+  largest value (the gradient comes from a difference of moments, which cancels digits
+  of fp32; measured <= 2.6e-7) and 1e-3 of lr on the update (fp32 rounding of the
+  parameters and of torch's fused AdamW kernel; measured <= 2.0e-4 of lr).
   The run's states are mapped back with to_megatron, the raw Megatron ones are read
   straight from DCP: a moment that lands on another parameter, another row (a skipped
   qkv interleave) or in the other state, or a lost step count, fails;
@@ -106,23 +107,30 @@ def _resume_one_iteration(converted: str, out: str, *extra: str) -> str:
     return os.path.join(out, "iter_0000003")
 
 
-def check_adamw_step(save: str, resumed_dir: str) -> None:
-    """The resumed run's one update equals AdamW by hand from Megatron's saved state."""
+def check_adamw_step(save: str, resumed_dir: str) -> tuple[float, float]:
+    """The resumed run's one update equals AdamW by hand from Megatron's saved state;
+    returns the worst exp_avg_sq error (of its tensor's largest value) and the worst
+    update error (of lr), for the record."""
     p0, s0 = _raw(os.path.join(save, "iter_0000002"))
     p1, s1, _, step = _resumed(resumed_dir)
     assert step == 3.0
     main0 = s0.get("param") or s0.get("fp32_param") or p0
     bc1, bc2 = 1 - B1 ** 3, 1 - B2 ** 3
+    worst = [0.0, 0.0]
     for key, m1 in s1["exp_avg"].items():
         m0, v0, v1 = s0["exp_avg"][key], s0["exp_avg_sq"][key], s1["exp_avg_sq"][key]
         assert m0.abs().max() > 0 and v0.abs().max() > 0, key  # real moments, not zeros
         g = (m1 - B1 * m0) / (1 - B1)
-        torch.testing.assert_close(v1, B2 * v0 + (1 - B2) * g * g, rtol=1e-4,
-                                   atol=1e-4 * v1.abs().max().item(), msg=key)
+        torch.testing.assert_close(v1, B2 * v0 + (1 - B2) * g * g, rtol=1e-5,
+                                   atol=1e-5 * v1.abs().max().item(), msg=key)
         wd = 0.0 if "norm" in key else WD
         update = -LR * wd * main0[key] - LR * (m1 / bc1) / ((v1 / bc2).sqrt() + EPS)
         torch.testing.assert_close(p1[key] - main0[key], update, rtol=1e-3, atol=1e-3 * LR,
                                    msg=key)
+        pred = B2 * v0 + (1 - B2) * g * g
+        worst[0] = max(worst[0], ((v1 - pred).abs().max() / v1.abs().max()).item())
+        worst[1] = max(worst[1], ((p1[key] - main0[key] - update).abs().max() / LR).item())
+    return worst[0], worst[1]
 
 
 def test_resumed_run_makes_the_adamw_step_of_the_imported_state(optim_saves, tmp_path,
@@ -133,7 +141,8 @@ def test_resumed_run_makes_the_adamw_step_of_the_imported_state(optim_saves, tmp
     assert "Adam state of the non-distributed optimizer at step 2" in capsys.readouterr().out
     args = read_common(os.path.join(conv, "iter_0000002"))["args"]
     assert (args["adam_beta1"], args["adam_beta2"], args["adam_eps"]) == (B1, B2, EPS)
-    check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
+    print("worst errors (exp_avg_sq, update / lr):",
+          check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run"))))
 
 
 @pytest.mark.slow
@@ -143,7 +152,8 @@ def test_bf16_float16_optimizer_main_params(optim_saves, tmp_path):
     save = optim_saves("fp32", "fully_reshardable", "--bf16")
     conv = str(tmp_path / "conv")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
-    check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run"), "--bf16"))
+    print("worst errors (exp_avg_sq, update / lr):", check_adamw_step(
+        save, _resume_one_iteration(conv, str(tmp_path / "run"), "--bf16")))
 
 
 @pytest.mark.slow
@@ -159,7 +169,9 @@ def test_other_optimizers_and_layouts(optim_saves, tmp_path, capsys, optimizer, 
     conv = str(tmp_path / "conv")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
     assert f"Adam state of {says} at step 2" in capsys.readouterr().out
-    check_adamw_step(save, _resume_one_iteration(conv, str(tmp_path / "run")))
+    with capsys.disabled():
+        print("worst errors (exp_avg_sq, update / lr):", check_adamw_step(
+            save, _resume_one_iteration(conv, str(tmp_path / "run"))))
 
 
 @pytest.mark.slow
