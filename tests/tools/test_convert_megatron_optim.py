@@ -163,6 +163,10 @@ def test_bf16_float16_optimizer_main_params(optim_saves, tmp_path):
     # expert optimizers, experts saved from both EP ranks
     ("fp32", ("--ep", "2"), "the non-distributed optimizer"),
     ("distrib", ("--ep", "2"), "the distributed optimizer (fully_reshardable)"),
+    # a dense first layer, gated shared experts, sigmoid router with expert bias (a
+    # buffer: no moments); MLA + two MTP depths (DeepSeek-V3's shape)
+    ("fp32", ("--variant", "shared_dense"), "the non-distributed optimizer"),
+    ("fp32", ("--variant", "mla_mtp"), "the non-distributed optimizer"),
 ])
 def test_other_optimizers_and_layouts(optim_saves, tmp_path, capsys, optimizer, extra, says):
     save = optim_saves(optimizer, "fully_reshardable", *extra)
