@@ -211,8 +211,7 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
         states, step, optim_note = read_megatron_optimizer(it_dir, common, tensors, config,
                                                            params)
         if states is not None:
-            optimizer = _optimizer_with(model, run.optim,
-                                        states, step)
+            optimizer = _optimizer_with(model, run.optim, states, step)
     final = save_dist_checkpoint(out_dir, iteration, model, optimizer, _Schedule(steps),
                                  None, consumed, saved_args, model_config=to_dict(config),
                                  save_optim=optimizer is not None, save_rng=False,
