@@ -151,6 +151,10 @@ TRAIN_FIELDS: dict[str, tuple[str, Callable]] = {
     "lr_decay_iters": ("--lr-decay-iters", _int()),
     "lr_decay_samples": ("--lr-decay-samples", _int()),
     "weight_decay": ("--weight-decay", _float()),
+    "adam_beta1": ("--adam-beta1", _float(0.0, 1.0)),
+    "adam_beta2": ("--adam-beta2", _float(0.0, 1.0)),
+    "adam_eps": ("--adam-eps", _float(0.0, 1.0)),
+    "clip_grad": ("--clip-grad", _float()),
     "seed": ("--seed", _int(0)),
 }
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoint
 from megatron_legacy import is_legacy, read_megatron_legacy
+from megatron_optim import find_optimizer, read_states, to_megamoe_states
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -48,6 +48,7 @@ from megamoe.training.checkpoint import (
 from megamoe.training.checkpoint.dist import _dcp_load
 from megamoe.training.checkpoint.megatron_common import COMMON_KEY, read_megatron_common
 from megamoe.training.checkpoint.safe_load import read_dcp_metadata
+from megamoe.training.optim.mixed_precision import MixedPrecisionOptimizer
 from megamoe.training.schedules.lr import LRScheduler, schedule_lengths
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -99,24 +100,64 @@ def _nonneg_int(value, what: str, where: str) -> int:
     return value
 
 
+def _shards_hold(it_dir: str, tensors: dict[str, torch.Tensor], what: str) -> None:
+    """The index is untrusted: its shapes may not promise more bytes than the shards hold."""
+    need = sum(t.numel() * t.dtype.itemsize for t in tensors.values())
+    held = sum(os.path.getsize(os.path.join(it_dir, n)) for n in os.listdir(it_dir)
+               if n.endswith(".distcp"))
+    if need > held:
+        raise ConvertError(f"{it_dir}/.metadata: describes {need} bytes of {what}, the "
+                           f"shards hold {held} (truncated or not this checkpoint's index)")
+
+
 def read_megatron(it_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(the common state, every model tensor whole) of a Megatron iteration directory."""
     _check_backend(it_dir)
     metadata = read_dcp_metadata(os.path.join(it_dir, ".metadata"))
     common = read_megatron_common(it_dir, metadata.storage_data or {})
     metas = {k: m for k, m in metadata.state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
-    # The index is untrusted: its shapes may not promise more bytes than the shards hold.
-    need = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in metas.values())
-    held = sum(os.path.getsize(os.path.join(it_dir, n)) for n in os.listdir(it_dir)
-               if n.endswith(".distcp"))
-    if need > held:
-        raise ConvertError(f"{it_dir}/.metadata: describes {need} bytes of tensors, the "
-                           f"shards hold {held} (truncated or not this checkpoint's index)")
+             if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")
+             and not k.startswith("chained_")}
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype, device="cpu")
             for k, m in metas.items()}
+    _shards_hold(it_dir, want, "tensors")
     _dcp_load(want, it_dir, no_dist=True)
     return common, want
+
+
+def read_megatron_optimizer(it_dir: str, common: dict, weights: dict[str, torch.Tensor],
+                            config: ModelConfig, params: dict[str, torch.Tensor]
+                            ) -> tuple[Optional[dict], Optional[int], str]:
+    """(megamoe state name -> {parameter name: fp32 tensor}, the step count, what was
+    imported) of a torch_dist checkpoint's optimizer, or (None, None, why not)."""
+    metadata = read_dcp_metadata(os.path.join(it_dir, ".metadata"))
+    found, why = find_optimizer(common, metadata, it_dir)
+    if found is None:
+        return None, None, why
+    states = read_states(found, metadata, weights, it_dir)
+    flat = {found.keys[name][key]: t for name, by in states.items() for key, t in by.items()}
+    _shards_hold(it_dir, {**weights, **flat}, "tensors and optimizer states")
+    _dcp_load(flat, it_dir, no_dist=True)
+    mapped = to_megamoe_states(states, config, params, it_dir)
+    return mapped, found.step, f"Adam state of {found.kind} at step {found.step}"
+
+
+def _optimizer_with(model: GPTModel, optim_config, states: dict, step: int
+                    ) -> MixedPrecisionOptimizer:
+    """megamoe's own optimizer for `model`, holding the imported states: saved through it,
+    the checkpoint has what `--load` restores (dist.py: main, exp_avg, exp_avg_sq and the
+    step count)."""
+    optimizer = MixedPrecisionOptimizer(model, optim_config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    per_param = []
+    for p in optimizer.model_params:
+        name = names[id(p)]
+        st = {k: by[name] for k, by in states.items() if k != "main"}
+        if "main" in states and optimizer.separate_main:
+            st["main"] = states["main"][name]
+        per_param.append(st)
+    optimizer.load_param_states(per_param, torch.tensor(float(step)))
+    return optimizer
 
 
 class _Schedule:
@@ -142,7 +183,8 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
     except MegatronArgsError as e:
         raise ConvertError(f"{where}: {e}") from None
     args = build_args(flags, where)
-    config = run_config_from_args(args, vocab).model
+    run = run_config_from_args(args, vocab)
+    config = run.model
     try:
         sd = megatron_mapping.to_megamoe(tensors, config)
     except (KeyError, ValueError, RuntimeError) as e:
@@ -162,13 +204,23 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
     with torch.device("meta"):
         model = GPTModel(config)
     model.load_state_dict(sd, strict=True, assign=True)
-    final = save_dist_checkpoint(out_dir, iteration, model, None, _Schedule(steps), None,
-                                 consumed, saved_args, model_config=to_dict(config),
-                                 save_optim=False, save_rng=False, single=True)
+    optimizer, optim_note = None, ("the legacy format's optimizer (model_optim_rng.pt, "
+                                   "distrib_optim.pt) is not read" if legacy else "")
+    if not legacy:
+        params = dict(model.named_parameters())
+        states, step, optim_note = read_megatron_optimizer(it_dir, common, tensors, config,
+                                                           params)
+        if states is not None:
+            optimizer = _optimizer_with(model, run.optim, states, step)
+    final = save_dist_checkpoint(out_dir, iteration, model, optimizer, _Schedule(steps),
+                                 None, consumed, saved_args, model_config=to_dict(config),
+                                 save_optim=optimizer is not None, save_rng=False,
+                                 single=True)
+    what = (f"weights, schedule and {optim_note}" if optimizer is not None else
+            f"weights and schedule only: the optimizer state is not imported ({optim_note}; "
+            "--load starts fresh Adam moments)")
     note = (f"iteration {iteration}, {consumed} consumed samples, LR schedule at {steps} "
-            "samples; weights and schedule only: the optimizer state is not imported "
-            f"{'(model_optim_rng.pt optimizer, distrib_optim.pt) ' if legacy else ''}"
-            "(training resumes with fresh optimizer moments)")
+            f"samples; {what}")
     return final, note
 
 

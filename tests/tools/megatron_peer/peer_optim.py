@@ -1,0 +1,191 @@
+"""The megatron-core side of the optimizer-state import tests. Runs in the peer venv
+(mcore_venv.py), never imports megamoe.
+
+    python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
+        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] --out SAVE_DIR [--steps 2]
+
+builds the variant's tiny GPTModel (peer.py), wraps it in megatron-core's
+DistributedDataParallel, builds its optimizer with `get_megatron_optimizer` (Adam with
+decoupled weight decay, as Megatron-LM's `--optimizer adam`: the non-distributed
+FP32Optimizer, with --bf16 Float16OptimizerWithFloat16Params and its fp32 main
+parameters, or the DistributedOptimizer with one data-parallel rank), takes `--steps`
+real optimizer steps on TOKENS / LABELS (so the moments and the step count are not
+zero), then saves what Megatron-LM's save_checkpoint saves for `--ckpt-format
+torch_dist`: the model's and the optimizer's sharded state dicts (the optimizer's
+`sharded_state_dict(model_sd, metadata=...)` with Megatron-LM's content metadata:
+`distrib_optim_sharding_type`, `chained_optim_avoid_prefix`) and the common state
+(args, iteration = steps, LR scheduler).
+
+On CPU: megatron-core's optimizers make a few tensors with device='cuda' and check
+`param.type()` for CUDA type names; those factories are sent to the CPU and CPU tensors
+answer with the CUDA names. Its gradient sync (a no-op with one data-parallel rank, which
+reads the current CUDA stream) is not called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer  # noqa: E402  (patches torch.cuda for the CPU)
+import peer_legacy  # noqa: E402  (its layout helpers for the TP / EP runs)
+
+
+def _on_cpu(fn):
+    @functools.wraps(fn)
+    def made(*a, **k):
+        if k.get("device") is not None and "cuda" in str(k["device"]):
+            k["device"] = "cpu"
+        return fn(*a, **k)
+    return made
+
+
+for _name in ("tensor", "zeros", "ones", "empty", "full", "arange"):
+    setattr(torch, _name, _on_cpu(getattr(torch, _name)))
+
+_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *a, **k):
+    """megatron-core checks `param.type() == 'torch.cuda.FloatTensor'`: on the CPU a tensor
+    answers with the CUDA name of its dtype (conversions, with arguments, are torch's)."""
+    if a or k:
+        return _type(self, *a, **k)
+    return _type(self).replace("torch.", "torch.cuda.", 1)
+
+
+torch.Tensor.type = _cuda_type_name
+torch.Tensor.cuda = lambda self, *a, **k: self  # the dp-zero gather's `.cuda()` copies
+
+LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
+          layout: dict | None = None):
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dtype = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
+    model = peer.build_model(variant, vocab, layout={**(layout or {}), **dtype}).train()
+    if bf16:  # Megatron-LM's Float16Module: every parameter bf16
+        model = model.to(torch.bfloat16)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
+    config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD,
+                             adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+                             use_distributed_optimizer=distributed, clip_grad=1.0,
+                             **dtype)
+    return model, ddp, get_megatron_optimizer(config, [ddp])
+
+
+def train(model, ddp, optimizer, steps: int) -> None:
+    tokens = torch.tensor(peer.TOKENS)
+    pos = torch.arange(peer.SEQ)[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(peer.SEQ, peer.SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss_BS = ddp(tokens, pos, mask, labels=torch.tensor(peer.LABELS))
+        loss_BS.float().mean().backward()
+        ok, _, _ = optimizer.step()
+        assert ok, "the peer's optimizer step was skipped"
+
+
+def save(a) -> None:
+    """One rank's part (all of it with one process): train, then the collective save."""
+    from megatron.core import dist_checkpointing
+
+    sharded = a.tp * a.ep > 1
+    # (MoE with TP trains only with sequence parallelism in megatron-core)
+    layout = {**peer_legacy._layout(a), "sequence_parallel": a.tp > 1} if sharded else None
+    vocab = peer_legacy.padded_vocab(a.tp)
+    model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout)
+    if sharded:
+        peer_legacy._equalize_replicas([model])
+    train(model, ddp, optimizer, a.steps)
+    args = peer_legacy._args(a) if sharded else peer.megatron_args(a.variant, a.steps)
+    args.ckpt_format, args.iteration = "torch_dist", a.steps
+    args.sequence_parallel = a.tp > 1
+    args.consumed_train_samples = a.steps * args.global_batch_size
+    args.use_distributed_optimizer = a.optimizer == "distrib"
+    args.optimizer, args.adam_beta1, args.adam_beta2, args.adam_eps = "adam", *BETAS, EPS
+    args.clip_grad, args.lr, args.lr_decay_style, args.lr_warmup_iters = 1.0, LR, "constant", 0
+    args.weight_decay = WD
+    if a.bf16:
+        args.bf16, args.params_dtype = True, torch.bfloat16
+    # Megatron-LM's _build_sharded_state_dict_metadata (megatron/training/checkpointing.py)
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if a.optimizer == "distrib":
+        metadata["distrib_optim_sharding_type"] = a.sharding
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": a.steps,
+             "model": model.sharded_state_dict(metadata=metadata),
+             "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(
+                 metadata=metadata), metadata=metadata),
+             "opt_param_scheduler": peer.scheduler_state(args),
+             "num_floating_point_operations_so_far": 1.5e12}
+    it_dir = os.path.join(a.out, f"iter_{a.steps:07d}")
+    os.makedirs(it_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, it_dir, content_metadata=metadata)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(a.out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(a.steps))
+
+
+def worker(rank: int, a) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=a.world)
+    ps.initialize_model_parallel(a.tp, 1, expert_model_parallel_size=a.ep,
+                                 expert_tensor_parallel_size=a.etp)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    # (peer_legacy.py: a forked results-queue Manager instead of a spawned interpreter)
+    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    save(a)
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=sorted(peer.VARIANTS), default="mixtral")
+    p.add_argument("--optimizer", choices=["fp32", "distrib"], default="fp32")
+    p.add_argument("--sharding", default="fully_reshardable")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="bf16 weights, fp32 main params")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel (expert TP 1)")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    if a.tp * a.ep == 1:
+        peer.init_process_group()
+        save(a)
+        torch.distributed.destroy_process_group()
+        return
+    # TP x EP ranks, expert TP 1, the smallest data-parallel size that holds them; every
+    # rank trains on the same tokens (data-parallel replicas stay equal without a sync)
+    a.pp, a.vpp, a.etp, a.iteration = 1, None, 1, a.steps
+    dp = a.ep // math.gcd(a.tp, a.ep)
+    a.world = a.tp * dp
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(peer_legacy._free_port())
+    import megatron.core.dist_checkpointing  # noqa: F401  (once, before the fork)
+    mp.start_processes(worker, args=(a,), nprocs=a.world, start_method="fork")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
