@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -132,3 +133,36 @@ def test_tiny_script_under_torchrun(tmp_path):
               "--eval-iters", "1", env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "iteration        2/       2" in p.stdout
+
+
+FAMILY_SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "scripts"))
+                        if f.startswith("pretrain_") and f.endswith(".sh")
+                        and f not in ("pretrain_mixtral_8x7b.sh", "pretrain_tiny_cpu.sh",
+                                      "pretrain_moe.sh"))
+
+
+def test_family_scripts_need_two_paths():
+    assert len(FAMILY_SCRIPTS) >= 6, FAMILY_SCRIPTS
+    for name in FAMILY_SCRIPTS:
+        p = _bash(os.path.join(ROOT, "scripts", name), "only-one")
+        assert p.returncode == 2 and p.stderr.startswith("usage:"), (name, p.stderr)
+    p = _bash(os.path.join(ROOT, "scripts", "pretrain_moe.sh"), "configs/none.yaml", "a", "b",
+              "c")
+    assert p.returncode == 2 and "no preset configs/none.yaml" in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILY_SCRIPTS)
+def test_family_script_layout_fits_as_its_header_says(tmp_path, name):
+    """Each family's default layout validates for its world size (--dry-run on the meta
+    device) and its per-rank memory is the figure the script's header states, under 80 GB."""
+    script = os.path.join(ROOT, "scripts", name)
+    claimed = float(re.search(r"DRY_RUN=1: ([\d.]+) GiB per rank", open(script).read())[1])
+    p = _bash(script, str(tmp_path / "ckpt"), "/cluster/data", "--json",
+              env={"DRY_RUN": "1"}, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = _json_line(p.stdout)
+    assert out["parameters"] == out["parameters_formula"]
+    assert abs(out["per_rank_memory_gib"] - claimed) < 0.06, (out["per_rank_memory_gib"],
+                                                             claimed)
+    assert out["per_rank_memory_gib"] < 74.5  # an 80 GB GPU: 74.5 GiB
