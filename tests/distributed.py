@@ -2,12 +2,17 @@
 
     results = run_distributed(fn, world_size=4, timeout=120, *args)
 
-`fn(rank, world_size, *args)` must be a module-level function (it is pickled into spawned
-children). Each child gets torchrun-style environment variables (RANK, WORLD_SIZE,
+`fn(rank, world_size, *args)` must be a module-level function (it is pickled into the
+children by reference). Each child gets torchrun-style environment variables (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), an initialised gloo process group and one compute
 thread, runs fn, and sends back its return value. A failure on any rank raises with that
 rank's traceback; a hang (wrong split sizes in a collective hang instead of raising on gloo)
 kills every rank and raises TimeoutError naming the test body.
+
+The children fork from a forkserver that imported torch and megamoe once per test process
+(a spawned child re-imports them: 3-10 s per rank on two busy cores, 0.3 s forked), and
+take the parent's environment as it is at the call, as spawned children would (a
+forkserver's own environment is the one it started with). MEGAMOE_TEST_SPAWN=1 spawns.
 """
 
 from __future__ import annotations
@@ -29,11 +34,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the forkserver; every child forks with them loaded (copy-on-write).
+PRELOAD = ["torch", "torch.distributed", "numpy", "megamoe.cli.main", "tests.distributed"]
+_CONTEXT: list = []
+
+
+def _context():
+    """The multiprocessing context the ranks start from (made once per test process)."""
+    if os.environ.get("MEGAMOE_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    if not _CONTEXT:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
 def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
-           results: Any, args: tuple) -> None:
+           results: Any, args: tuple, environ: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, as a spawned child would have it
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -70,10 +93,12 @@ def run_distributed(fn: Callable, world_size: int, timeout: float = 120.0,
 
 
 def _run_once(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, results, args),
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_child,
+                         args=(fn, r, world_size, port, timeout, results, args, environ),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
