@@ -18,6 +18,7 @@ megatron-core 0.19.2 (megatron_peer/peer_optim.py) as the oracle:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -203,8 +204,6 @@ def test_a_layout_the_args_do_not_describe_falls_back(dp2, tmp_path, monkeypatch
 def test_args_the_layout_does_not_model():
     """Untrusted args fields: what is not modelled is NotModelled (the fallback), a field
     of the wrong type a ConvertError naming it."""
-    import argparse
-
     w = {"embedding.word_embeddings.weight": torch.zeros(8, 4),
          "decoder.layers.mlp.router.weight": torch.zeros(2, 4, 4),
          "decoder.layers.mlp.experts.experts.linear_fc1.weight": torch.zeros(2, 4, 6, 4),
