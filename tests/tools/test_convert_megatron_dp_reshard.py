@@ -104,10 +104,10 @@ def _convert(tmp, save: str, capsys) -> str:
     return conv
 
 
-def _convert_and_resume(tmp, save: str, ref: str, capsys) -> None:
+def _convert_and_resume(tmp, save: str, ref: str, capsys, *run: str) -> None:
     conv = _convert(tmp, save, capsys)
     _imported_equal_reference(conv, ref)
-    worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp / "run")))
+    worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp / "run"), *run))
     with capsys.disabled():
         print("worst errors (exp_avg_sq, update / lr):", worst)
 
@@ -134,11 +134,13 @@ def test_dp2_dp_reshardable_resumes_with_the_adamw_step(dp2, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_dp2_ep2_dp_reshardable(tmp_path, mcore_python, capsys):
+@pytest.mark.parametrize("extra", [("--ep", "2"), ("--bf16",)])
+def test_dp2_ep2_and_bf16_dp_reshardable(tmp_path, mcore_python, capsys, extra):
     """EP 2 (expert DP 1): megatron-core's ChainedOptimizer, the dense buffer under
-    chained_0 (dp_group_idx_0), each EP rank's experts under chained_1.dp_group_idx_R."""
-    save, ref, _ = _save(tmp_path, mcore_python, "--ep", "2")
-    _convert_and_resume(tmp_path, save, ref, capsys)
+    chained_0 (dp_group_idx_0), each EP rank's experts under chained_1.dp_group_idx_R;
+    --bf16: bf16 buffers (dtype_(torch.bfloat16, torch.float32)), fp32 main params."""
+    save, ref, _ = _save(tmp_path, mcore_python, *extra)
+    _convert_and_resume(tmp_path, save, ref, capsys, *[e for e in extra if e == "--bf16"])
 
 
 @pytest.mark.slow

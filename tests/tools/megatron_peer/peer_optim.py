@@ -2,7 +2,9 @@
 (mcore_venv.py), never imports megamoe.
 
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
-        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] --out SAVE_DIR [--steps 2]
+        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] \
+        [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] \
+        [--layout-json PATH [--layout-only]] [--reference-out DIR] --out SAVE_DIR [--steps 2]
 
 builds the variant's tiny GPTModel (peer.py), wraps it in megatron-core's
 DistributedDataParallel, builds its optimizer with `get_megatron_optimizer` (Adam with
@@ -14,7 +16,12 @@ zero), then saves what Megatron-LM's save_checkpoint saves for `--ckpt-format
 torch_dist`: the model's and the optimizer's sharded state dicts (the optimizer's
 `sharded_state_dict(model_sd, metadata=...)` with Megatron-LM's content metadata:
 `distrib_optim_sharding_type`, `chained_optim_avoid_prefix`) and the common state
-(args, iteration = steps, LR scheduler).
+(args, iteration = steps, LR scheduler). --reference-out saves the same state again in
+the model-shaped fully_reshardable layout (the oracle for dp_reshardable imports);
+--layout-json dumps megatron-core's own buffer layout (dump_layout), --layout-only then
+stops (--overlap-grad-reduce's gradient hooks ask for CUDA streams: they build but do not
+train on the CPU). --dp N forks N data-parallel gloo ranks that train on the same tokens (so their
+gradients are equal without megatron-core's gradient sync, which is not called).
 
 On CPU: megatron-core's optimizers make a few tensors with device='cuda' and check
 `param.type()` for CUDA type names; those factories are sent to the CPU and CPU tensors
