@@ -82,13 +82,14 @@ def _raw(it_dir: str) -> tuple[dict, dict]:
     return weights, states
 
 
-def _resumed(ckpt: str) -> tuple[dict, dict, ModelConfig, float]:
+def _resumed(ckpt: str, bf16: bool | None = None) -> tuple[dict, dict, ModelConfig, float]:
     """(fp32 main params, {exp_avg, exp_avg_sq}, config, step) of a megamoe torch_dist
-    checkpoint, loaded through megamoe's own --load path, each mapped to Megatron's
-    names."""
+    checkpoint, loaded through megamoe's own --load path (bf16 weights: as its args say,
+    unless `bf16` says), each mapped to Megatron's names."""
     common = read_common(ckpt)
     config = ModelConfig.from_dict(common["model_config"])
-    model = GPTModel(config).to(torch.bfloat16 if common["args"]["bf16"] else torch.float32)
+    bf16 = common["args"]["bf16"] if bf16 is None else bf16
+    model = GPTModel(config).to(torch.bfloat16 if bf16 else torch.float32)
     opt = MixedPrecisionOptimizer(model, OptimizerConfig(lr=LR, weight_decay=WD))
     load_dist_checkpoint(ckpt, model, opt, None, None, single=True, load_rng=False)
     names = {id(p): n for n, p in model.named_parameters()}
