@@ -220,7 +220,8 @@ def test_args_the_layout_does_not_model():
         ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 2))]
     for bad in (dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2),
                 dict(virtual_pipeline_model_parallel_size=2), dict(data_parallel_size=3),
-                dict(moe_grouped_gemm=True), dict(data_parallel_size=None)):
+                dict(moe_grouped_gemm=True), dict(data_parallel_size=None),
+                dict(ddp_num_buckets=4), dict(context_parallel_size=2)):
         with pytest.raises(reshard.NotModelled):
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
     for bad in (dict(ddp_bucket_size="40000"), dict(data_parallel_size=0),

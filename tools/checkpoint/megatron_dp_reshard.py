@@ -73,6 +73,8 @@ def _sizes(args) -> tuple[int, int]:
                  "moe_grouped_gemm"):
         if _flag(args, name):
             raise NotModelled(f"args.{name} is not modelled")
+    if getattr(args, "ddp_num_buckets", None) is not None:  # (newer Megatron-LM)
+        raise NotModelled("--ddp-num-buckets is not modelled")
     if not isinstance(getattr(args, "data_parallel_size", None), int):
         raise NotModelled("args.data_parallel_size is not saved")
     return _int(args, "data_parallel_size", 1), _int(args, "expert_model_parallel_size", 1)
