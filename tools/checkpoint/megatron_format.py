@@ -160,8 +160,10 @@ def _read_flat_optimizer(it_dir: str, common: dict, metadata, weights: dict, con
     except NotModelled as e:
         return None, None, ("the distributed optimizer's 'dp_reshardable' layout is not "
                             f"rebuilt: {e}")
-    except ConvertError as e:
-        raise ConvertError(f"{it_dir}: {e}") from None
+    except ConvertError as e:  # (an args field's message names no file: the args')
+        msg = str(e)
+        raise ConvertError(msg if msg.startswith(it_dir) else f"{it_dir} (args): {msg}"
+                           ) from None
     step = step_of(part, it_dir)
     mapped = to_megamoe_states({NAMES[k]: v for k, v in raw.items()}, config, params, it_dir)
     return mapped, step, ("Adam state of the distributed optimizer (dp_reshardable) at step "
