@@ -14,8 +14,8 @@ as the oracle:
   The run's states are mapped back with to_megatron, the raw Megatron ones are read
   straight from DCP: a moment that lands on another parameter, another row (a skipped
   qkv interleave) or in the other state, or a lost step count, fails;
-- the distributed optimizer's fully_reshardable layout the same (slow set), its default
-  dp_reshardable layout falls back to weights only with one line;
+- the distributed optimizer's fully_reshardable layout the same (slow set); its default
+  dp_reshardable layout: test_convert_megatron_dp_reshard.py;
 - bad optimizer state (a missing moment, a negative exp_avg_sq, an odd step): one line,
   exit 1, nothing written.
 """
@@ -82,13 +82,14 @@ def _raw(it_dir: str) -> tuple[dict, dict]:
     return weights, states
 
 
-def _resumed(ckpt: str) -> tuple[dict, dict, ModelConfig, float]:
+def _resumed(ckpt: str, bf16: bool | None = None) -> tuple[dict, dict, ModelConfig, float]:
     """(fp32 main params, {exp_avg, exp_avg_sq}, config, step) of a megamoe torch_dist
-    checkpoint, loaded through megamoe's own --load path, each mapped to Megatron's
-    names."""
+    checkpoint, loaded through megamoe's own --load path (bf16 weights: as its args say,
+    unless `bf16` says), each mapped to Megatron's names."""
     common = read_common(ckpt)
     config = ModelConfig.from_dict(common["model_config"])
-    model = GPTModel(config).to(torch.bfloat16 if common["args"]["bf16"] else torch.float32)
+    bf16 = common["args"]["bf16"] if bf16 is None else bf16
+    model = GPTModel(config).to(torch.bfloat16 if bf16 else torch.float32)
     opt = MixedPrecisionOptimizer(model, OptimizerConfig(lr=LR, weight_decay=WD))
     load_dist_checkpoint(ckpt, model, opt, None, None, single=True, load_rng=False)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -222,15 +223,13 @@ def test_broken_imports_fail_the_check(optim_saves, tmp_path, monkeypatch, break
 
 
 @pytest.mark.slow
-def test_dp_reshardable_falls_back_to_weights_with_one_line(optim_saves, tmp_path, capsys):
+def test_dp_reshardable_at_dp1_imports(optim_saves, tmp_path, capsys):
+    """Megatron-LM's default layout (test_convert_megatron_dp_reshard.py: DP 2, EP 2)."""
     conv = str(tmp_path / "conv")
     save = optim_saves("distrib", "dp_reshardable")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
-    out = capsys.readouterr().out
-    assert "the optimizer state is not imported (the distributed optimizer's " \
-           "'dp_reshardable' layout is not read" in out and "fresh Adam moments" in out
-    common = read_common(os.path.join(conv, "iter_0000002"))
-    assert common["optimizer"] is None and common["iteration"] == 2
+    assert ("Adam state of the distributed optimizer (dp_reshardable) at step 2"
+            in capsys.readouterr().out)
 
 
 def _edit(save: str, dst: str, edit) -> str:

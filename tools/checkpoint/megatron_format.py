@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoint
+from megatron_dp_reshard import NotModelled, read_flat_states
 from megatron_legacy import is_legacy, read_megatron_legacy
-from megatron_optim import find_optimizer, read_states, to_megamoe_states
+from megatron_optim import NAMES, find_optimizer, is_flat, read_states, step_of, to_megamoe_states
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
@@ -131,6 +132,8 @@ def read_megatron_optimizer(it_dir: str, common: dict, weights: dict[str, torch.
     """(megamoe state name -> {parameter name: fp32 tensor}, the step count, what was
     imported) of a torch_dist checkpoint's optimizer, or (None, None, why not)."""
     metadata = read_dcp_metadata(os.path.join(it_dir, ".metadata"))
+    if is_flat(common):
+        return _read_flat_optimizer(it_dir, common, metadata, weights, config, params)
     found, why = find_optimizer(common, metadata, it_dir)
     if found is None:
         return None, None, why
@@ -140,6 +143,31 @@ def read_megatron_optimizer(it_dir: str, common: dict, weights: dict[str, torch.
     _dcp_load(flat, it_dir, no_dist=True)
     mapped = to_megamoe_states(states, config, params, it_dir)
     return mapped, found.step, f"Adam state of {found.kind} at step {found.step}"
+
+
+def _read_flat_optimizer(it_dir: str, common: dict, metadata, weights: dict, config,
+                         params: dict) -> tuple[Optional[dict], Optional[int], str]:
+    """read_megatron_optimizer for the dp_reshardable flat buffers (megatron_dp_reshard)."""
+    optimizer = getattr(common["args"], "optimizer", "adam")
+    if optimizer not in ("adam", None):
+        return None, None, f"only Adam's state is read (args.optimizer = {optimizer!r})"
+
+    def load(flat: dict) -> None:
+        _shards_hold(it_dir, {**weights, **flat}, "tensors and optimizer states")
+        _dcp_load(flat, it_dir, no_dist=True)
+    try:
+        raw, part = read_flat_states(it_dir, common, metadata, weights, load)
+    except NotModelled as e:
+        return None, None, ("the distributed optimizer's 'dp_reshardable' layout is not "
+                            f"rebuilt: {e}")
+    except ConvertError as e:  # (an args field's message names no file: the args')
+        msg = str(e)
+        raise ConvertError(msg if msg.startswith(it_dir) else f"{it_dir} (args): {msg}"
+                           ) from None
+    step = step_of(part, it_dir)
+    mapped = to_megamoe_states({NAMES[k]: v for k, v in raw.items()}, config, params, it_dir)
+    return mapped, step, ("Adam state of the distributed optimizer (dp_reshardable) at step "
+                          f"{step}")
 
 
 def _optimizer_with(model: GPTModel, optim_config, states: dict, step: int

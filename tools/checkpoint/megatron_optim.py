@@ -14,9 +14,11 @@ checked against real saves in tests/tools/megatron_peer/peer_optim.py):
 - a ChainedOptimizer (dense and expert optimizers) the same per chained optimizer, the
   tensor keys prefixed `chained_N.` unless `chained_optim_avoid_prefix`, its common part
   a dict {N: ...};
-- the distributed optimizer's `dp_reshardable` (Megatron-LM's default) flat DP buffers,
-  `fully_sharded_model_space` (flattened ranges; megatron-core 0.19 refuses to save it)
-  and the other layouts: not read here (the caller keeps weights and schedule only).
+- the distributed optimizer's `dp_reshardable` (Megatron-LM's default) flat DP buffers:
+  megatron_dp_reshard.py cuts them into model-shaped states, then the same mapping and
+  checks as here (`is_flat`);
+- `fully_sharded_model_space` (flattened ranges; megatron-core 0.19 refuses to save it)
+  and the other layouts: not read (the caller keeps weights and schedule only).
 
 Model-shaped states are whole tensors in DCP whatever TP / PP / EP the run used, so each
 state is mapped with megatron_mapping.to_megamoe, the same mapping as the weights (TP
@@ -45,6 +47,7 @@ _KEY = re.compile(r"(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32
 NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "main",
          "param": "main"}
 MODEL_SPACE = ("fully_reshardable",)
+FLAT = "dp_reshardable"
 MAX_STEP = 2**40
 
 
@@ -71,6 +74,16 @@ def _sharding_type(common: dict) -> Optional[str]:
     if found is None and getattr(args, "use_distributed_optimizer", False):
         return "dp_reshardable"  # (Megatron-LM's default when nothing says otherwise)
     return found
+
+
+def is_flat(common: dict) -> bool:
+    """A distributed optimizer state saved in the flat dp_reshardable buffers."""
+    return _sharding_type(common) == FLAT and bool(_parts(common.get("optimizer")))
+
+
+def step_of(common: dict, where: str) -> int:
+    """The one step count the optimizers' common parts record (checked)."""
+    return _step(common, where)
 
 
 def _parts(optim: Any) -> list[dict]:
@@ -127,7 +140,7 @@ def find_optimizer(common: dict, metadata, where: str) -> tuple[Optional[Megatro
     sharding = _sharding_type(common)
     if sharding is not None and sharding not in MODEL_SPACE:
         return None, (f"the distributed optimizer's {sharding!r} layout is not read "
-                      "(only fully_reshardable)")
+                      "(only fully_reshardable and dp_reshardable)")
     if not keys or not _parts(common.get("optimizer")):
         return None, "the checkpoint holds no optimizer state (--no-save-optim?)"
     optimizer = getattr(common.get("args"), "optimizer", "adam")

@@ -31,7 +31,7 @@ import io
 import os
 import pickle
 import types
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -133,21 +133,20 @@ def load_megatron_torch_file(path: str) -> Any:
                               "or not a torch.save file)") from None
 
 
-def read_common_bytes(ckpt_dir: str, storage_data: dict) -> tuple[bytes, str]:
-    """(the raw bytes of the common state, the file they come from): the `common_state`
-    byte item located through DCP's index (`storage_data`, read by the restricted
-    metadata unpickler), else the legacy common.pt."""
-    legacy = os.path.join(ckpt_dir, LEGACY_COMMON)
+def read_byte_item(ckpt_dir: str, storage_data: dict, fqn: str
+                   ) -> tuple[Optional[bytes], str]:
+    """(the raw bytes of the DCP byte item `fqn`, the file they come from), located
+    through DCP's index (`storage_data`, read by the restricted metadata unpickler);
+    (None, ckpt_dir) if the index has no such item."""
     for index, info in storage_data.items():
-        if getattr(index, "fqn", None) != COMMON_KEY:
+        if getattr(index, "fqn", None) != fqn:
             continue
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(rel, str) and isinstance(offset, int) and isinstance(length, int)
                 and offset >= 0 and 0 < length <= 2**31 and os.sep not in rel
                 and not getattr(info, "transform_descriptors", None)):
-            raise CheckpointError(f"{ckpt_dir}/.metadata: unusable index entry for "
-                                  f"{COMMON_KEY}")
+            raise CheckpointError(f"{ckpt_dir}/.metadata: unusable index entry for {fqn}")
         path = os.path.join(ckpt_dir, rel)
         try:
             with open(path, "rb") as f:
@@ -156,9 +155,19 @@ def read_common_bytes(ckpt_dir: str, storage_data: dict) -> tuple[bytes, str]:
         except OSError as e:
             raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
         if len(data) != length:
-            raise CheckpointError(f"{path}: truncated (the common state needs bytes "
+            raise CheckpointError(f"{path}: truncated ({fqn} needs bytes "
                                   f"{offset}..{offset + length})")
         return data, path
+    return None, ckpt_dir
+
+
+def read_common_bytes(ckpt_dir: str, storage_data: dict) -> tuple[bytes, str]:
+    """(the raw bytes of the common state, the file they come from): the `common_state`
+    byte item (read_byte_item), else the legacy common.pt."""
+    data, path = read_byte_item(ckpt_dir, storage_data, COMMON_KEY)
+    if data is not None:
+        return data, path
+    legacy = os.path.join(ckpt_dir, LEGACY_COMMON)
     if os.path.isfile(legacy):
         with open(legacy, "rb") as f:
             return f.read(), legacy

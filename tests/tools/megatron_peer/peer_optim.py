@@ -2,7 +2,9 @@
 (mcore_venv.py), never imports megamoe.
 
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
-        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] --out SAVE_DIR [--steps 2]
+        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] \
+        [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] \
+        [--layout-json PATH [--layout-only]] [--reference-out DIR] --out SAVE_DIR [--steps 2]
 
 builds the variant's tiny GPTModel (peer.py), wraps it in megatron-core's
 DistributedDataParallel, builds its optimizer with `get_megatron_optimizer` (Adam with
@@ -14,7 +16,12 @@ zero), then saves what Megatron-LM's save_checkpoint saves for `--ckpt-format
 torch_dist`: the model's and the optimizer's sharded state dicts (the optimizer's
 `sharded_state_dict(model_sd, metadata=...)` with Megatron-LM's content metadata:
 `distrib_optim_sharding_type`, `chained_optim_avoid_prefix`) and the common state
-(args, iteration = steps, LR scheduler).
+(args, iteration = steps, LR scheduler). --reference-out saves the same state again in
+the model-shaped fully_reshardable layout (the oracle for dp_reshardable imports);
+--layout-json dumps megatron-core's own buffer layout (dump_layout), --layout-only then
+stops (--overlap-grad-reduce's gradient hooks ask for CUDA streams: they build but do not
+train on the CPU). --dp N forks N data-parallel gloo ranks that train on the same tokens (so their
+gradients are equal without megatron-core's gradient sync, which is not called).
 
 On CPU: megatron-core's optimizers make a few tensors with device='cuda' and check
 `param.type()` for CUDA type names; those factories are sent to the CPU and CPU tensors
@@ -68,7 +75,7 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
 def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
-          layout: dict | None = None):
+          layout: dict | None = None, ddp: dict | None = None):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -81,12 +88,38 @@ def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
         model = model.to(torch.bfloat16)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), model)
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True, **(ddp or {})),
+        model)
     config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD,
                              adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
                              use_distributed_optimizer=distributed, clip_grad=1.0,
                              **dtype)
     return model, ddp, get_megatron_optimizer(config, [ddp])
+
+
+def dump_layout(optimizer, model, path: str) -> None:
+    """megatron-core's own buffer layout as facts for the converter's layout test: per
+    chained optimizer, its dp_group_idx and for each buffer (gbuf_idx) its dtype key and
+    buckets, each with its padded and unpadded numel and every parameter's [start, end)
+    inside the bucket (`{path}.rank{R}.json`)."""
+    import json
+
+    names = {p: n for n, p in model.named_parameters()}
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        bufs = []
+        for buf in opt.buffers:
+            buckets = [{"numel": b.grad_data.numel(), "numel_unpadded": b.numel_unpadded,
+                        "offset": b.offset, "params": {}} for b in buf.buckets]
+            for p, (start, end, bucket) in buf.param_index_map.items():
+                off = buf.buckets[bucket].offset
+                buckets[bucket]["params"][names[p]] = [start - off, end - off]
+            bufs.append({"dtype": str((buf.param_dtype, buf.grad_dtype)),
+                         "dp_size": buf.data_parallel_group.size(), "buckets": buckets})
+        out.append({"dp_group_idx": opt.data_parallel_group_idx, "buffers": bufs})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.rank{torch.distributed.get_rank()}.json", "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def train(model, ddp, optimizer, steps: int) -> None:
@@ -104,13 +137,19 @@ def train(model, ddp, optimizer, steps: int) -> None:
 
 def save(a) -> None:
     """One rank's part (all of it with one process): train, then the collective save."""
-    from megatron.core import dist_checkpointing
 
-    sharded = a.tp * a.ep > 1
+    sharded = a.tp * a.ep * a.dp > 1
     # (MoE with TP trains only with sequence parallelism in megatron-core)
     layout = {**peer_legacy._layout(a), "sequence_parallel": a.tp > 1} if sharded else None
     vocab = peer_legacy.padded_vocab(a.tp)
-    model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout)
+    ddp_args = {"overlap_grad_reduce": a.overlap_grad_reduce, "bucket_size": a.bucket_size,
+                "pad_buckets_for_high_nccl_busbw": a.pad_buckets}
+    model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout,
+                                  ddp_args)
+    if a.layout_json:
+        dump_layout(optimizer, model, a.layout_json)
+    if a.layout_only:
+        return
     if sharded:
         peer_legacy._equalize_replicas([model])
     train(model, ddp, optimizer, a.steps)
@@ -122,26 +161,40 @@ def save(a) -> None:
     args.optimizer, args.adam_beta1, args.adam_beta2, args.adam_eps = "adam", *BETAS, EPS
     args.clip_grad, args.lr, args.lr_decay_style, args.lr_warmup_iters = 1.0, LR, "constant", 0
     args.weight_decay = WD
+    # Megatron-LM's DDP flags (their argparse defaults unless given)
+    args.overlap_grad_reduce, args.ddp_bucket_size = a.overlap_grad_reduce, a.bucket_size
+    args.ddp_pad_buckets_for_high_nccl_busbw = a.pad_buckets
+    args.data_parallel_size = torch.distributed.get_world_size() // a.tp
+    args.overlap_param_gather_with_optimizer_step = False
+    args.num_distributed_optimizer_instances = 1
     if a.bf16:
         args.bf16, args.params_dtype = True, torch.bfloat16
+    _save_as(a.sharding, a.out, args, model, optimizer)
+    if a.reference_out:  # the same state in megatron-core's own model-shaped layout
+        _save_as("fully_reshardable", a.reference_out, args, model, optimizer)
+
+
+def _save_as(sharding: str, out: str, args, model, optimizer) -> None:
     # Megatron-LM's _build_sharded_state_dict_metadata (megatron/training/checkpointing.py)
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if a.optimizer == "distrib":
-        metadata["distrib_optim_sharding_type"] = a.sharding
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": a.steps,
+    if args.use_distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = sharding
+    from megatron.core import dist_checkpointing
+
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
              "model": model.sharded_state_dict(metadata=metadata),
              "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(
                  metadata=metadata), metadata=metadata),
              "opt_param_scheduler": peer.scheduler_state(args),
              "num_floating_point_operations_so_far": 1.5e12}
-    it_dir = os.path.join(a.out, f"iter_{a.steps:07d}")
+    it_dir = os.path.join(out, f"iter_{args.iteration:07d}")
     os.makedirs(it_dir, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save(state, it_dir, content_metadata=metadata)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(a.out, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(a.steps))
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(args.iteration))
 
 
 def worker(rank: int, a) -> None:
@@ -169,9 +222,18 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 weights, fp32 main params")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert parallel (expert TP 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (at least)")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--bucket-size", type=int, default=None)
+    p.add_argument("--pad-buckets", action="store_true",
+                   help="--ddp-pad-buckets-for-high-nccl-busbw")
+    p.add_argument("--layout-json", default=None, help="dump the buffer layout here")
+    p.add_argument("--layout-only", action="store_true", help="dump it, no training/save")
+    p.add_argument("--reference-out", default=None,
+                   help="also save the same state as fully_reshardable here")
     a = p.parse_args()
     torch.manual_seed(0)
-    if a.tp * a.ep == 1:
+    if a.tp * a.ep * a.dp == 1:
         peer.init_process_group()
         save(a)
         torch.distributed.destroy_process_group()
@@ -179,7 +241,7 @@ def main() -> None:
     # TP x EP ranks, expert TP 1, the smallest data-parallel size that holds them; every
     # rank trains on the same tokens (data-parallel replicas stay equal without a sync)
     a.pp, a.vpp, a.etp, a.iteration = 1, None, 1, a.steps
-    dp = a.ep // math.gcd(a.tp, a.ep)
+    dp = max(a.ep // math.gcd(a.tp, a.ep), a.dp)
     a.world = a.tp * dp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(peer_legacy._free_port())

@@ -1,0 +1,230 @@
+"""Megatron-LM's default distributed-optimizer checkpoint layout (`dp_reshardable`: flat
+per-bucket buffers) imported by convert.py megatron-to-megamoe, against real
+megatron-core 0.19.2 (megatron_peer/peer_optim.py) as the oracle:
+
+- the buffer layout function (megatron_dp_layout.bucket_layout) gives exactly the
+  bucket lengths and parameter ranges megatron-core computed for itself (recorded in
+  data/megatron_dp_layout_facts.json by the peer: MLA + MTP at DP 2 with
+  --overlap-grad-reduce, a 40000-element bucket size and
+  --ddp-pad-buckets-for-high-nccl-busbw, whose 20- and 24-element norms exercise the
+  64-element parameter alignment; the slow test re-derives them from the peer);
+- a DP 2 run (and DP 2 x EP 2, slow) saved in dp_reshardable after two real Adam steps
+  and converted: the imported moments and fp32 main parameters equal megatron-core's
+  own model-shaped (fully_reshardable) save of the same state, exactly (copies of the
+  same numbers); resumed one iteration by megamoe (slow), its update is the AdamW step
+  by hand (test_convert_megatron_optim.check_adamw_step) from that save;
+- a layout the saved args do not describe: the one-line weights-only fallback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+
+import pytest
+import torch
+
+from tests.tools.megatron_peer.mcore_venv import run_peer
+from tests.tools.test_convert_megatron_optim import (
+    PEER_OPTIM,
+    _raw,
+    _resume_one_iteration,
+    _resumed,
+    check_adamw_step,
+)
+from tools.checkpoint.convert import main as convert
+
+layout = importlib.import_module("megatron_dp_layout")
+megatron_format = importlib.import_module("megatron_format")
+reshard = importlib.import_module("megatron_dp_reshard")
+FACTS = os.path.join(os.path.dirname(__file__), "data", "megatron_dp_layout_facts.json")
+
+
+def _facts_of(buf: dict) -> dict:
+    return {"bucket_size": None, "dp_size": buf["dp_size"],
+            "buckets": [[b["numel"], b["numel_unpadded"],
+                         [[n, s, e] for n, (s, e) in b["params"].items()]]
+                        for b in buf["buckets"]]}
+
+
+def _check_layout(fact: dict) -> None:
+    """bucket_layout of megatron-core's parameters (registration order: the reverse of
+    the order it filled its buckets in) gives its buckets and ranges exactly."""
+    filled = [(n, e - s) for _, _, params in fact["buckets"] for n, s, e in params]
+    got = layout.bucket_layout(filled[::-1], fact["bucket_size"], fact["dp_size"],
+                               fact.get("pad_buckets_for_high_nccl_busbw", False))
+    want = [(numel, unpadded, {n: (s, e) for n, s, e in params})
+            for numel, unpadded, params in fact["buckets"]]
+    assert [(b.numel, b.numel_unpadded, b.params) for b in got] == want
+
+
+@pytest.mark.parametrize("case", ["mla_mtp_dp2_bucket40000_padbusbw",
+                                  "mixtral_dp2_one_bucket"])
+def test_layout_is_megatron_cores(case):
+    _check_layout(json.load(open(FACTS))[case])
+
+
+def _save(tmp, mcore_python, *extra: str) -> tuple[str, str, str]:
+    """(dp_reshardable save, fully_reshardable save of the same state, layout dump)."""
+    out, ref, dump = str(tmp / "flat"), str(tmp / "ref"), str(tmp / "layout" / "l")
+    run_peer(["--optimizer", "distrib", "--sharding", "dp_reshardable", "--dp", "2",
+              "--out", out, "--reference-out", ref, "--layout-json", dump, *extra],
+             python=mcore_python, script=PEER_OPTIM)
+    return out, ref, dump
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, mcore_python):
+    """A DP 2 Megatron save (2 gloo ranks, two Adam steps) in dp_reshardable, with its
+    fully_reshardable twin and megatron-core's layout dump."""
+    return _save(tmp_path_factory.mktemp("dp2"), mcore_python)
+
+
+def _imported_equal_reference(conv: str, ref: str) -> None:
+    """The converted moments and main params are megatron-core's own model-shaped ones
+    (the same state saved twice by one process: equal exactly, being copies)."""
+    p0, s0 = _raw(os.path.join(ref, "iter_0000002"))
+    bf16 = p0["embedding.word_embeddings.weight"].dtype == torch.bfloat16  # (fp32 main)
+    p1, s1, _, step = _resumed(os.path.join(conv, "iter_0000002"), bf16)
+    assert step == 2.0
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert sorted(s1[name]) == sorted(s0[name])
+        for key, t in s1[name].items():
+            torch.testing.assert_close(t, s0[name][key], rtol=0, atol=0, msg=key)
+    for key, t in s0["param"].items():
+        torch.testing.assert_close(p1[key], t, rtol=0, atol=0, msg=key)
+
+
+def _convert(tmp, save: str, capsys) -> str:
+    conv = str(tmp / "conv")
+    assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
+    assert ("Adam state of the distributed optimizer (dp_reshardable) at step 2"
+            in capsys.readouterr().out)
+    return conv
+
+
+def _convert_and_resume(tmp, save: str, ref: str, capsys, *run: str) -> None:
+    conv = _convert(tmp, save, capsys)
+    _imported_equal_reference(conv, ref)
+    worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp / "run"), *run))
+    with capsys.disabled():
+        print("worst errors (exp_avg_sq, update / lr):", worst)
+
+
+def test_dp2_dp_reshardable_imports_megatron_cores_state(dp2, tmp_path, capsys):
+    """The default-suite case: the layout from the args is megatron-core's and the
+    imported moments and main parameters are its own model-shaped ones (the resumed
+    AdamW step: the slow test below)."""
+    save, ref, dump = dp2
+    # the converter's layout (from the args and weights) is megatron-core's: same
+    # bucket lengths, same parameter ranges
+    fact = _facts_of(json.load(open(f"{dump}.rank0.json"))[0]["buffers"][0])
+    _check_layout(fact)
+    common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
+    ours = reshard.expected_buffers(common["args"], weights)[("", 0)]
+    assert [(b.numel, b.numel_unpadded, sorted(b.params.values())) for b in ours] == [
+        (n, u, sorted((s, e) for _, s, e in params)) for n, u, params in fact["buckets"]]
+    _imported_equal_reference(_convert(tmp_path, save, capsys), ref)
+
+
+@pytest.mark.slow
+def test_dp2_dp_reshardable_resumes_with_the_adamw_step(dp2, tmp_path, capsys):
+    _convert_and_resume(tmp_path, dp2[0], dp2[1], capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [("--ep", "2"), ("--bf16",)])
+def test_dp2_ep2_and_bf16_dp_reshardable(tmp_path, mcore_python, capsys, extra):
+    """EP 2 (expert DP 1): megatron-core's ChainedOptimizer, the dense buffer under
+    chained_0 (dp_group_idx_0), each EP rank's experts under chained_1.dp_group_idx_R;
+    --bf16: bf16 buffers (dtype_(torch.bfloat16, torch.float32)), fp32 main params."""
+    save, ref, _ = _save(tmp_path, mcore_python, *extra)
+    _convert_and_resume(tmp_path, save, ref, capsys, *[e for e in extra if e == "--bf16"])
+
+
+@pytest.mark.slow
+def test_recorded_facts_are_the_peers(tmp_path, mcore_python):
+    """data/megatron_dp_layout_facts.json is what megatron-core computes today."""
+    dump = str(tmp_path / "l")
+    run_peer(["--variant", "mla_mtp", "--optimizer", "distrib", "--dp", "2",
+              "--overlap-grad-reduce", "--bucket-size", "40000", "--pad-buckets",
+              "--out", str(tmp_path / "x"), "--layout-json", dump, "--layout-only"],
+             python=mcore_python, script=PEER_OPTIM)
+    got = _facts_of(json.load(open(f"{dump}.rank0.json"))[0]["buffers"][0])
+    want = json.load(open(FACTS))["mla_mtp_dp2_bucket40000_padbusbw"]
+    assert got["buckets"] == want["buckets"] and got["dp_size"] == want["dp_size"]
+
+
+def _forward_order(monkeypatch) -> None:
+    """The buffer filled in registration order, not megatron-core's reverse."""
+    real = layout.bucket_layout
+    for module in (layout, reshard):
+        monkeypatch.setattr(module, "bucket_layout", lambda p, *a: real(p[::-1], *a))
+
+
+@pytest.mark.slow
+def test_a_forward_parameter_order_fails_the_check(dp2, tmp_path, monkeypatch, capsys):
+    """Same bucket length, other slices: the converter cannot tell, the comparison with
+    megatron-core's own model-shaped save (and the layout facts) can."""
+    save, ref, _ = dp2
+    _forward_order(monkeypatch)
+    conv = _convert(tmp_path, save, capsys)
+    with pytest.raises(AssertionError):
+        _check_layout(json.load(open(FACTS))["mixtral_dp2_one_bucket"])
+    monkeypatch.undo()
+    with pytest.raises(AssertionError) as e:
+        _imported_equal_reference(conv, ref)
+    print(str(e.value).splitlines()[0][:200])
+
+
+@pytest.mark.parametrize("breakage", ["PARAM_ALIGN", "bucket_end_divisor"])
+def test_dropped_padding_fails_the_layout_check(monkeypatch, breakage):
+    """No 64-element parameter alignment, or no bucket-end padding: MLA's 20- and
+    24-element norms and the 40000-element buckets no longer land where megatron-core
+    put them."""
+    if breakage == "PARAM_ALIGN":
+        monkeypatch.setattr(layout, "PARAM_ALIGN", 1)
+    else:
+        monkeypatch.setattr(layout, "bucket_end_divisor", lambda dp, pad: 1)
+    with pytest.raises(AssertionError):
+        _check_layout(json.load(open(FACTS))["mla_mtp_dp2_bucket40000_padbusbw"])
+
+
+@pytest.mark.slow
+def test_a_layout_the_args_do_not_describe_falls_back(dp2, tmp_path, monkeypatch, capsys):
+    """Saved bucket lengths that the rebuilt layout does not match (here: the args made
+    to say 10000-element buckets): weights and schedule only, with one line why."""
+    monkeypatch.setattr(reshard, "bucket_size_of", lambda *a: 10000)
+    conv = str(tmp_path / "conv")
+    assert convert(["megatron-to-megamoe", "--input", dp2[0], "--output", conv]) == 0
+    out = capsys.readouterr().out
+    assert "the distributed optimizer's 'dp_reshardable' layout is not rebuilt: " in out
+    assert "fresh Adam moments" in out
+
+
+def test_args_the_layout_does_not_model():
+    """Untrusted args fields: what is not modelled is NotModelled (the fallback), a field
+    of the wrong type a ConvertError naming it."""
+    w = {"embedding.word_embeddings.weight": torch.zeros(8, 4),
+         "decoder.layers.mlp.router.weight": torch.zeros(2, 4, 4),
+         "decoder.layers.mlp.experts.experts.linear_fc1.weight": torch.zeros(2, 4, 6, 4),
+         "output_layer.weight": torch.zeros(8, 4)}
+    base = dict(data_parallel_size=2, expert_model_parallel_size=2, num_experts=4,
+                num_layers=2)
+    want = reshard.expected_buffers(argparse.Namespace(**base), w)
+    assert sorted(want) == [("chained_0.", 0), ("chained_1.", 0), ("chained_1.", 1)]
+    assert [e for e in want[("chained_1.", 1)][0].params][:2] == [
+        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 3)),
+        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 2))]
+    for bad in (dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2),
+                dict(virtual_pipeline_model_parallel_size=2), dict(data_parallel_size=3),
+                dict(moe_grouped_gemm=True), dict(data_parallel_size=None),
+                dict(ddp_num_buckets=4), dict(context_parallel_size=2)):
+        with pytest.raises(reshard.NotModelled):
+            reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
+    for bad in (dict(ddp_bucket_size="40000"), dict(data_parallel_size=0),
+                dict(overlap_grad_reduce="yes")):
+        with pytest.raises(reshard.ConvertError, match="args."):
+            reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
