@@ -139,7 +139,8 @@ def refused_option(args: argparse.Namespace, parser: argparse.ArgumentParser
     for action in parser._actions:
         flag = next((s for s in action.option_strings if s in REFUSED), None)
         if flag is not None and getattr(args, action.dest) != action.default:
-            return f"not supported yet: {flag} ({REFUSED[flag]})"
+            spelled = " / ".join(action.option_strings)  # aliases: name every spelling
+            return f"not supported yet: {spelled} ({REFUSED[flag]})"
     return None
 
 

@@ -130,11 +130,11 @@ class _Progress:
         if self.interactive:
             self.bar.set_postfix_str(f"{n_docs} docs, {n_docs / elapsed:.0f} docs/s",
                                      refresh=False)
-        while n_docs >= self.next_log:
+        if n_docs >= self.next_log:  # once per chunk that crosses a multiple
             if not self.interactive:
                 sys.stderr.write(f"Processed {n_docs} documents ({n_docs / elapsed:.1f} "
                                  f"docs/s, {self.done / elapsed / 2**20:.2f} MB/s).\n")
-            self.next_log += self.log_interval
+            self.next_log = (n_docs // self.log_interval + 1) * self.log_interval
 
     def close(self) -> None:
         self.bar.close()
