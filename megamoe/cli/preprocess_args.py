@@ -151,6 +151,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     refused = refused_option(args, parser)
     if refused is not None:
         parser.exit(2, f"preprocess_data.py: error: {refused}\n")
+    eod = args.null_tokenizer_eod_id
+    if eod is not None and args.vocab_size is not None and not 0 <= eod < args.vocab_size:
+        parser.error(f"--null-tokenizer-eod-id must be in [0, --vocab-size), got {eod}")
     workers = args.workers_to_check if args.find_optimal_num_workers else [args.workers]
     if not any(w % args.partitions == 0 for w in workers):
         parser.error(f"--workers must be divisible by --partitions ({args.partitions}), "

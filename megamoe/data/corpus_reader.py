@@ -80,6 +80,16 @@ def _open_binary(path: str, raw: BinaryIO) -> BinaryIO:
     return raw
 
 
+def _require_module(path: str) -> None:
+    """A missing optional reader is one line naming the file, not an ImportError."""
+    import importlib.util
+
+    module = "pyarrow" if is_parquet(path) else "zstandard" if path.endswith(".zst") else None
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise DataError(f"{path}: reading it needs the {module} package "
+                        f"(pip install {module})")
+
+
 def is_parquet(path: str) -> bool:
     return path.endswith(".parquet")
 
@@ -90,6 +100,7 @@ class CorpusReader:
     def __init__(self, path: str, keys: Sequence[str], chunk_docs: int) -> None:
         if not os.path.isfile(path):
             raise DataError(f"{path}: input file not found")
+        _require_module(path)
         self.path = path
         self.keys = list(keys)
         self.chunk_docs = chunk_docs
@@ -163,6 +174,7 @@ def parquet_rows(path: str) -> int:
 def count_documents(path: str) -> int:
     """Documents in a file (non-blank jsonl lines or Parquet rows), for
     --keep-sequential-samples' partition size."""
+    _require_module(path)
     if is_parquet(path):
         return parquet_rows(path)
     try:

@@ -68,6 +68,15 @@ def test_option_set_matches_pinned_megatron_and_each_is_classified(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and "not supported yet: " in err[0]
         assert flag in err[0], err
+    for flag in ("--workers", "--partitions", "--log-interval", "--max-documents",
+                 "--workers-to-check", "--chunk-size", "--vocab-size",
+                 "--null-tokenizer-eod-id"):
+        eod = flag == "--null-tokenizer-eod-id"
+        for value in (["-1", "7"] if eod else ["0"]):
+            with pytest.raises(SystemExit) as e:
+                parse_args(base + [flag, value] + (["--vocab-size", "7"] if eod else []))
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and flag in err[-1], (flag, err)
     with pytest.raises(SystemExit) as e:
         parse_args(base[:-1] + ["3", "--partitions", "2"])
     assert e.value.code == 2 and "--partitions" in capsys.readouterr().err
