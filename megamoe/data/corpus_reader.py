@@ -15,6 +15,7 @@ malformed Parquet file raises DataError naming the file.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import io
 import lzma
 import os
@@ -82,8 +83,6 @@ def _open_binary(path: str, raw: BinaryIO) -> BinaryIO:
 
 def _require_module(path: str) -> None:
     """A missing optional reader is one line naming the file, not an ImportError."""
-    import importlib.util
-
     module = "pyarrow" if is_parquet(path) else "zstandard" if path.endswith(".zst") else None
     if module is not None and importlib.util.find_spec(module) is None:
         raise DataError(f"{path}: reading it needs the {module} package "

@@ -14,6 +14,7 @@ unless every document was encoded: outputs are written to temporary names first.
 from __future__ import annotations
 
 import collections
+import glob
 import math
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from megamoe.data.corpus_reader import CorpusReader, count_documents
 from megamoe.data.errors import DataError
@@ -114,8 +116,6 @@ class _Progress:
     Megatron's "Processed N documents" line every --log-interval documents otherwise."""
 
     def __init__(self, total_bytes: int, log_interval: int) -> None:
-        from tqdm import tqdm
-
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1 << 20,
                         desc="input", file=sys.stderr, mininterval=0.5,
@@ -218,8 +218,6 @@ def input_files(pattern: str, partitions: int) -> tuple[str, ...]:
     here, so the order does not depend on the file system)."""
     if partitions == 1:
         return (pattern,)
-    import glob
-
     found = tuple(sorted(p for p in glob.glob(pattern) if os.path.isfile(p)))
     if not found:
         raise DataError(f"{pattern}: no input file matches (--input)")
