@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -107,16 +106,13 @@ def _pack(tokenizer, values: list, append_eod: bool, dtype: np.dtype) -> tuple:
     return tokens.astype(dtype).tobytes(), lengths, per_doc
 
 
-def encode_chunk(chunk: tuple, limit: Optional[int] = None) -> EncodedChunk:
-    """Tokenize every document of `chunk` (at most `limit` of them) with this worker's
-    tokenizer."""
+def encode_chunk(chunk: tuple) -> EncodedChunk:
+    """Tokenize every document of `chunk` with this worker's tokenizer."""
     cfg: EncodeConfig = _STATE["cfg"]
     values, error = _documents(chunk, cfg.keys)
     if error:
         return EncodedChunk(0, {}, error)
     n_docs = len(values[cfg.keys[0]])
-    if limit is not None and limit < n_docs:
-        values, n_docs = {k: v[:limit] for k, v in values.items()}, limit
     packed = {}
     try:
         for key in cfg.keys:
