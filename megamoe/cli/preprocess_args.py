@@ -32,8 +32,6 @@ NOOP = {
     "--disable-pad-vocab-size": "embedding padding only (as --padded-vocab-size)",
     "--vocab-extra-ids": "Megatron's get_args overwrites it with 0",
     "--null-tokenizer-pad-id": "padding is never written by preprocessing",
-    "--workers-to-check": "read only with --find-optimal-num-workers",
-    "--max-documents": "read only with --find-optimal-num-workers",
     "--keep-newlines": "read only with --split-sentences",
     "--lang": "read only with --split-sentences",
 }

@@ -38,6 +38,8 @@ BUILT = {
     "--keep-sequential-samples": "test_partitions_round_robin_and_sequential",
     "--find-optimal-num-workers": "test_find_optimal_num_workers_publishes_nothing",
     "--log-interval": "test_find_optimal_num_workers_publishes_nothing",
+    "--workers-to-check": "test_find_optimal_num_workers_publishes_nothing",
+    "--max-documents": "test_find_optimal_num_workers_publishes_nothing",
     "--vocab-file": "tests/data/test_tokenizers.py (GPT2BPETokenizer)",
     "--merge-file": "tests/data/test_tokenizers.py (GPT2BPETokenizer)",
     "--trust-remote-code": "tests/data/test_remote_tokenizer.py",
@@ -199,6 +201,8 @@ def test_find_optimal_num_workers_publishes_nothing(tmp_path, capsys):
     out = capsys.readouterr()
     assert "The most optimal num of workers is" in out.out
     assert out.err.count("Processed 10 documents") == 2  # --log-interval lines, per run
+    assert "Processed 30 documents" not in out.err  # --max-documents 20
+    assert " 1 workers -> " in out.out and " 2 workers -> " in out.out  # --workers-to-check
     assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
