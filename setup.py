@@ -26,6 +26,8 @@ setup(
         "safetensors",
         "tqdm",
         "pyyaml",
+        "zstandard",  # tools/preprocess_data.py: .zst corpora
+        "pyarrow",  # tools/preprocess_data.py: Parquet corpora
     ],
     extras_require={
         # pytest-xdist: scripts/test.sh runs the suite on two workers (one per core)

@@ -34,7 +34,7 @@ LAYERS = [  # lowest first; a module belongs to the first prefix it matches
 # preprocessing workers must not pay for the others.)
 OPTIONAL = {"transformers", "tensorboard", "torch.utils.tensorboard", "wandb", "matplotlib",
             "grouped_gemm", "transformer_engine", "apex", "deepspeed", "sentencepiece",
-            "tokenizers"}
+            "tokenizers", "pyarrow", "zstandard"}
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 

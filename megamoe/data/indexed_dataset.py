@@ -104,6 +104,32 @@ class IndexedDatasetBuilder:
         self.sequence_lengths.extend(lengths)
         self.end_document()
 
+    def add_packed(self, tokens: bytes, sequence_lengths: np.ndarray,
+                   document_sequences: np.ndarray) -> None:
+        """Append whole documents already packed in this dtype (a preprocessing worker's
+        output): `document_sequences[d]` sequences of `sequence_lengths` each."""
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        if int(lengths.sum()) * self.dtype.itemsize != len(tokens):
+            raise ValueError("packed tokens do not match their sequence lengths")
+        self._file.write(tokens)
+        self.sequence_lengths.extend(lengths.tolist())
+        base = self.document_indices[-1]
+        self.document_indices.extend((base + np.cumsum(document_sequences)).tolist())
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append a whole finished dataset (Megatron's add_index: tools/merge_datasets.py
+        and --partitions); its dtype must be this builder's."""
+        other = IndexedDataset(path_prefix)
+        if other.dtype != self.dtype:
+            raise DataError(f"{index_file_path(path_prefix)}: dtype {other.dtype} differs "
+                            f"from the merged dataset's {self.dtype}")
+        base = len(self.sequence_lengths)
+        self.sequence_lengths.extend(other.sequence_lengths.tolist())
+        self.document_indices.extend((base + other.document_indices[1:]).tolist())
+        with open(data_file_path(path_prefix), "rb") as f:
+            while block := f.read(16 << 20):
+                self._file.write(block)
+
     def finalize(self, idx_path: str) -> None:
         """Write the index and publish `.bin` then `.idx` atomically."""
         self._file.close()

@@ -114,6 +114,10 @@ class HuggingFaceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
 
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`tokenize` of each text, encoded together (the Rust library's own threads)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
@@ -157,6 +161,9 @@ class GPT2BPETokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -89,14 +89,15 @@ def test_bad_inputs_are_one_line_and_keep_old_outputs(tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text("\n".join(lines[:45] + ['{"text": "1 2'] + lines[45:]) + "\n")
     _expect_one_line_error(_run("--input", bad_json, "--output-prefix", tmp_path / "o", *NULL),
-                           "bad.jsonl:46", "invalid JSON")
+                           "bad.jsonl: line 46", "invalid JSON")
     no_key = tmp_path / "nokey.jsonl"
     no_key.write_text("\n".join(lines[:3] + ['{"body": "1 2"}']) + "\n")
     _expect_one_line_error(_run("--input", no_key, "--output-prefix", tmp_path / "o", *NULL),
-                           "nokey.jsonl:4", "'text' missing")
+                           "nokey.jsonl: line 4", "'text' missing")
     _expect_one_line_error(_run("--input", good, "--output-prefix", tmp_path / "o",
                                 "--tokenizer-type", "SentencePieceTokenizer",
-                                "--tokenizer-model", tmp_path / "none.model"), "none.model")
+                                "--tokenizer-model", tmp_path / "none.model", "--workers", 1),
+                           "none.model")
 
     after = {f: (tmp_path / f).read_bytes() for f in before}
     assert after == before

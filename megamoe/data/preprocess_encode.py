@@ -1,0 +1,124 @@
+"""The worker side of tools/preprocess_data.py: one chunk of documents -> packed tokens.
+
+Megatron's Encoder.encode, per chunk instead of per document: a value that is a list is
+a document of sentences (each a sequence), a string is a one-sequence document; empty
+sequences are dropped and --append-eod adds eod to the last sequence of a non-empty
+document. Why per chunk: the texts of a chunk go to the tokenizer in one batch
+(tokenizers' encode_batch) and come back as one bytes object in the output dtype, so the
+main process writes them with no per-token Python work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from megamoe.data.errors import DataError
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    keys: tuple[str, ...]
+    append_eod: bool
+    dtype: str  # numpy dtype name of the output tokens
+
+
+@dataclass
+class EncodedChunk:
+    """One chunk's documents; `packed[key]` = (token bytes, sequence lengths int64,
+    sequences per document int64). `error` is "LOCATION: what" for bad input."""
+
+    n_docs: int
+    packed: dict
+    error: str = ""
+
+
+_STATE: dict = {}  # per worker process: the tokenizer and EncodeConfig
+
+
+def init_worker(tokenizer_factory, cfg: EncodeConfig) -> None:
+    _STATE["tokenizer"] = tokenizer_factory()
+    _STATE["cfg"] = cfg
+
+
+def _documents(chunk: tuple, keys: tuple[str, ...]) -> tuple[dict, str]:
+    """{key: [value per document]} from a chunk, or ({}, error)."""
+    kind, first, payload = chunk
+    if kind == "rows":
+        for key, values in payload.items():
+            for j, v in enumerate(values):
+                if not _is_text(v):
+                    return {}, f"row {first + j}: column {key!r} is {_what(v)}"
+        return payload, ""
+    out: dict = {k: [] for k in keys}
+    for j, line in enumerate(payload):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            return {}, f"line {first + j}: invalid JSON ({e})"
+        if not isinstance(doc, dict):
+            return {}, f"line {first + j}: expected a JSON object"
+        for key in keys:
+            if key not in doc:
+                return {}, f"line {first + j}: key {key!r} missing"
+            if not _is_text(doc[key]):
+                return {}, f"line {first + j}: key {key!r} is {_what(doc[key])}"
+            out[key].append(doc[key])
+    return out, ""
+
+
+def _is_text(v) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+def _what(v) -> str:
+    return "null" if v is None else f"not a string or list of strings ({type(v).__name__})"
+
+
+def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    batch = getattr(tokenizer, "tokenize_batch", None)
+    return batch(texts) if batch is not None else [tokenizer.tokenize(t) for t in texts]
+
+
+def _pack(tokenizer, values: list, append_eod: bool, dtype: np.dtype) -> tuple:
+    docs = [v if isinstance(v, list) else [v] for v in values]
+    flat = _tokenize_all(tokenizer, [s for d in docs for s in d])
+    seqs: list[list[int]] = []
+    per_doc = np.zeros(len(docs), dtype=np.int64)
+    at = 0
+    for d, sentences in enumerate(docs):
+        kept = [ids for ids in flat[at:at + len(sentences)] if len(ids) > 0]
+        at += len(sentences)
+        if kept and append_eod:
+            kept[-1] = [*kept[-1], tokenizer.eod]
+        seqs.extend(kept)
+        per_doc[d] = len(kept)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    tokens = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64,
+                         count=int(lengths.sum()))
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(dtype).max):
+        raise DataError(f"token id out of range for {dtype}")
+    return tokens.astype(dtype).tobytes(), lengths, per_doc
+
+
+def encode_chunk(chunk: tuple) -> EncodedChunk:
+    """Tokenize every document of `chunk` with this worker's tokenizer."""
+    cfg: EncodeConfig = _STATE["cfg"]
+    values, error = _documents(chunk, cfg.keys)
+    if error:
+        return EncodedChunk(0, {}, error)
+    n_docs = len(values[cfg.keys[0]])
+    packed = {}
+    try:
+        for key in cfg.keys:
+            packed[key] = _pack(_STATE["tokenizer"], values[key], cfg.append_eod,
+                                np.dtype(cfg.dtype))
+    except DataError as e:
+        where = "line" if chunk[0] == "json" else "row"
+        return EncodedChunk(0, {}, f"{where}s from {chunk[1]}: {e}")
+    return EncodedChunk(n_docs, packed)
