@@ -17,9 +17,12 @@ import sys
 from typing import Optional
 
 PYTHON = "3.11"
-PINS = ["torch==2.13.0", "numpy", "packaging", "psutil", "triton==3.7.1"]
+# transformers/tokenizers: Megatron-LM's tools/preprocess_data.py with a HuggingFace
+# tokenizer (tests/data/test_preprocess_vs_megatron.py), the same versions as megamoe's venv.
+PINS = ["torch==2.13.0", "numpy", "packaging", "psutil", "triton==3.7.1",
+        "transformers==5.24.0", "tokenizers==0.23.3"]
 MCORE = "megatron-core==0.19.2"
-KEY = f"py{PYTHON}-torch2.13.0-triton3.7.1-mcore0.19.2"
+KEY = f"py{PYTHON}-torch2.13.0-triton3.7.1-mcore0.19.2-transformers5.24.0"
 ROOT = os.path.join(os.path.expanduser(os.environ.get("MEGAMOE_CACHE", "~/.cache/megamoe")),
                     "mcore-venv")
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py")
