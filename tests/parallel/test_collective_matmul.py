@@ -47,26 +47,25 @@ def _pair(n: int, r: int, group, cfg: TPCommOverlap, s: int = 8, b: int = 3, h: 
         outs.append([y.detach(), x.grad] + [p.grad for p in (*col.parameters(),
                                                              *row.parameters())])
     for i, (want, got) in enumerate(zip(*outs)):
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{cfg} tensor {i}: {m}")
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, i=i: f"{cfg} tensor {i}: {m}")
 
 
-def _worker(rank: int, world_size: int) -> None:
+def overlap_checks(rank: int, world_size: int) -> None:
+    """Every variant against the plain layers, the default one against the dense layers
+    too (run at TP 2 inside test_tensor_parallel.py's spawn, which costs the default suite
+    no second process start; at TP 4 below)."""
     group = dist.group.WORLD
     for cfg in VARIANTS:
         _pair(world_size, rank, group, cfg)
-        tp = TensorParallel(group, sequence_parallel=True, overlap=cfg)
-        _column(tp, rank, world_size)  # against the dense layer
-        if world_size == 2:  # (_row's shapes are TP 2's)
-            _row(tp, rank, world_size)
-
-
-def test_overlapped_layers_match_plain_and_dense_tp2():
-    run_distributed(_worker, 2, 90)
+    tp = TensorParallel(group, sequence_parallel=True, overlap=VARIANTS[0])
+    _column(tp, rank, world_size)  # against the dense layers
+    if world_size == 2:  # (_row's shapes are TP 2's)
+        _row(tp, rank, world_size)
 
 
 @pytest.mark.slow
 def test_overlapped_layers_match_plain_and_dense_tp4():
-    run_distributed(_worker, 4, 180)
+    run_distributed(overlap_checks, 4, 180)
 
 
 def _record(n: int, cfg: TPCommOverlap) -> dict[int, list[tuple]]:
