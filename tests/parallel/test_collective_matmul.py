@@ -20,6 +20,7 @@ from tests.distributed import run_distributed
 from tests.parallel.test_tensor_parallel import _column, _row
 from tests.training import test_p2p_order as p2p
 
+META = torch.device("meta")
 TOL = dict(rtol=1e-5, atol=1e-6)
 VARIANTS = [TPCommOverlap(),  # Megatron's defaults: ag, rs, bulk wgrad + dgrad
             TPCommOverlap(rs_dgrad=True),
@@ -71,7 +72,10 @@ def test_overlapped_layers_match_plain_and_dense_tp4():
 def _record(n: int, cfg: TPCommOverlap) -> dict[int, list[tuple]]:
     """Every rank's posts and waits for one forward + backward of the column/row pair,
     recorded with test_p2p_order's recorder (fake process group: the collectives do
-    nothing, received buffers get random values)."""
+    nothing, received buffers get random values). The layers and input live on "meta", the
+    stand-in accelerator of test_fake_device.py, the default device staying the CPU: a
+    buffer made without its input's device fails the recorder's check or mixes devices in
+    a GEMM, and a host read of a value (none may be made) raises."""
     rec = p2p.Recorder()
     with pytest.MonkeyPatch.context() as mp:
         for module in (dist, p2p.c10d):
@@ -80,12 +84,11 @@ def _record(n: int, cfg: TPCommOverlap) -> dict[int, list[tuple]]:
         for rank in range(n):
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
             try:
-                rec.rank, rec.param, rec.programs[rank] = rank, (torch.float32,
-                                                                 torch.device("cpu")), []
+                rec.rank, rec.param, rec.programs[rank] = rank, (torch.float32, META), []
                 tp = TensorParallel(dist.group.WORLD, sequence_parallel=True, overlap=cfg)
-                col = ColumnParallelLinear(4, 12, bias=True, init_std=0.1, tp=tp)
-                row = RowParallelLinear(12, 4, bias=False, init_std=0.1, tp=tp)
-                x = torch.randn(2, 3, 4, requires_grad=True)
+                col = ColumnParallelLinear(4, 12, bias=True, init_std=0.1, tp=tp).to(META)
+                row = RowParallelLinear(12, 4, bias=False, init_std=0.1, tp=tp).to(META)
+                x = torch.randn(2, 3, 4, device=META, requires_grad=True)
                 row(col(x)).sum().backward()
             finally:
                 dist.destroy_process_group()

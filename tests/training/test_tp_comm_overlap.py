@@ -59,12 +59,23 @@ def test_flags_map_to_the_overlap_and_bad_combinations_are_one_line(capsys):
         assert message in err, (flags, err)
 
 
-def _worker(rank: int, world_size: int, flags: str) -> list[dict]:
+def _worker(rank: int, world_size: int, flags: str) -> tuple[list[dict], int]:
+    """The run's history and how many ring steps it posted (the flag must reach the
+    layers: equal losses alone would not show that)."""
     from megamoe.cli.main import pretrain
+    from megamoe.parallel import collective_matmul
 
+    steps = []
+    exchange = collective_matmul._exchange
+
+    def counted(*a, **k):
+        steps.append(1)
+        return exchange(*a, **k)
+
+    collective_matmul._exchange = counted
     args = parse_args(shlex.split(f"{TP2} --moe-layer-freq ([0]+[1]) --clip-grad 0.05 "
                                   f"{flags}"), world_size=world_size)
-    return pretrain(args, print_fn=lambda _msg: None).history
+    return pretrain(args, print_fn=lambda _msg: None).history, len(steps)
 
 
 @pytest.mark.slow
@@ -73,8 +84,9 @@ def _worker(rank: int, world_size: int, flags: str) -> list[dict]:
 def test_training_with_overlap_matches_without(flags):
     """TP 2 + SP, a dense and an MoE layer, clipping active: the same losses and grad norms
     to rounding (rtol 1e-5: the ring's summation order differs from the reduce-scatter's)."""
-    plain = run_distributed(_worker, 2, 300, "")
-    overlapped = run_distributed(_worker, 2, 300, flags)
+    plain, plain_steps = zip(*run_distributed(_worker, 2, 300, ""))
+    overlapped, steps = zip(*run_distributed(_worker, 2, 300, flags))
+    assert set(plain_steps) == {0} and min(steps) > 0, (plain_steps, steps)
     keys = ("lm loss", "load_balancing_loss", "z_loss", "grad norm")
     for want, got in zip(plain, overlapped):
         assert len(want) == len(got) == 3
