@@ -64,6 +64,8 @@ class TensorParallel:
     @property
     def comm_overlap(self) -> Optional[TPCommOverlap]:
         """The overlap the SP linears run (only under SP with more than one rank)."""
+        if self.overlap is None:  # (flag off: nothing more is asked per forward)
+            return None
         return self.overlap if self.sp and self.size > 1 else None
 
     def dropout_rng(self, split: bool) -> ContextManager:
