@@ -91,7 +91,7 @@ def parallelize(model: GPTModel, mesh: Mesh, parallel: ParallelConfig,
     if mesh.tp_size > 1:
         rng = RNGTracker(seed + MODEL_PARALLEL_SEED_OFFSET + mesh.tp_rank)
         apply_tensor_parallel(model, TensorParallel(mesh.group("tp"), parallel.sequence_parallel,
-                                                    rng))
+                                                    rng, parallel.tp_comm))
     if mesh.pp_size > 1:
         model = split_pipeline(model, parallel.layer_ranges(model.config.num_layers,
                                                             model.config.num_mtp_layers),

@@ -42,6 +42,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
 
 MLA = "--multi-latent-attention"  # (TINY_MOE's --group-query-attention is dropped with it)
 AWARE = "--use-precision-aware-optimizer --use-distributed-optimizer"
+TPO = "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
 CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
@@ -113,6 +114,10 @@ CLI_READ = {
     "--use-checkpoint-args":
         "tests/tools/test_convert_megatron.py::test_use_checkpoint_args_takes_the_saved_shape",
     "--json": "tests/training/test_console.py::test_dry_run_prints_a_table_or_json",
+    # Megatron's second spelling of the --disable-tp-comm-* fields (the same dest)
+    **{f"--no-tp-comm-{name}": "tests/training/test_tp_comm_overlap.py::"
+                               "test_flags_map_to_the_overlap_and_bad_combinations_are_one_line"
+       for name in ("overlap-ag", "overlap-rs", "bulk-wgrad", "bulk-dgrad")},
 }
 
 
@@ -450,6 +455,12 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--fp8-amax-history-len": ("--fp8-format e4m3 --fp8-amax-history-len 8", 1, 8),
     "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),
     "--tp-only-amax-red": ("--fp8-format e4m3 --tp-only-amax-red", 1, True),
+    "--tp-comm-overlap": (f"{TPO}", 2, True),
+    "--disable-tp-comm-overlap-ag": (f"{TPO} --disable-tp-comm-overlap-ag", 2, False),
+    "--disable-tp-comm-overlap-rs": (f"{TPO} --disable-tp-comm-overlap-rs", 2, False),
+    "--tp-comm-overlap-rs-dgrad": (f"{TPO} --tp-comm-overlap-rs-dgrad", 2, True),
+    "--disable-tp-comm-bulk-wgrad": (f"{TPO} --disable-tp-comm-bulk-wgrad", 2, False),
+    "--disable-tp-comm-bulk-dgrad": (f"{TPO} --disable-tp-comm-bulk-dgrad", 2, False),
 }
 
 

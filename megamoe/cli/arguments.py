@@ -25,6 +25,7 @@ from megamoe.cli.pipeline_args import add_pipeline_split_args
 from megamoe.cli.precision_args import add_precision_args
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.cli.runhealth_args import add_runhealth_args
+from megamoe.cli.tp_comm_args import add_tp_comm_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
 
@@ -399,6 +400,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     add_runtime_args(parser)
     add_precision_args(parser)
     add_fp8_args(parser)
+    add_tp_comm_args(parser)
     add_equivalent_args(parser)
     add_refused_args(parser)
     add_runhealth_args(parser)

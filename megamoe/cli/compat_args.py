@@ -6,8 +6,7 @@
   (`declared_equivalents`). Only the flags in EQUIVALENTS may be answered like this.
 * deprecated spellings Megatron still accepts: mapped to the current flag, as Megatron's
   validate_args does.
-* features megamoe does not have (Megatron-FSDP, TE's
-  userbuffer TP overlap): parsed so that a script reaches the
+* features megamoe does not have (Megatron-FSDP): parsed so that a script reaches the
   one "not supported yet: --flag" line (config/unsupported.py) instead of argparse's
   "unrecognized arguments".
 """
@@ -104,8 +103,7 @@ def add_equivalent_args(parser: argparse.ArgumentParser) -> None:
 def add_refused_args(parser: argparse.ArgumentParser) -> None:
     """Parsed only to be refused with "not supported yet" (config/unsupported.py)."""
     g = parser.add_argument_group("not supported yet")
-    for flag in ("--use-megatron-fsdp", "--fsdp-double-buffer", "--use-nccl-ub",
-                 "--tp-comm-overlap"):
+    for flag in ("--use-megatron-fsdp", "--fsdp-double-buffer", "--use-nccl-ub"):
         g.add_argument(flag, action="store_true", help="not supported yet")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],

@@ -21,6 +21,7 @@ from megamoe.cli.fp8_args import check_fp8_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.precision_args import check_precision_args
 from megamoe.cli.runhealth_args import check_rerun_mode
+from megamoe.cli.tp_comm_args import check_tp_comm_args
 from megamoe.config import ConfigError
 from megamoe.config.batch_schedule import parse_step_schedule
 from megamoe.config.fields import flag_dest
@@ -326,6 +327,7 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _check_required(args)
     check_precision_args(args)
     check_fp8_args(args)
+    check_tp_comm_args(args)
     check_rerun_mode(args)
     _check_fsdp(args)  # (before the configs, which know no fsdp_dtensor format)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.

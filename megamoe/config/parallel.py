@@ -9,6 +9,7 @@ from typing import Optional
 
 from megamoe.config.fields import check_positive, derived, flag, require
 from megamoe.config.pipeline_split import PipelineSplit
+from megamoe.config.tp_comm_overlap import TPCommOverlap
 
 BACKENDS = ("nccl", "gloo")
 
@@ -26,6 +27,18 @@ class ParallelConfig:
                                                       None)  # None = TP
     sequence_parallel: bool = flag("--sequence-parallel", False)
     use_distributed_optimizer: bool = flag("--use-distributed-optimizer", False)
+    # Megatron's --tp-comm-overlap and the sub-options that map onto megamoe's collective
+    # matmul (config/tp_comm_overlap.py); the store_false ones are --disable-*/--no-*.
+    tp_comm_overlap: bool = flag("--tp-comm-overlap", False)
+    tp_comm_overlap_ag: bool = flag("--disable-tp-comm-overlap-ag", True,
+                                    dest="tp_comm_overlap_ag")
+    tp_comm_overlap_rs: bool = flag("--disable-tp-comm-overlap-rs", True,
+                                    dest="tp_comm_overlap_rs")
+    tp_comm_overlap_rs_dgrad: bool = flag("--tp-comm-overlap-rs-dgrad", False)
+    tp_comm_bulk_wgrad: bool = flag("--disable-tp-comm-bulk-wgrad", True,
+                                    dest="tp_comm_bulk_wgrad")
+    tp_comm_bulk_dgrad: bool = flag("--disable-tp-comm-bulk-dgrad", True,
+                                    dest="tp_comm_bulk_dgrad")
     # Megatron's DDP options (training/optim/overlap.py): data-parallel gradient reduction
     # in buckets launched from the backward as each fills, the distributed optimizer's
     # parameter all-gather overlapped with the next forward, and the bucket size in
@@ -88,6 +101,15 @@ class ParallelConfig:
         """Sequence parallelism actually active (meaningless without TP)."""
         return self.sequence_parallel and self.tensor_model_parallel_size > 1
 
+    @property
+    def tp_comm(self) -> Optional[TPCommOverlap]:
+        """What the TP layers overlap (None: --tp-comm-overlap not given)."""
+        if not self.tp_comm_overlap:
+            return None
+        return TPCommOverlap(self.tp_comm_overlap_ag, self.tp_comm_overlap_rs,
+                             self.tp_comm_overlap_rs_dgrad, self.tp_comm_bulk_wgrad,
+                             self.tp_comm_bulk_dgrad)
+
     def sizes(self) -> dict[str, int]:
         """Every dimension's size: tp, cp, pp, ep, etp, dp, edp."""
         return {"tp": self.tensor_model_parallel_size, "cp": self.context_parallel_size,
@@ -126,6 +148,7 @@ class ParallelConfig:
                     "--overlap-param-gather needs --use-distributed-optimizer")
             require(self.overlap_grad_reduce,
                     "--overlap-param-gather needs --overlap-grad-reduce")
+        self._check_tp_comm_overlap()
         for v in self.cp_comm_type:
             require(v != "a2a+p2p", f"not supported yet: --cp-comm-type {v}")
             require(v in ("p2p", "allgather", "a2a"),
@@ -138,6 +161,23 @@ class ParallelConfig:
                     "--num-layers-per-virtual-pipeline-stage needs "
                     "--pipeline-model-parallel-size > 1")
         self.split.check_flags()
+
+    def _check_tp_comm_overlap(self) -> None:
+        """Megatron's assert (SP, which it has already turned off at TP 1), and no
+        sub-option accepted where nothing reads it (Megatron ignores them without
+        --tp-comm-overlap; megamoe refuses)."""
+        if self.tp_comm_overlap:
+            require(self.sp, "--tp-comm-overlap needs --sequence-parallel and "
+                             "--tensor-model-parallel-size > 1 (tensor-parallel communication "
+                             "overlaps GEMMs only under sequence parallelism)")
+            return
+        subs = {"--disable-tp-comm-overlap-ag": not self.tp_comm_overlap_ag,
+                "--disable-tp-comm-overlap-rs": not self.tp_comm_overlap_rs,
+                "--tp-comm-overlap-rs-dgrad": self.tp_comm_overlap_rs_dgrad,
+                "--disable-tp-comm-bulk-wgrad": not self.tp_comm_bulk_wgrad,
+                "--disable-tp-comm-bulk-dgrad": not self.tp_comm_bulk_dgrad}
+        for name, given in subs.items():
+            require(not given, f"{name} needs --tp-comm-overlap")
 
     @property
     def split(self) -> PipelineSplit:

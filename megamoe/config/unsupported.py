@@ -20,7 +20,10 @@ NOT_SUPPORTED_YET = (
     "--use-nccl-ub",
     "--megatron-fsdp-grad-comm-dtype",
     "--megatron-fsdp-main-grads-dtype",
-    "--tp-comm-overlap",  # Transformer Engine's userbuffer overlap
+    # Transformer Engine's userbuffer settings (--tp-comm-overlap itself is built without
+    # userbuffers: cli/tp_comm_args.py)
+    "--tp-comm-overlap-cfg", "--tp-comm-bootstrap-backend", "--no-tp-comm-split-ag",
+    "--disable-tp-comm-split-ag", "--no-tp-comm-split-rs", "--disable-tp-comm-split-rs",
     # the error injection of Megatron's rerun state machine (--rerun-mode validate_results,
     # not built: cli/runhealth_args.py)
     "--error-injection-rate", "--error-injection-type",

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.config.tp_comm_overlap import TPCommOverlap
+from megamoe.parallel.collective_matmul import ColumnSP, RowSP
 from megamoe.parallel.comm import (
     all_gather_no_grad,
     all_reduce_tensor,
@@ -42,6 +44,9 @@ class TensorParallel:
     group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
     rng: Optional[RNGTracker] = None  # per-TP-rank dropout stream (parallel/rng.py)
+    # --tp-comm-overlap: the linears' collectives overlap their GEMMs under SP
+    # (parallel/collective_matmul.py); None: plain collectives
+    overlap: Optional[TPCommOverlap] = None
 
     @property
     def size(self) -> int:
@@ -55,6 +60,13 @@ class TensorParallel:
     def sp(self) -> bool:
         """Sequence parallelism actually active (meaningless with one rank)."""
         return self.sequence_parallel and self.group is not None
+
+    @property
+    def comm_overlap(self) -> Optional[TPCommOverlap]:
+        """The overlap the SP linears run (only under SP with more than one rank)."""
+        if self.overlap is None:  # (flag off: nothing more is asked per forward)
+            return None
+        return self.overlap if self.sp and self.size > 1 else None
 
     def dropout_rng(self, split: bool) -> ContextManager:
         """RNG context for dropout on activations that are `split` over TP (local heads,
@@ -107,6 +119,13 @@ def _full_normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
     return full
 
 
+def _check_no_fp8(layer: nn.Module) -> None:
+    """The CLI refuses --tp-comm-overlap with --fp8-format; a library caller gets this."""
+    if layer.fp8 is not None:
+        raise ValueError("not supported yet: --tp-comm-overlap with --fp8-format (the "
+                         "collective matmul runs high-precision GEMMs)")
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x @ W_local^T (+ b_local): output features split over TP.
 
@@ -149,6 +168,10 @@ class ColumnParallelLinear(nn.Module):
             p.tensor_model_parallel = tp.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        overlap = self.tp.comm_overlap
+        if overlap is not None:
+            _check_no_fp8(self)
+            return ColumnSP.apply(x, self.weight, self.bias, self.tp.group, overlap)
         if self.tp.sp:
             x = gather_from_sequence(x, self.tp.group)  # [S/TP, B, H] -> [S, B, H]
         else:
@@ -195,6 +218,11 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        overlap = self.tp.comm_overlap
+        if overlap is not None:
+            _check_no_fp8(self)
+            y = RowSP.apply(x, self.weight, self.tp.group, overlap)
+            return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)
         y = (reduce_scatter_to_sequence(y, self.tp.group) if self.tp.sp
              else reduce_from_tp(y, self.tp.group))

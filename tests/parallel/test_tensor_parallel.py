@@ -1,5 +1,6 @@
 """Tensor-parallel layers and collectives vs the dense layers, forward and gradients, on 2
-gloo ranks (one spawn runs every check to keep the suite fast)."""
+gloo ranks (one spawn runs every check to keep the suite fast, --tp-comm-overlap's
+collective matmul layers included: tests/parallel/test_collective_matmul.py)."""
 
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ def _collectives(tp: TensorParallel, r: int, n: int) -> None:
 
 
 def _layers_worker(rank: int, world_size: int) -> None:
+    from tests.parallel.test_collective_matmul import overlap_checks  # (it imports this file)
+
     torch.set_default_dtype(torch.float32)
     group = dist.group.WORLD
     for sp in (False, True):
@@ -147,6 +150,7 @@ def _layers_worker(rank: int, world_size: int) -> None:
     _embedding(tp, rank, world_size)
     _cross_entropy(tp, rank, world_size)
     _collectives(tp, rank, world_size)
+    overlap_checks(rank, world_size)  # --tp-comm-overlap's layers (test_collective_matmul.py)
 
 
 def test_parallel_layers_match_dense_forward_and_backward():

@@ -97,7 +97,7 @@ def test_fsdp_and_profiling_are_refused(capsys):
                          ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor"),
                          ("--data-parallel-sharding-strategy optim_grads_params",
                           "--data-parallel-sharding-strategy"),
-                         ("--tp-comm-overlap", "--tp-comm-overlap"),
+                         ("--tp-comm-overlap-cfg tp.yaml", "--tp-comm-overlap-cfg"),
                          ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te",
                           "--cross-entropy-fusion-impl te"),
                          ("--timing-log-level 2", "--timing-log-level 2")):
