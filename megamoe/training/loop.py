@@ -166,10 +166,10 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     out: dict = dict(zip(names, values.unbind()))
     if grad_norm is not None:  # None: a loss-scale overflow skipped the step before it
         out["grad norm"] = float(grad_norm)
-    if num_zeros is not None:  # --log-num-zeros-in-grad
-        out["num zeros"] = float(num_zeros)
+    if num_zeros is not None:  # --log-num-zeros-in-grad (a device tensor, read when logged)
+        out["num zeros"] = num_zeros.to(torch.float64)
     if lg.log_params_norm:  # after the update, as Megatron's calc_params_l2_norm
-        out["params norm"] = optimizer.params_norm()
+        out["params norm"] = optimizer.params_norm().to(torch.float64)
     out["skipped"] = 0.0 if success else 1.0
     if read:
         read_all([out])

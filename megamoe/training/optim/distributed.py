@@ -207,20 +207,21 @@ class DistributedOptimizer:
             dist.all_reduce(total, group=self.pp_group)
         return total.reshape(())
 
-    def count_zeros(self) -> int:
+    def count_zeros(self) -> torch.Tensor:
         """Zero elements of the reduced gradient (this rank's slices, summed over the shard
-        groups: each element once; Megatron's count_zeros_fp32)."""
-        return int(self._sharded_sum(
-            lambda piece: piece.grad.numel() - torch.count_nonzero(piece.grad), torch.int64))
+        groups: each element once; Megatron's count_zeros_fp32): a 0-d int64 device
+        tensor, read with the other logged values (training/host_read)."""
+        return self._sharded_sum(
+            lambda piece: piece.grad.numel() - torch.count_nonzero(piece.grad), torch.int64)
 
     @torch.no_grad()
-    def params_norm(self) -> float:
+    def params_norm(self) -> torch.Tensor:
         """L2 norm of all parameters: the fp32 main slices, summed over the shard groups
-        (Megatron's calc_params_l2_norm of sharded main params)."""
+        (Megatron's calc_params_l2_norm of sharded main params); a 0-d device tensor."""
         self.wait_param_gather()
-        return float(self._sharded_sum(
+        return self._sharded_sum(
             lambda piece: torch.linalg.vector_norm(piece.main, dtype=torch.float32).square()
-        ).sqrt())
+        ).sqrt()
 
     @torch.no_grad()
     def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False

@@ -190,21 +190,23 @@ class MixedPrecisionOptimizer:
         self.clip_and_update(grads, norm)
         return True, grad_norm, zeros
 
-    def count_zeros(self, grads: list[torch.Tensor]) -> int:
+    def count_zeros(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Zero elements of the reduced gradients `grads` (aligned with the parameters),
-        each element counted once across tp / pp / ep (Megatron's count_zeros_fp32)."""
-        return int(model_parallel_sum(zero_counts(grads), self.model_params,
-                                      *self.model_parallel_groups, dtype=torch.int64))
+        each element counted once across tp / pp / ep (Megatron's count_zeros_fp32): a
+        0-d int64 device tensor, read with the other logged values (training/host_read)."""
+        return model_parallel_sum(zero_counts(grads), self.model_params,
+                                  *self.model_parallel_groups, dtype=torch.int64)
 
     def wait_param_gather(self) -> None:
         """The model parameters are this step's (they always are: no gather to wait)."""
 
     @torch.no_grad()
-    def params_norm(self) -> float:
+    def params_norm(self) -> torch.Tensor:
         """L2 norm of all parameters (the fp32 main copies, as Megatron's
-        calc_params_l2_norm), each counted once across tp / pp / ep."""
-        return float(model_parallel_sum(squares(self.main_params), self.model_params,
-                                        *self.model_parallel_groups).sqrt())
+        calc_params_l2_norm), each counted once across tp / pp / ep: a 0-d device tensor,
+        read with the other logged values (training/host_read)."""
+        return model_parallel_sum(squares(self.main_params), self.model_params,
+                                  *self.model_parallel_groups).sqrt()
 
     @torch.no_grad()
     def clip_and_update(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
