@@ -24,6 +24,7 @@ class RecordingLogger:
     def __init__(self, *_a, **_k) -> None:
         self.scalars: list[tuple[int, dict]] = []
         self.images: list[int] = []
+        self.lines: list[dict] = []  # the console lines' values, unrounded
 
     def log_scalars(self, scalars: dict, step: int) -> None:
         self.scalars.append((step, dict(scalars)))
@@ -41,11 +42,13 @@ def iteration_reads(argv: str, world_size: int = 1, eager: bool = False,
     """({iteration: [(op, file:line), ...]} for every iteration but the last, whose span
     runs into the end of training; the printed lines). `eager`: every step reads its
     values at once (train_step's default), the reference for the logged numbers;
-    `logger`: stands in for the MetricsLogger that --tensorboard-dir builds."""
+    `logger`: stands in for the MetricsLogger that --tensorboard-dir builds, and records
+    the values of the console lines before they are rounded."""
     args = parse_args(shlex.split(argv), world_size=world_size)
     starts: list[int] = []
     lines: list[str] = []
-    step, logger_class = loop.train_step, training_pretrain.MetricsLogger
+    step, logger_class, line = (loop.train_step, training_pretrain.MetricsLogger,
+                                loop.format_log_line)
     with HostSyncCounter() as counter:
         def marked(*a, **kw):
             starts.append(len(counter.events))
@@ -53,13 +56,21 @@ def iteration_reads(argv: str, world_size: int = 1, eager: bool = False,
                 kw["read"] = True
             return step(*a, **kw)
 
+        def recorded_line(**kw):
+            logger.lines.append({k: kw[k] for k in ("iteration", "losses", "grad_norm",
+                                                    "num_zeros", "params_norm",
+                                                    "skipped_iters", "nan_iters")})
+            return line(**kw)
+
         loop.train_step = marked
         if logger is not None:
             training_pretrain.MetricsLogger = lambda *_a, **_k: logger
+            loop.format_log_line = recorded_line
         try:
             pretrain(args, print_fn=lines.append)
         finally:
             loop.train_step, training_pretrain.MetricsLogger = step, logger_class
+            loop.format_log_line = line
     reads = {i + 1: counter.events[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)}
     return reads, lines
 

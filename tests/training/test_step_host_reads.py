@@ -94,6 +94,7 @@ def test_logged_numbers_are_those_of_per_step_reads(tmp_path):
                 for s, row in logger.scalars]
 
     assert values(got) == values(want)
+    assert got.lines == want.lines and len(got.lines) == 2  # interval means, unrounded
     lazy = [_values_of(x) for x in lazy_lines if "iteration " in x]
     assert lazy == [_values_of(x) for x in eager_lines if "iteration " in x]
     assert any("load_balancing_loss" in x for x in lazy)
