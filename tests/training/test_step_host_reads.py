@@ -22,7 +22,8 @@ from tests.training.test_pretrain import TINY_MOE
 # iteration and none of its own for the first ones: iterations 1, 2 do not log, 3 does.
 FOUR_LAYERS = (TINY_MOE.replace("--num-layers 2", "--num-layers 4")
                .replace("--log-interval 1", "--log-interval 3 --log-first-iterations 0")
-               + " --train-iters 4 --moe-per-layer-logging --log-num-zeros-in-grad --log-params-norm")
+               + " --train-iters 4 --moe-per-layer-logging --log-num-zeros-in-grad"
+               " --log-params-norm")
 DISPATCH = ("nonzero", "megamoe/moe/permute.py")  # the dropless permutation's row count
 VERDICT = ("tolist", "megamoe/training/nonfinite.py")  # grad norm + NaN/Inf + overflow
 LOGGED = ("tolist", "megamoe/training/host_read.py")  # every logged value, one copy
@@ -49,7 +50,8 @@ def test_whole_step_reads_one_rank(dispatcher, tmp_path):
     """Dropless, EP1: 4 layers x 4 micro-batches = 16 dispatch reads a step."""
     logger = RecordingLogger()
     reads, _ = iteration_reads(f"{FOUR_LAYERS} --moe-token-dispatcher-type {dispatcher} "
-                               f"--tensorboard-dir {tmp_path} --tensorboard-log-interval 3", logger=logger)
+                               f"--tensorboard-dir {tmp_path} --tensorboard-log-interval 3",
+                               logger=logger)
     _assert_budget(reads, dispatch_reads=16)
     assert [step for step, _ in logger.scalars][0] == 3  # it logged at the line
     assert logger.images and logger.images[0] == 3  # and drew the heatmap at the line
