@@ -57,6 +57,7 @@ def test_whole_step_reads_one_rank(dispatcher, tmp_path):
     assert logger.images and logger.images[0] == 3  # and drew the heatmap at the line
 
 
+@pytest.mark.slow  # 15-35 s on the shared 2-core machine: over the default set's share
 def test_whole_step_reads_pipeline_parallel():
     """PP2 on 2 gloo ranks, 2 MoE layers per stage: 8 dispatch reads a step on each; the
     loss stays on the last stage and reaches the other by the schedule's broadcast, the
@@ -100,3 +101,20 @@ def test_logged_numbers_are_those_of_per_step_reads(tmp_path):
     lazy = [_values_of(x) for x in lazy_lines if "iteration " in x]
     assert lazy == [_values_of(x) for x in eager_lines if "iteration " in x]
     assert any("load_balancing_loss" in x for x in lazy)
+
+
+def test_a_nan_step_between_lines_is_counted_at_the_next_line(monkeypatch, tmp_path):
+    """The nan-iteration count (a skipped step whose loss is NaN/Inf) needs the loss, which
+    is read at the next logging iteration, not at the step: a NaN loss in iteration 2 (the
+    NaN/Inf check off, so the step is skipped) shows at the iteration-3 line and in the
+    final state."""
+    from tests.training.inject import install
+
+    install("nan-loss:2:0", monkeypatch.setattr)
+    logger = RecordingLogger()
+    reads, _ = iteration_reads(f"{FOUR_LAYERS} --no-check-for-nan-in-loss-and-grad "
+                               f"--tensorboard-log-interval 3 --tensorboard-dir {tmp_path}",
+                               logger=logger)
+    assert [(x["iteration"], x["skipped_iters"], x["nan_iters"]) for x in logger.lines] \
+        == [(3, 1, 1)]
+    assert _kinds(reads[2]) == {DISPATCH: 16, VERDICT: 1}  # the skipped step reads no more
