@@ -31,7 +31,7 @@ from megamoe.training.metrics import (
     format_log_line,
     moe_layer_numbers,
 )
-from megamoe.training.nonfinite import NonFiniteCheck
+from megamoe.training.nonfinite import NonFiniteCheck, Riders
 from megamoe.training.profiling import Profiler
 from megamoe.training.schedules import Batch, forward_backward
 from megamoe.training.spiky_loss import LocalLosses, SpikyLossCheck
@@ -137,17 +137,19 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
                                    grad_sync=getattr(optimizer, "grad_sync", None),
                                    per_token=per_token_loss(run, mesh),
                                    loss_scale=optimizer.get_loss_scale())
-    if spiky is not None:
-        spiky.see_step(local_losses, iteration)
     fp8_state = getattr(model, "fp8_state", None)
     if fp8_state is not None:  # delayed scaling: reduce this step's amaxes, new scales
         fp8_state.update()
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging
+    # --check-for-spiky-loss: the micro-batch losses ride along the verdict's read
+    riders = Riders(torch.stack(local_losses)) if spiky is not None and local_losses else None
     with timers.timer("optimizer", 1):
-        success, grad_norm, num_zeros = optimizer.step(check,
-                                                       count_zeros=lg.log_num_zeros_in_grad)
+        success, grad_norm, num_zeros = optimizer.step(
+            check, count_zeros=lg.log_num_zeros_in_grad, riders=riders)
+    if spiky is not None:
+        spiky.see_step(riders.values if riders is not None else [], iteration)
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:  # as Megatron: the schedule advances by the samples of the step
         scheduler.step(increment=n_micro * run.train.micro_batch_size * mesh.dp_size)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_size
-from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
+from megamoe.training.nonfinite import NonFiniteCheck, Riders, read_grad_norm
 from megamoe.training.optim.common import (
     bf16_main_grads,
     build_inner_optimizer,
@@ -224,12 +224,14 @@ class DistributedOptimizer:
         ).sqrt()
 
     @torch.no_grad()
-    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
-             ) -> tuple[bool, float, Optional[int]]:
+    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False,
+             riders: Optional[Riders] = None
+             ) -> tuple[bool, Optional[float], Optional[torch.Tensor]]:
         """As MixedPrecisionOptimizer.step: reading the norm is the one host sync (with the
         loss scaler's overflow flag: this rank unscales its slices, the flag is agreed over
         every rank); a `check` sees the whole local grad buffers before they are reduced
-        (with overlap, each bucket's before its collective started)."""
+        (with overlap, each bucket's before its collective started); `riders` are read
+        with the norm."""
         self.wait_param_gather()
         if check is not None and self.grad_sync is None:
             check.see_grads(self.grad_buffers)
@@ -240,7 +242,7 @@ class DistributedOptimizer:
             found_inf = unscale_and_check([piece.grad for piece in self._pieces()],
                                           self.grad_scaler, device, self.agree_found_inf)
         norm = self._grad_norm()
-        grad_norm, overflow = read_grad_norm(norm, check, found_inf)
+        grad_norm, overflow = read_grad_norm(norm, check, found_inf, riders)
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow)
             if overflow:  # skipped on every rank; the model keeps its parameters
