@@ -107,7 +107,7 @@ def instrument(side: MegamoeSide) -> None:
         if isinstance(m, TopKRouter):  # the MoE layer calls route(), not forward()
             m.route = _labelled(m.route, "router")
     gpt_model.lm_head = _labelled(gpt_model.lm_head, "loss")
-    for name in ("_moe_scalars", "_dp_mean", "update_expert_biases"):
+    for name in ("_moe_scalars", "_dp_mean_on_device", "update_expert_biases"):
         setattr(loop, name, _labelled(getattr(loop, name), "statistics"))
     side.observer.after_step = _labelled(side.observer.after_step, "statistics")
     opt = side.optimizer

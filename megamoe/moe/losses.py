@@ -146,11 +146,13 @@ class MoELossTracker:
 
     @classmethod
     def report(cls, num_microbatches: int) -> dict[str, torch.Tensor]:
-        """{name: [layers that recorded] of sum / num_microbatches}, ordered by layer; clears."""
+        """{name: [layers that recorded] of sum / num_microbatches}, ordered by layer, on
+        the device the values were recorded on (no host read: the loop reads them with the
+        other logged values on a logging iteration); clears."""
         out = {}
         for name, slots in cls._values.items():
             layers = sorted(slots)
-            out[name] = torch.stack([slots[i].cpu() for i in layers]) / num_microbatches
+            out[name] = torch.stack([slots[i] for i in layers]) / num_microbatches
         cls.clear()
         return out
 

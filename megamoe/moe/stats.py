@@ -55,6 +55,26 @@ def routing_stats(model: torch.nn.Module, reset: bool = True) -> dict[int, dict]
     return out
 
 
+def routing_counts(model: torch.nn.Module, reset: bool = True
+                   ) -> tuple[list[int], Optional[torch.Tensor]]:
+    """(layer numbers, [layers, 2, experts] kept and routed assignment counts, float64 on
+    the layers' device) of every MoE layer since the last read, None without MoE layers.
+    The training loop's per-step read: nothing comes back to the host (a layer that saw no
+    tokens is a zero row, where `routing_stats` leaves it out after reading the count)."""
+    layers = _layers(model)
+    if not layers:
+        return [], None
+    both_L2E = torch.stack([torch.stack([layer.stat_kept_per_expert,
+                                         layer.stat_routed_per_expert]) for layer in layers])
+    both_L2E = both_L2E.to(torch.float64)  # a copy: the resets below do not touch it
+    if reset:
+        for layer in layers:
+            layer.stat_kept_per_expert.zero_()
+            layer.stat_routed_per_expert.zero_()
+            layer.stat_num_tokens.zero_()
+    return [layer.layer_number for layer in layers], both_L2E
+
+
 def _adaptive(layer: MoELayer) -> Optional[AdaptiveDispatcher]:
     return next((d for d in layer.dispatcher.inner_dispatchers()
                  if isinstance(d, AdaptiveDispatcher)), None)

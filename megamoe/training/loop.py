@@ -22,6 +22,7 @@ from megamoe.parallel.mesh import Mesh
 from megamoe.training.console import StepClock, console_fields, log_early, peak_memory
 from megamoe.training.exits import ExitConditions
 from megamoe.training.heatmap import heatmap_png_dir
+from megamoe.training.host_read import read_all
 from megamoe.training.loss import PerTokenLoss
 from megamoe.training.manual_gc import ManualGC
 from megamoe.training.metrics import (
@@ -30,7 +31,7 @@ from megamoe.training.metrics import (
     format_log_line,
     moe_layer_numbers,
 )
-from megamoe.training.nonfinite import NonFiniteCheck
+from megamoe.training.nonfinite import NonFiniteCheck, Riders
 from megamoe.training.profiling import Profiler
 from megamoe.training.schedules import Batch, forward_backward
 from megamoe.training.spiky_loss import LocalLosses, SpikyLossCheck
@@ -77,15 +78,27 @@ def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
     return (t / size).tolist()
 
 
+def _dp_mean_on_device(values: list[torch.Tensor], mesh: Mesh) -> torch.Tensor:
+    """_dp_mean of a step's logged scalars without reading them: [len(values)] float64 on
+    the mesh's device (float64 as _dp_mean's, so the logged numbers are the same)."""
+    t = torch.stack([v.detach().reshape(()).to(device=mesh.device, dtype=torch.float64)
+                     for v in values])
+    group = mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
+    if group is None:
+        return t
+    dist.all_reduce(t, group=group)
+    return t / (mesh.dp_size * mesh.cp_size)
+
+
 def _moe_scalars(report: dict[str, torch.Tensor],
-                 layer_numbers: Optional[list[int]] = None) -> dict[str, float]:
+                 layer_numbers: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
     """Per-layer MoE loss values -> the mean over layers (console line), and with
-    `layer_numbers` (--moe-per-layer-logging) also "name/layer_NN" per MoE layer."""
-    out = {name: float(v.float().mean()) for name, v in report.items() if v.numel()}
+    `layer_numbers` (--moe-per-layer-logging) also "name/layer_NN" per MoE layer; 0-d
+    device tensors (read on logging iterations only: host_read.py)."""
+    out = {name: v.float().mean() for name, v in report.items() if v.numel()}
     for name, v in report.items():
         if layer_numbers is not None and len(layer_numbers) == v.numel():
-            out.update({f"{name}/layer_{i:02d}": float(x)
-                        for i, x in zip(layer_numbers, v.tolist())})
+            out.update({f"{name}/layer_{i:02d}": x for i, x in zip(layer_numbers, v.unbind())})
     return out
 
 
@@ -104,14 +117,16 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
                data_iter: Iterator[Batch], iteration: int,
                global_batch_size: Optional[int] = None,
                timers: Optional[Timers] = None,
-               spiky: Optional[SpikyLossCheck] = None) -> dict[str, float]:
+               spiky: Optional[SpikyLossCheck] = None, read: bool = True) -> dict:
     """One iteration (`iteration`: its number, for messages) of `global_batch_size` samples
     (default --global-batch-size). With the NaN/Inf check on, a non-finite loss or gradient
     on any rank raises NonFiniteError on every rank before the optimizer step: weights,
     optimizer state and the schedule stay as they were. Under loss scaling (--fp16) the
     backward is scaled by the optimizer's loss scale; an overflow skips the step
     ("skipped": 1; the iteration and its samples still count, as Megatron's).
-    `spiky`: --check-for-spiky-loss, fed this rank's micro-batch losses."""
+    `spiky`: --check-for-spiky-loss, fed this rank's micro-batch losses. The losses stay
+    device tensors with `read=False` (the training loop reads them on logging iterations
+    only, host_read.py); by default they come back as floats, in one batched read."""
     model.train()
     optimizer.zero_grad()
     n_micro = num_microbatches(run, mesh, global_batch_size)
@@ -122,17 +137,19 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
                                    grad_sync=getattr(optimizer, "grad_sync", None),
                                    per_token=per_token_loss(run, mesh),
                                    loss_scale=optimizer.get_loss_scale())
-    if spiky is not None:
-        spiky.see_step(local_losses, iteration)
     fp8_state = getattr(model, "fp8_state", None)
     if fp8_state is not None:  # delayed scaling: reduce this step's amaxes, new scales
         fp8_state.update()
     empty_unused_memory(run, 1)
     check = _nonfinite_check(run, mesh, lm_loss, iteration)
     lg = run.logging
+    # --check-for-spiky-loss: the micro-batch losses ride along the verdict's read
+    riders = Riders(torch.stack(local_losses)) if spiky is not None and local_losses else None
     with timers.timer("optimizer", 1):
-        success, grad_norm, num_zeros = optimizer.step(check,
-                                                       count_zeros=lg.log_num_zeros_in_grad)
+        success, grad_norm, num_zeros = optimizer.step(
+            check, count_zeros=lg.log_num_zeros_in_grad, riders=riders)
+    if spiky is not None:
+        spiky.see_step(riders.values if riders is not None else [], iteration)
     update_expert_biases(model, mesh.group("tp_dp_cp"))  # aux-loss-free balancing, per step
     if success:  # as Megatron: the schedule advances by the samples of the step
         scheduler.step(increment=n_micro * run.train.micro_batch_size * mesh.dp_size)
@@ -142,17 +159,22 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
                        moe_layer_numbers(model) if per_layer else None)
     # {"mtp_1 loss": ...}, not part of the lm loss; per-token, each micro-batch recorded
     # its share of the step's per-token mean (model/mtp.py), so the shares add up
-    mtp = MTPLossTracker.report(1 if run.train.calculate_per_token_loss else n_micro)
+    mtp_sums = MTPLossTracker.take()
+    mtp_micro = 1 if run.train.calculate_per_token_loss else n_micro
+    mtp = {} if mtp_sums is None else {  # float64 first: MTPLossTracker.report's division
+        f"mtp_{k + 1} loss": v / mtp_micro for k, v in enumerate(mtp_sums.double().unbind())}
     names = ["lm loss", *mtp.keys(), *moe.keys()]
-    values = _dp_mean([float(lm_loss), *mtp.values(), *moe.values()], mesh)
-    out = dict(zip(names, values))
+    values = _dp_mean_on_device([lm_loss, *mtp.values(), *moe.values()], mesh)
+    out: dict = dict(zip(names, values.unbind()))
     if grad_norm is not None:  # None: a loss-scale overflow skipped the step before it
         out["grad norm"] = float(grad_norm)
-    if num_zeros is not None:  # --log-num-zeros-in-grad
-        out["num zeros"] = float(num_zeros)
+    if num_zeros is not None:  # --log-num-zeros-in-grad (a device tensor, read when logged)
+        out["num zeros"] = num_zeros.to(torch.float64)
     if lg.log_params_norm:  # after the update, as Megatron's calc_params_l2_norm
-        out["params norm"] = optimizer.params_norm()
+        out["params norm"] = optimizer.params_norm().to(torch.float64)
     out["skipped"] = 0.0 if success else 1.0
+    if read:
+        read_all([out])
     return out
 
 
@@ -205,6 +227,22 @@ class _Interval:
         self.last: dict[str, float] = {}
         self.iters, self.samples, self.batch_size, self.tick = 0, 0, 0, time.time()
         self.advanced = 0  # iterations that updated the model
+        self.pending: list[dict] = []  # history entries not read to the host yet
+        self.nan_losses: list = []  # the lm loss of each skipped step not read yet
+
+    def read(self, state: TrainState, heatmap: bool) -> None:
+        """A logging iteration's one batched host read (host_read.py): every step's logged
+        values since the last read (their history entries, the interval's sums, the last
+        step's), the LM losses of skipped steps (Megatron's nan-iteration count: a skipped
+        step whose loss is NaN/Inf) and, with `heatmap`, the interval's expert-load
+        counts."""
+        nan = dict(enumerate(self.nan_losses))
+        containers = [*self.pending, self.sums, self.last, nan]
+        if heatmap:
+            containers.append(self.observer._routed_LE)
+        read_all(containers)
+        state.nan_iters += sum(not math.isfinite(v) for v in nan.values())
+        self.pending, self.nan_losses = [], []
 
     def add(self, metrics: dict[str, float], global_batch_size: int, skipped: bool) -> None:
         self.clock.step_done()
@@ -287,18 +325,20 @@ def _advanced_only(key: str) -> bool:
     return key == "grad norm" or key not in NOT_LOSSES and not key.startswith("moe/")
 
 
-def _record(state: TrainState, metrics: dict[str, float], global_batch_size: int,
-            lr: float) -> bool:
+def _record(state: TrainState, metrics: dict, global_batch_size: int, lr: float,
+            interval: _Interval) -> bool:
     """Count the iteration (a skipped one too: its samples were read, as Megatron's);
-    a nan iteration is a skipped one whose loss is NaN/Inf (Megatron's training_log).
-    Returns whether the step was skipped."""
+    a nan iteration is a skipped one whose loss is NaN/Inf (Megatron's training_log),
+    counted when the interval reads the loss. Returns whether the step was skipped (the
+    optimizer's verdict, already on the host)."""
     state.iteration += 1
     state.consumed_train_samples += global_batch_size
     skipped = bool(metrics.pop("skipped"))
     state.skipped_iters += skipped
-    if skipped and not math.isfinite(metrics["lm loss"]):
-        state.nan_iters += 1
+    if skipped:
+        interval.nan_losses.append(metrics["lm loss"])
     state.history.append({"iteration": state.iteration, "lr": lr, **metrics})
+    interval.pending.append(state.history[-1])
     return skipped
 
 
@@ -325,6 +365,7 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
         _train_loop(run, mesh, model, optimizer, scheduler, train_iter, valid_iter, logger,
                     state, save_fn, print_fn, exits, observer, interval,
                     (collector, profiler), batch_size, saved_at)
+    interval.read(state, heatmap=False)  # the steps since the last logging iteration
     optimizer.wait_param_gather()  # whatever runs next reads the trained parameters
     return state
 
@@ -358,7 +399,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         step_start = time.time()
         profiler.before_step(state.iteration)
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
-                             state.iteration + 1, gbs, interval.timers, spiky)
+                             state.iteration + 1, gbs, interval.timers, spiky, read=False)
         step_ms = 1000.0 * (time.time() - step_start)
         if interval.clock.steps == 0 and mesh.is_logging_rank:  # a startup stage
             print_fn(f"> first step done: iteration {state.iteration + 1} took "
@@ -368,19 +409,24 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
                          f"(it compiles the layers; later iterations run the compiled code)")
         metrics.update(observer.after_step())  # expert load, summed over data parallel
         lr = optimizer.param_groups[0]["lr"]
-        skipped = _record(state, metrics, gbs, lr)
+        skipped = _record(state, metrics, gbs, lr, interval)
         interval.add(metrics, gbs, skipped)
-        if logger is not None and state.iteration % lg.tensorboard_log_interval == 0:
+        console = state.iteration % lg.log_interval == 0
+        early = not console and log_early(interval.clock.steps, state.iteration,
+                                          lg.log_first_iterations, lg.log_interval)
+        to_logger = logger is not None and state.iteration % lg.tensorboard_log_interval == 0
+        if console or early or to_logger:  # a logging iteration: its one batched read
+            interval.read(state, heatmap=console and logger is not None)
+        if to_logger:
             logger.log_scalars({**{k.replace(" ", "_"): v for k, v in metrics.items()},
                                 "learning_rate": lr, "loss-scale": optimizer.get_loss_scale(),
                                 "consumed_samples": state.consumed_train_samples,
                                 "global_batch_size": gbs}, state.iteration)
         collector.after_step(state.iteration)
         profiler.after_step(state.iteration)
-        if state.iteration % lg.log_interval == 0:
+        if console:
             interval.report(state, optimizer, logger)
-        elif log_early(interval.clock.steps, state.iteration, lg.log_first_iterations,
-                       lg.log_interval):
+        elif early:
             interval.report_early(state, optimizer, step_ms)
         check_replicas(run, mesh, model, optimizer, state.iteration, print_fn)
         if valid_iter is not None and t.eval_iters > 0 and t.eval_interval \

@@ -16,7 +16,7 @@ import os
 import resource
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,8 +25,9 @@ import torch.distributed as dist
 from megamoe.config import RunConfig
 from megamoe.model.flops import flops_per_token
 from megamoe.moe.dispatchers import PARALLEL_MODES
-from megamoe.moe.stats import mode_counts, routing_stats
+from megamoe.moe.stats import mode_counts, routing_counts
 from megamoe.training.heatmap import expert_load_heatmap, routed_shares, write_png
+from megamoe.training.host_read import read_all
 from megamoe.training.log_targets import wandb_dir
 
 _WARNED: set[str] = set()  # optional features already reported missing in this process
@@ -111,46 +112,50 @@ class MetricsLogger:
 
 # ---------------------------------------------------------------------------- expert load
 def reduced_routing_stats(model: torch.nn.Module, group: Optional[dist.ProcessGroup],
-                          device: torch.device) -> dict[int, dict[str, np.ndarray]]:
+                          device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
     """{layer: kept [E], routed [E] assignment counts} of this step, summed over `group`
-    (the data-parallel ranks see different tokens; the sum runs on `device`, the mesh's).
-    Resets the layers' counters. Every rank of `group` must call it (it is a collective)."""
-    stats = routing_stats(model, reset=True)
-    layers = sorted(stats)
-    if not layers:
+    (the data-parallel ranks see different tokens; the sum runs on `device`, the mesh's),
+    as float64 device tensors: nothing is read back here (host_read.py reads them with the
+    rest on a logging iteration). Resets the layers' counters. Every rank of `group` must
+    call it (it is a collective)."""
+    layers, both_L2E = routing_counts(model, reset=True)
+    if both_L2E is None:
         return {}
-    both = torch.tensor([[stats[i]["tokens_per_expert"] for i in layers],
-                         [stats[i]["routed_per_expert"] for i in layers]],
-                        dtype=torch.float64, device=device)
+    both_L2E = both_L2E.to(device)
     if group is not None:
-        dist.all_reduce(both, group=group)
-    both = both.cpu()
-    return {layer: {"kept": both[0, j].numpy(), "routed": both[1, j].numpy()}
+        dist.all_reduce(both_L2E, group=group)
+    return {layer: {"kept": both_L2E[j, 0], "routed": both_L2E[j, 1]}
             for j, layer in enumerate(layers)}
 
 
-def expert_load_scalars(stats: dict[int, dict[str, np.ndarray]],
-                        per_layer: bool) -> dict[str, float]:
-    """max/mean load (1 = balanced), coefficient of variation of the per-expert token counts
-    and dropped fraction of routed assignments: the mean over layers, and per layer when
-    --moe-per-layer-logging."""
-    out: dict[str, float] = {}
+def expert_load_scalars(stats: dict[int, dict], per_layer: bool) -> dict[str, torch.Tensor]:
+    """max/mean load (1 = balanced), coefficient of variation (population std / mean) of
+    the per-expert token counts and dropped fraction of routed assignments, as 0-d float64
+    tensors on the counts' device: the mean over the layers that routed tokens, and per
+    layer when --moe-per-layer-logging. Computed on the device, without a host read."""
+    out: dict[str, torch.Tensor] = {}
     rows = []
     for layer, s in sorted(stats.items()):
-        kept, routed = s["kept"], s["routed"]
-        mean = float(kept.mean())
+        kept, routed = (torch.as_tensor(s[k]).to(torch.float64) for k in ("kept", "routed"))
+        mean, routed_sum = kept.mean(), routed.sum()
+        safe_mean = torch.where(mean > 0, mean, torch.ones_like(mean))
+        safe_routed = torch.where(routed_sum > 0, routed_sum, torch.ones_like(routed_sum))
+        zero = torch.zeros_like(mean)
+        std = (kept - mean).square().mean().sqrt()  # numpy's std (ddof=0)
         row = {
-            "max_over_mean_load": float(kept.max()) / mean if mean else 0.0,
-            "load_cv": float(kept.std()) / mean if mean else 0.0,
-            "dropped_fraction": 1.0 - float(kept.sum()) / float(routed.sum())
-            if routed.sum() else 0.0,
+            "max_over_mean_load": torch.where(mean > 0, kept.max() / safe_mean, zero),
+            "load_cv": torch.where(mean > 0, std / safe_mean, zero),
+            "dropped_fraction": torch.where(routed_sum > 0,
+                                            1.0 - kept.sum() / safe_routed, zero),
         }
-        rows.append(row)
+        rows.append((row, (routed_sum > 0).to(torch.float64)))
         if per_layer:
             out.update({f"moe/layer_{layer:02d}/{k}": v for k, v in row.items()})
-    for key in ("max_over_mean_load", "load_cv", "dropped_fraction"):
-        if rows:
-            out[f"moe/{key}"] = float(np.mean([r[key] for r in rows]))
+    if rows:
+        routed_L = torch.stack([present for _, present in rows])
+        count = routed_L.sum().clamp(min=1.0)
+        for key in ("max_over_mean_load", "load_cv", "dropped_fraction"):
+            out[f"moe/{key}"] = (torch.stack([r[key] for r, _ in rows]) * routed_L).sum() / count
     return out
 
 
@@ -206,9 +211,11 @@ class TrainingObserver:
         self.flops_per_token = flops_per_token(run.model)
         self.device = next(model.parameters()).device
         self.peak_tflops = peak_tflops(self.device, run.logging.peak_tflops)
-        self._routed_LE: dict[int, np.ndarray] = {}  # {layer: routed assignments [E]}
+        # {layer: routed assignments [E]} of the interval: device tensors until the logging
+        # iteration's batched read (host_read.py) makes them numpy arrays
+        self._routed_LE: dict[int, Any] = {}
 
-    def after_step(self) -> dict[str, float]:
+    def after_step(self) -> dict[str, Any]:
         stats = reduced_routing_stats(self.model, self.dp_group, self.device)
         for layer, s in stats.items():
             self._routed_LE[layer] = self._routed_LE.get(layer, 0.0) + s["routed"]
@@ -240,6 +247,7 @@ class TrainingObserver:
         Without matplotlib the image is skipped, with one warning per process."""
         if not self._routed_LE:
             return None
+        read_all([self._routed_LE])  # (a no-op when the loop's batched read made it host)
         layers = sorted(self._routed_LE)
         share_LE = routed_shares(np.stack([self._routed_LE[i] for i in layers]))
         self._routed_LE = {}

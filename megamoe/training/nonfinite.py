@@ -93,12 +93,12 @@ class NonFiniteCheck:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         return first
 
-    def read(self, norm: torch.Tensor, found_inf: Optional[torch.Tensor] = None
-             ) -> tuple[float, bool]:
+    def read(self, norm: torch.Tensor, found_inf: Optional[torch.Tensor] = None,
+             riders: Optional[Riders] = None) -> tuple[float, bool]:
         """(the global gradient norm, the loss scaler's overflow flag `found_inf`: False
-        without one), read in the same host sync as the agreed verdict; raises
-        NonFiniteError (on every rank) when a rank saw a NaN/Inf."""
-        values = torch.cat([_row(norm, found_inf), self._agreed()]).tolist()
+        without one), read in the same host sync as the agreed verdict (and `riders`);
+        raises NonFiniteError (on every rank) when a rank saw a NaN/Inf."""
+        values = _read_with(torch.cat([_row(norm, found_inf), self._agreed()]), riders)
         loss_rank, grads_rank = int(values[2]), int(values[3])
         if loss_rank < self.world_size:
             raise NonFiniteError(self._message("the loss", loss_rank))
@@ -118,11 +118,31 @@ def _row(norm: torch.Tensor, found_inf: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.cat([norm.detach().float().reshape(1), flag])
 
 
+class Riders:
+    """Per-step device values that must reach the host every step (--check-for-spiky-loss:
+    the micro-batch losses) and ride along the optimizer's verdict read instead of a read
+    of their own; `values` holds them after the step's read."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.tensor = values.detach().reshape(-1).float()
+        self.values: list[float] = []
+
+
+def _read_with(row: torch.Tensor, riders: Optional[Riders]) -> list[float]:
+    """`row` and the riders' values in one host read; the riders get theirs."""
+    if riders is None:
+        return row.tolist()
+    values = torch.cat([row, riders.tensor.to(row.device)]).tolist()
+    riders.values = values[row.numel():]
+    return values[:row.numel()]
+
+
 def read_grad_norm(norm: torch.Tensor, check: Optional[NonFiniteCheck],
-                   found_inf: Optional[torch.Tensor] = None) -> tuple[float, bool]:
+                   found_inf: Optional[torch.Tensor] = None,
+                   riders: Optional[Riders] = None) -> tuple[float, bool]:
     """The optimizer's one host read of a step: (the norm, whether the loss scaler's
-    `found_inf` says a rank overflowed), with the check's verdict."""
+    `found_inf` says a rank overflowed), with the check's verdict and the `riders`."""
     if check is not None:
-        return check.read(norm, found_inf)
-    norm_value, flag = _row(norm, found_inf).tolist()
+        return check.read(norm, found_inf, riders)
+    norm_value, flag = _read_with(_row(norm, found_inf), riders)
     return norm_value, flag > 0

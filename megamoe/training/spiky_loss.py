@@ -82,12 +82,11 @@ class SpikyLossCheck:
             return False
         return value >= self.max_value * SPIKY_LOSS_FACTOR
 
-    def see_step(self, losses: list[torch.Tensor], iteration: int) -> list[float]:
-        """The step's micro-batch losses (one host read); warns for each spiky one and
-        returns those values."""
-        if not losses:
-            return []
-        spiky = [v for v in torch.stack(losses).tolist() if self.is_spiky(v)]
+    def see_step(self, losses: list[float], iteration: int) -> list[float]:
+        """The step's micro-batch losses (host values: read with the optimizer's verdict,
+        nonfinite.Riders, not on their own); warns for each spiky one and returns those
+        values."""
+        spiky = [v for v in losses if self.is_spiky(v)]
         for v in spiky:
             logger.warning(f"Rank {self.rank}, node {os.uname()[1]}, device {self.device}, "
                            f"iteration {iteration}: Unexpected result {v} "

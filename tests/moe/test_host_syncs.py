@@ -220,13 +220,18 @@ def test_counter_counts_what_would_block_a_gpu():
     with HostSyncCounter() as c:
         t.tolist()
         int(t[0])
+        float(t[0])
+        bool(t[0])
+        t[0].item()
+        t.cpu()
+        t.numpy()
         t.to("cpu")
         torch.repeat_interleave(t)
         t.nonzero()
         t[t > 1]
         torch.tensor([1, 2], device=t.device)
         (x * 2).sum().backward()  # backward of ordinary ops: nothing
-    assert c.by_op == {"tolist": 1, "_local_scalar_dense": 1, "to": 1,
+    assert c.by_op == {"tolist": 1, "_local_scalar_dense": 4, "cpu": 1, "numpy": 1, "to": 1,
                        "repeat_interleave": 1, "nonzero": 1, "index": 1, "tensor": 1}, c
     with HostSyncCounter() as quiet:
         torch.repeat_interleave(t, output_size=6)

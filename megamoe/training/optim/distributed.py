@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
 from megamoe.parallel.comm import group_size
-from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
+from megamoe.training.nonfinite import NonFiniteCheck, Riders, read_grad_norm
 from megamoe.training.optim.common import (
     bf16_main_grads,
     build_inner_optimizer,
@@ -207,28 +207,31 @@ class DistributedOptimizer:
             dist.all_reduce(total, group=self.pp_group)
         return total.reshape(())
 
-    def count_zeros(self) -> int:
+    def count_zeros(self) -> torch.Tensor:
         """Zero elements of the reduced gradient (this rank's slices, summed over the shard
-        groups: each element once; Megatron's count_zeros_fp32)."""
-        return int(self._sharded_sum(
-            lambda piece: piece.grad.numel() - torch.count_nonzero(piece.grad), torch.int64))
+        groups: each element once; Megatron's count_zeros_fp32): a 0-d int64 device
+        tensor, read with the other logged values (training/host_read)."""
+        return self._sharded_sum(
+            lambda piece: piece.grad.numel() - torch.count_nonzero(piece.grad), torch.int64)
 
     @torch.no_grad()
-    def params_norm(self) -> float:
+    def params_norm(self) -> torch.Tensor:
         """L2 norm of all parameters: the fp32 main slices, summed over the shard groups
-        (Megatron's calc_params_l2_norm of sharded main params)."""
+        (Megatron's calc_params_l2_norm of sharded main params); a 0-d device tensor."""
         self.wait_param_gather()
-        return float(self._sharded_sum(
+        return self._sharded_sum(
             lambda piece: torch.linalg.vector_norm(piece.main, dtype=torch.float32).square()
-        ).sqrt())
+        ).sqrt()
 
     @torch.no_grad()
-    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
-             ) -> tuple[bool, float, Optional[int]]:
+    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False,
+             riders: Optional[Riders] = None
+             ) -> tuple[bool, Optional[float], Optional[torch.Tensor]]:
         """As MixedPrecisionOptimizer.step: reading the norm is the one host sync (with the
         loss scaler's overflow flag: this rank unscales its slices, the flag is agreed over
         every rank); a `check` sees the whole local grad buffers before they are reduced
-        (with overlap, each bucket's before its collective started)."""
+        (with overlap, each bucket's before its collective started); `riders` are read
+        with the norm."""
         self.wait_param_gather()
         if check is not None and self.grad_sync is None:
             check.see_grads(self.grad_buffers)
@@ -239,7 +242,7 @@ class DistributedOptimizer:
             found_inf = unscale_and_check([piece.grad for piece in self._pieces()],
                                           self.grad_scaler, device, self.agree_found_inf)
         norm = self._grad_norm()
-        grad_norm, overflow = read_grad_norm(norm, check, found_inf)
+        grad_norm, overflow = read_grad_norm(norm, check, found_inf, riders)
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow)
             if overflow:  # skipped on every rank; the model keeps its parameters

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from megamoe.config import OptimizerConfig
-from megamoe.training.nonfinite import NonFiniteCheck, read_grad_norm
+from megamoe.training.nonfinite import NonFiniteCheck, Riders, read_grad_norm
 from megamoe.training.optim.common import (
     bf16_main_grads,
     build_inner_optimizer,
@@ -151,8 +151,9 @@ class MixedPrecisionOptimizer:
         return grads
 
     @torch.no_grad()
-    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False
-             ) -> tuple[bool, float, Optional[int]]:
+    def step(self, check: Optional[NonFiniteCheck] = None, count_zeros: bool = False,
+             riders: Optional[Riders] = None
+             ) -> tuple[bool, Optional[float], Optional[torch.Tensor]]:
         """Returns (updated, grad norm before clipping, number of zero gradient elements
         when `count_zeros` (--log-num-zeros-in-grad), else None). Reading the norm is the
         step's one device->host synchronisation (the skip decision and the log need it;
@@ -160,7 +161,8 @@ class MixedPrecisionOptimizer:
         With a `check` (--check-for-nan-in-loss-and-grad) the local gradients are checked
         before the reduction, and a NaN/Inf on any rank raises NonFiniteError before the
         update. An overflow under loss scaling skips the step on every rank (the scaler
-        backs off); its norm and zero count are not computed (None), as Megatron."""
+        backs off); its norm and zero count are not computed (None), as Megatron. `riders`:
+        values read with the norm (nonfinite.Riders)."""
         grads = self.main_grads()
         if self.grad_sync is not None:  # waits for the buckets the backward launched
             bad = self.grad_sync.finish()
@@ -179,7 +181,7 @@ class MixedPrecisionOptimizer:
             # One rank: no reduction changes the gradients, so the norm of the step is the
             # local norm the check needs (Megatron checks a norm too): one pass, not two.
             check.see_local_verdict(~torch.isfinite(norm))
-        grad_norm, overflow = read_grad_norm(norm, check, found_inf)
+        grad_norm, overflow = read_grad_norm(norm, check, found_inf, riders)
         if self.grad_scaler is not None:
             self.grad_scaler.update(overflow)
             if overflow:
@@ -190,21 +192,23 @@ class MixedPrecisionOptimizer:
         self.clip_and_update(grads, norm)
         return True, grad_norm, zeros
 
-    def count_zeros(self, grads: list[torch.Tensor]) -> int:
+    def count_zeros(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Zero elements of the reduced gradients `grads` (aligned with the parameters),
-        each element counted once across tp / pp / ep (Megatron's count_zeros_fp32)."""
-        return int(model_parallel_sum(zero_counts(grads), self.model_params,
-                                      *self.model_parallel_groups, dtype=torch.int64))
+        each element counted once across tp / pp / ep (Megatron's count_zeros_fp32): a
+        0-d int64 device tensor, read with the other logged values (training/host_read)."""
+        return model_parallel_sum(zero_counts(grads), self.model_params,
+                                  *self.model_parallel_groups, dtype=torch.int64)
 
     def wait_param_gather(self) -> None:
         """The model parameters are this step's (they always are: no gather to wait)."""
 
     @torch.no_grad()
-    def params_norm(self) -> float:
+    def params_norm(self) -> torch.Tensor:
         """L2 norm of all parameters (the fp32 main copies, as Megatron's
-        calc_params_l2_norm), each counted once across tp / pp / ep."""
-        return float(model_parallel_sum(squares(self.main_params), self.model_params,
-                                        *self.model_parallel_groups).sqrt())
+        calc_params_l2_norm), each counted once across tp / pp / ep: a 0-d device tensor,
+        read with the other logged values (training/host_read)."""
+        return model_parallel_sum(squares(self.main_params), self.model_params,
+                                  *self.model_parallel_groups).sqrt()
 
     @torch.no_grad()
     def clip_and_update(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:

@@ -230,32 +230,51 @@ class _Stages:
 
 def _sync_moe_logging(model: PipelineModel, num_layers: int) -> None:
     """Sum the per-layer MoE logging values over the pipeline group (each layer lives on
-    one stage), then record them back so every stage reports all layers."""
+    one stage), then record them back so every stage reports all layers. Which stage holds
+    which layers' values does not change from step to step: it is exchanged once (an
+    object all-gather, host reads) per model and mode (training or evaluation), so a step
+    sums the values on the device and reads nothing back."""
     local = MoELossTracker.report(1)  # {name: values of this stage's MoE layers, by layer}
     moe_layers = sorted(layer.layer_index for chunk in model.chunks for layer in chunk.layers
                         if layer.is_moe)
     moe_layers += [mtp_layer.transformer_layer.layer_index for chunk in model.chunks
                    if chunk.mtp is not None for mtp_layer in chunk.mtp.layers
                    if mtp_layer.transformer_layer.is_moe]  # after the decoder's
-    names: list[Optional[list[str]]] = [None] * model.pp_size
-    dist.all_gather_object(names, sorted(local), group=model.pp_group)
-    all_names = sorted({n for per_rank in names for n in per_rank})
-    if not all_names:
+    own = {name: moe_layers[:len(v)] for name, v in local.items()}
+    present = _logged_layers(model, own)  # {name: [layers some stage recorded]}
+    if not present:
         return
     device = next(model.parameters()).device
-    values = torch.zeros(len(all_names), num_layers, device=device)
-    present = torch.zeros(len(all_names), num_layers, device=device)
-    for i, name in enumerate(all_names):
-        if name in local:
-            idx = torch.tensor(moe_layers[:len(local[name])], dtype=torch.long, device=device)
-            values[i, idx] = local[name].float().to(device)
-            present[i, idx] = 1.0
-    stacked = torch.stack([values, present])
-    dist.all_reduce(stacked, group=model.pp_group)
-    for i, name in enumerate(all_names):
-        for layer in range(num_layers):
-            if stacked[1, i, layer] > 0:
-                MoELossTracker.record(name, layer, num_layers, stacked[0, i, layer])
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    rows = []
+    for name in sorted(present):
+        by_layer = dict(zip(own.get(name, []), local[name].float().unbind())
+                        if name in local else [])
+        rows.append(torch.stack([by_layer.get(layer, zero) for layer in range(num_layers)]))
+    summed = torch.stack(rows)
+    dist.all_reduce(summed, group=model.pp_group)
+    for i, name in enumerate(sorted(present)):
+        for layer in present[name]:
+            MoELossTracker.record(name, layer, num_layers, summed[i, layer])
+
+
+def _logged_layers(model: PipelineModel, own: dict[str, list[int]]) -> dict[str, list[int]]:
+    """{name: the layers, over all stages, that record MoE logging value `name`}, from one
+    object all-gather over the pipeline group the first time per mode; cached on the model
+    (each stage's layers and losses are fixed once it is built)."""
+    cache = model.__dict__.setdefault("_moe_logged_layers", {})
+    if model.training not in cache:
+        gathered: list[Optional[dict]] = [None] * model.pp_size
+        dist.all_gather_object(gathered, own, group=model.pp_group)
+        merged: dict[str, set[int]] = {}
+        for per_rank in gathered:
+            for name, layers in (per_rank or {}).items():
+                merged.setdefault(name, set()).update(layers)
+        cache[model.training] = (own, {n: sorted(v) for n, v in merged.items()})
+    seen, present = cache[model.training]
+    if own != seen:  # a stage's recorded losses changed: the exchange would be stale
+        raise RuntimeError(f"MoE logging values changed between steps: {seen} -> {own}")
+    return present
 
 
 def _sync_mtp_logging(model: PipelineModel, device: torch.device) -> None:
