@@ -8,11 +8,12 @@ after `mkdocs --version` works, so a half-built venv is never used."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
+
+from tests.cached_venv import cached_python
 
 PINS = ["mkdocs-material==9.8.2", "mkdocstrings[python]==1.0.8",
         "mkdocstrings-python==2.0.11"]
@@ -42,19 +43,4 @@ def _build(final: str) -> None:
 def mkdocs() -> list[str]:
     """The command running the cached venv's mkdocs, building the venv first if needed
     (`python -m mkdocs`: the venv's scripts name the temporary folder it was built in)."""
-    final = os.path.join(ROOT, KEY)
-    exe = os.path.join(final, "bin", "python")
-    if os.path.isfile(exe):
-        return [exe, "-m", "mkdocs"]
-    os.makedirs(ROOT, exist_ok=True)
-    with open(os.path.join(ROOT, f"{KEY}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not os.path.isfile(exe):
-                _build(final)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise DocsVenvUnavailable(f"building {final} failed ({type(e).__name__}: {e})"
-                                      ) from None
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return [exe, "-m", "mkdocs"]
+    return [cached_python(ROOT, KEY, _build, DocsVenvUnavailable), "-m", "mkdocs"]

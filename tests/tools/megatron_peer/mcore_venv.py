@@ -9,12 +9,13 @@ build it once; it is made in a temporary folder and renamed into place only afte
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
 from typing import Optional
+
+from tests.cached_venv import cached_python
 
 PYTHON = "3.11"
 # transformers/tokenizers: Megatron-LM's tools/preprocess_data.py with a HuggingFace
@@ -64,22 +65,7 @@ def _build(final: str) -> None:
 
 def peer_python() -> str:
     """The cached venv's python, building it first if needed; PeerUnavailable if not."""
-    final = os.path.join(ROOT, KEY)
-    py = os.path.join(final, "bin", "python")
-    if os.path.isfile(py):
-        return py
-    os.makedirs(ROOT, exist_ok=True)
-    with open(os.path.join(ROOT, f"{KEY}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not os.path.isfile(py):
-                _build(final)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise PeerUnavailable(f"building {final} failed ({e.__class__.__name__}: {e})"
-                                  ) from None
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return py
+    return cached_python(ROOT, KEY, _build, PeerUnavailable)
 
 
 def run_peer(args: list[str], timeout: float = 600, python: Optional[str] = None,
