@@ -129,6 +129,8 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
     only, host_read.py); by default they come back as floats, in one batched read."""
     model.train()
     optimizer.zero_grad()
+    MoELossTracker.clear()  # losses a forward outside this step recorded are not its own
+    MTPLossTracker.take()
     n_micro = num_microbatches(run, mesh, global_batch_size)
     timers = timers or Timers(0, mesh.device)
     with timers.timer("forward-backward", 1), \
@@ -353,8 +355,6 @@ def train(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, schedul
     --exit-signal-handler) stops it after a step, which it records in state.exit_reason;
     returns the final state. Each step's global batch size follows the samples consumed
     (--rampup-batch-size); as in Megatron, a checkpoint is saved before it changes."""
-    MoELossTracker.clear()  # values left by an earlier run in this process are not ours
-    MTPLossTracker.take()
     t = run.train
     exits = exits or ExitConditions(t, mesh, time.time())
     observer = TrainingObserver(run, model, mesh.dp_group, mesh.world_size)

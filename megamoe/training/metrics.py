@@ -128,6 +128,15 @@ def reduced_routing_stats(model: torch.nn.Module, group: Optional[dist.ProcessGr
             for j, layer in enumerate(layers)}
 
 
+def _tensor(counts) -> torch.Tensor:
+    """Counts as a tensor where they are (the device's); host values (lists, arrays from a
+    log) stay on the host."""
+    if isinstance(counts, torch.Tensor):
+        return counts
+    # host metadata: counts read back from a log, reduced on the host and never collected
+    return torch.as_tensor(counts, device="cpu")
+
+
 def expert_load_scalars(stats: dict[int, dict], per_layer: bool) -> dict[str, torch.Tensor]:
     """max/mean load (1 = balanced), coefficient of variation (population std / mean) of
     the per-expert token counts and dropped fraction of routed assignments, as 0-d float64
@@ -136,7 +145,7 @@ def expert_load_scalars(stats: dict[int, dict], per_layer: bool) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     rows = []
     for layer, s in sorted(stats.items()):
-        kept, routed = (torch.as_tensor(s[k]).to(torch.float64) for k in ("kept", "routed"))
+        kept, routed = (_tensor(s[k]).to(torch.float64) for k in ("kept", "routed"))
         mean, routed_sum = kept.mean(), routed.sum()
         safe_mean = torch.where(mean > 0, mean, torch.ones_like(mean))
         safe_routed = torch.where(routed_sum > 0, routed_sum, torch.ones_like(routed_sum))

@@ -25,3 +25,22 @@ def test_one_copy_for_all_values_exactly():
     with HostSyncCounter() as again:
         read_all([a, b])  # already host values: nothing to read
     assert again.total == 0
+
+
+def test_a_step_reports_only_its_own_moe_and_mtp_losses():
+    """Losses a forward outside the step left in the trackers (another run or a caller's
+    forward in this process) are not the step's: train_step clears them first."""
+    from megamoe.model.mtp import MTPLossTracker
+    from megamoe.moe.losses import MoELossTracker
+    from megamoe.training.loop import train_step
+    from tests.training.test_nan_check import _batches, _components
+
+    reported = []
+    for leftover in (False, True):
+        run, mesh, model, optimizer, scheduler = _components("")
+        if leftover:
+            MoELossTracker.record("load_balancing_loss", 0, 2, torch.tensor(5.0))
+            MTPLossTracker.take()
+        reported.append(train_step(run, mesh, model, optimizer, scheduler, _batches(0), 1))
+    assert reported[0]["load_balancing_loss"] == reported[1]["load_balancing_loss"]
+    assert reported[0]["lm loss"] == reported[1]["lm loss"]
