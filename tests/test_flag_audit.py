@@ -437,6 +437,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--profile-step-start": ("--profile-step-start 3", 1, 3),
     "--profile-step-end": ("--profile-step-start 2 --profile-step-end 4", 1, 4),
     "--profile-ranks": ("--profile-ranks 1 2", 1, [1, 2]),
+    "--record-memory-history": ("--record-memory-history", 1, True),
+    "--memory-snapshot-path": ("--memory-snapshot-path {tmp}/m.pickle", 1, "{tmp}/m.pickle"),
     "--log-timers-to-tensorboard": ("--log-timers-to-tensorboard", 1, True),
     "--recompute-granularity": ("--recompute-granularity selective", 1, "selective"),
     "--recompute-method": ("--recompute-granularity full --recompute-method block "

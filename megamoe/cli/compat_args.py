@@ -75,6 +75,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", type=int, nargs="*", default=[0],
                    help="ranks that profile (none given: all)")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="CUDA: record the caching allocator's history from before the model "
+                        "is built; snapshots at the first iteration and every --log-interval "
+                        "(and on OOM) on the --profile-ranks")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history writes: <stem>_<rank><ext>")
     g.add_argument("--padded-vocab-size", type=int, default=None,
                    help="the embedding's rows, fixed (at least the tokenizer's vocabulary, "
                         "divisible by TP) instead of the vocabulary padded to a multiple of "

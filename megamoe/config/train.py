@@ -218,6 +218,9 @@ class LoggingConfig:
     profile_step_start: int = flag("--profile-step-start", 10)
     profile_step_end: int = flag("--profile-step-end", 12)
     profile_ranks: list[int] = flag("--profile-ranks", default_factory=lambda: [0])
+    # Megatron's CUDA allocator history (training/memory_history.py).
+    record_memory_history: bool = flag("--record-memory-history", False)
+    memory_snapshot_path: str = flag("--memory-snapshot-path", "snapshot.pickle")
     # Megatron's "params norm: X" / "num zeros: N" in the log line (and TensorBoard), each
     # computed only when asked for: every parameter / gradient element counted once.
     log_params_norm: bool = flag("--log-params-norm", False)
@@ -235,6 +238,8 @@ class LoggingConfig:
         require(self.profile_step_end > self.profile_step_start,
                 f"--profile-step-end ({self.profile_step_end}) must be greater than "
                 f"--profile-step-start ({self.profile_step_start})")
+        require(bool(self.memory_snapshot_path.strip()),
+                "--memory-snapshot-path must name a file")
         require(all(r >= 0 for r in self.profile_ranks),
                 f"--profile-ranks must be >= 0, got {self.profile_ranks}")
         require(not (self.profile and self.use_pytorch_profiler) or self.tensorboard_dir,

@@ -25,6 +25,7 @@ from megamoe.training.heatmap import heatmap_png_dir
 from megamoe.training.host_read import read_all
 from megamoe.training.loss import PerTokenLoss
 from megamoe.training.manual_gc import ManualGC
+from megamoe.training.memory_history import dump_memory_snapshot
 from megamoe.training.metrics import (
     MetricsLogger,
     TrainingObserver,
@@ -401,7 +402,8 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
         metrics = train_step(run, mesh, model, optimizer, scheduler, train_iter,
                              state.iteration + 1, gbs, interval.timers, spiky, read=False)
         step_ms = 1000.0 * (time.time() - step_start)
-        if interval.clock.steps == 0 and mesh.is_logging_rank:  # a startup stage
+        first_step = interval.clock.steps == 0
+        if first_step and mesh.is_logging_rank:  # a startup stage
             print_fn(f"> first step done: iteration {state.iteration + 1} took "
                      f"{step_ms / 1000.0:.1f} s")
             if t.compile and not state.history:  # compile time apart
@@ -424,6 +426,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
                                 "global_batch_size": gbs}, state.iteration)
         collector.after_step(state.iteration)
         profiler.after_step(state.iteration)
+        dump_memory_snapshot(lg, mesh.rank, state.iteration, first_step)
         if console:
             interval.report(state, optimizer, logger)
         elif early:

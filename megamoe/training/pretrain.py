@@ -24,6 +24,7 @@ from megamoe.training.checkpoint.safe_load import CheckpointError
 from megamoe.training.checkpoint.vocab_padding import keep_checkpoint_vocab_padding
 from megamoe.training.exits import ExitConditions
 from megamoe.training.loop import TrainState, evaluate, report_validation, train
+from megamoe.training.memory_history import start_memory_history
 from megamoe.training.metrics import MetricsLogger
 from megamoe.training.optim import build_optimizer
 from megamoe.training.optim.overlap import OverlapOptions, bucket_numel
@@ -71,6 +72,7 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log, started: flo
         log(rampup_note(run))
     c = run.checkpoint
     keep_checkpoint_vocab_padding(run.model, c.load, run.parallel.tensor_model_parallel_size, log)
+    start_memory_history(run.logging, mesh.rank, mesh.device, log)
     stage = time.time()
     model = build_model(run, mesh)
     log(f"> model built in {time.time() - stage:.1f} s")
