@@ -85,7 +85,8 @@ def _cycle(rng: random.Random, layout: str, save: str, marker: str) -> tuple[str
 
 
 @pytest.mark.slow
-def test_fault_soak(tmp_path):
+@pytest.mark.timeout(900)  # some 23 torchrun launches of 3 processes each: 300 s was hit
+def test_fault_soak(tmp_path):  # on two cores busy with other tests (the suite's default)
     rng, start = random.Random(18), time.time()
     summary = {"cycles": 0, "killed_mid_save": 0, "killed_at_a_step": 0}
     per_layout = [CYCLES // len(LAYOUTS) + (i < CYCLES % len(LAYOUTS))
