@@ -66,22 +66,11 @@ def per_token_loss(run: RunConfig, mesh: Mesh) -> Optional[PerTokenLoss]:
     return PerTokenLoss(group, size, run.model.num_mtp_layers)
 
 
-def _dp_mean(values: list[float], mesh: Mesh) -> list[float]:
+def _dp_mean_on_device(values: list[torch.Tensor], mesh: Mesh) -> torch.Tensor:
     """Average logged scalars over data-parallel x context-parallel ranks (logging only,
     never gradients): the LM loss is already the whole sequence's on every cp rank, the
-    MoE losses are per cp rank's tokens, and their mean over cp is the sequence's."""
-    group = mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
-    size = mesh.dp_size * mesh.cp_size
-    if group is None or not values:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
-    dist.all_reduce(t, group=group)
-    return (t / size).tolist()
-
-
-def _dp_mean_on_device(values: list[torch.Tensor], mesh: Mesh) -> torch.Tensor:
-    """_dp_mean of a step's logged scalars without reading them: [len(values)] float64 on
-    the mesh's device (float64 as _dp_mean's, so the logged numbers are the same)."""
+    MoE losses are per cp rank's tokens, and their mean over cp is the sequence's. Returns
+    [len(values)] float64 on the mesh's device, not read back (host_read.py reads it)."""
     t = torch.stack([v.detach().reshape(()).to(device=mesh.device, dtype=torch.float64)
                      for v in values])
     group = mesh.group("dp_cp") if mesh.cp_size > 1 else mesh.dp_group
@@ -206,7 +195,8 @@ def evaluate(run: RunConfig, mesh: Mesh, model: torch.nn.Module,
     MoELossTracker.report(n_micro)  # evaluation does not feed the training statistics
     MTPLossTracker.take()
     model.train()
-    return _dp_mean([total / max(weight, 1.0)], mesh)[0]
+    mean = torch.tensor(total / max(weight, 1.0), dtype=torch.float64, device=mesh.device)
+    return float(_dp_mean_on_device([mean], mesh)[0])
 
 
 # Per-step metrics that are not losses (shown after the losses in the console line).
