@@ -157,6 +157,9 @@ BAD_FIELDS = [
     ("torch", "'iteration'", _set("iteration", True)),
     ("torch", "'consumed_train_samples'", _pop("consumed_train_samples")),
     ("torch", "'rng.torch'", lambda s: s["rng"].__setitem__("torch", torch.zeros(3))),
+    # a fractional Adam step count (bias correction would divide by 1 - beta^2.5)
+    ("torch", "'optimizer.optimizer.state[0].step'", lambda s: s["optimizer"]["optimizer"][
+        "state"][0].__setitem__("step", torch.tensor(2.5))),
 ]
 
 

@@ -98,11 +98,24 @@ def _step(path: str, optim: Any) -> None:
         if "exp_avg" in optim["names"]:  # Adam's moments without their step count
             raise field_error(path, "optimizer.step", "is missing (Adam's moments are saved)")
         return
-    ok = isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()
-    value = float(step) if ok else math.nan
-    if not (ok and math.isfinite(value) and value >= 0 and value == int(value)):
+    ok = isinstance(step, torch.Tensor) and step.is_floating_point()
+    if not (ok and is_step_count(step)):
         raise field_error(path, "optimizer.step", "must be a non-negative whole number "
                     "(a 1-element float tensor)")
+
+
+def is_step_count(v: Any) -> bool:
+    """Whether `v` is an Adam step count: a non-negative whole number, as a Python number
+    or a 1-element tensor (torch keeps it as a tensor, apex in the param group as an int).
+    Bias correction divides by 1 - beta^step, so a fractional or negative count would
+    train on silently wrong moments; both checkpoint readers share this rule."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            return False
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) and v >= 0 and v == int(v)
 
 
 def _grad_scaler(path: str, optim: Any) -> None:

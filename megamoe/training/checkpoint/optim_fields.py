@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megamoe.training.checkpoint.fields import field_error
+from megamoe.training.checkpoint.fields import field_error, is_step_count
 
 
 def _finite_number(v: Any) -> bool:
@@ -75,10 +75,8 @@ def _states(path: str, saved: Any, shapes: dict[int, torch.Size]) -> None:
         for name, v in state.items():
             where = f"{field}[{i}].{name}"
             if name == "step":
-                value = float(v) if (isinstance(v, torch.Tensor) and v.numel() == 1) \
-                    else v if _finite_number(v) else math.nan
-                if not (math.isfinite(value) and value >= 0):
-                    raise field_error(path, where, "must be a non-negative number")
+                if not is_step_count(v):
+                    raise field_error(path, where, "must be a non-negative whole number")
             elif not (isinstance(v, torch.Tensor) and v.is_floating_point()
                       and v.shape == shapes[i]):
                 raise field_error(path, where, f"must be a float tensor of shape {list(shapes[i])}")
