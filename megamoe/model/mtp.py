@@ -85,13 +85,14 @@ class MTPLossTracker:
         cls._values = values
 
     @classmethod
-    def report(cls, num_microbatches: int) -> dict[str, float]:
-        """{"mtp_1 loss": mean over the step's micro-batches, ...}; clears."""
+    def means(cls, num_microbatches: int) -> dict[str, torch.Tensor]:
+        """{"mtp_1 loss": the step's mean over its micro-batches, ...} as float64 device
+        scalars (no host read: the loop batches every logged value into one); clears."""
         values = cls.take()
         if values is None:
             return {}
         return {f"mtp_{k + 1} loss": v / num_microbatches
-                for k, v in enumerate(values.tolist())}
+                for k, v in enumerate(values.double().unbind())}
 
 
 def shifted(x_XS: torch.Tensor, num_shifts: int, cp: Optional[tuple] = None

@@ -151,10 +151,7 @@ def train_step(run: RunConfig, mesh: Mesh, model: torch.nn.Module, optimizer, sc
                        moe_layer_numbers(model) if per_layer else None)
     # {"mtp_1 loss": ...}, not part of the lm loss; per-token, each micro-batch recorded
     # its share of the step's per-token mean (model/mtp.py), so the shares add up
-    mtp_sums = MTPLossTracker.take()
-    mtp_micro = 1 if run.train.calculate_per_token_loss else n_micro
-    mtp = {} if mtp_sums is None else {  # float64 first: MTPLossTracker.report's division
-        f"mtp_{k + 1} loss": v / mtp_micro for k, v in enumerate(mtp_sums.double().unbind())}
+    mtp = MTPLossTracker.means(1 if run.train.calculate_per_token_loss else n_micro)
     names = ["lm loss", *mtp.keys(), *moe.keys()]
     values = _dp_mean_on_device([lm_loss, *mtp.values(), *moe.values()], mesh)
     out: dict = dict(zip(names, values.unbind()))
