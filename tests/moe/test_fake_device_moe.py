@@ -173,7 +173,7 @@ def test_expert_parallel_dispatch_on_the_device(tmp_path, dispatcher):
         code = ("from tests.moe.test_fake_device_moe import replay_rank; "
                 f"replay_rank({rank}, {dispatcher!r}, {str(path)!r})")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert out.returncode == 0, out.stderr[-3000:]
     issued = [pickle.loads((tmp_path / f"reads{r}.pkl.collectives").read_bytes())
               for r in range(len(logs))]
