@@ -129,6 +129,20 @@ def _equal(batch: dict, expected: dict) -> bool:
                                                    for k in batch)
 
 
+def _workers_cpu_s(it) -> float:
+    """User + system CPU seconds of a DataLoader iterator's worker processes so far (from
+    /proc; 0 without workers): what producing the samples cost, whatever else runs."""
+    total = 0.0
+    for worker in getattr(it, "_workers", []):
+        try:
+            with open(f"/proc/{worker.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def measure(run, train, batches: int, warmup: int) -> dict:
     """Time `batches` micro-batches of one rank (DP 1) after `warmup` ones, each warm-up
     batch checked equal to the dataset's samples at the sampler's indices."""
@@ -143,11 +157,13 @@ def measure(run, train, batches: int, warmup: int) -> dict:
             expected = collate([train[i] for i in range(k * mbs, (k + 1) * mbs)])
             if not _equal(batch, expected):
                 raise AssertionError(f"loader batch {k} differs from the dataset's samples")
-        cpu, start = time.process_time(), time.perf_counter()
+        cpu, workers_cpu = time.process_time(), _workers_cpu_s(it)
+        start = time.perf_counter()
         for _ in range(batches):
             next(it)
         seconds = time.perf_counter() - start
         main_cpu = time.process_time() - cpu
+        workers_cpu = _workers_cpu_s(it) - workers_cpu
     finally:
         del it  # persistent workers exit with their iterator
     workers, seq = run.data.num_workers, run.model.seq_length
@@ -157,7 +173,11 @@ def measure(run, train, batches: int, warmup: int) -> dict:
             "samples_per_s": round(samples_per_s, 2),
             "tokens_per_s": round(samples_per_s * seq, 1),
             "per_worker_samples_per_s": round(samples_per_s / max(workers, 1), 2),
-            "main_process_cpu_s": round(main_cpu, 4),
+            "main_process_cpu_ms_per_batch": round(1e3 * main_cpu / batches, 3),
+            "workers_cpu_s": round(workers_cpu, 2),
+            # what one worker would make on a core of its own (its CPU time per sample)
+            "samples_per_worker_cpu_s": (round(batches * mbs / workers_cpu, 1)
+                                         if workers and workers_cpu > 0 else None),
             "first_batch_s": round(first_batch_s, 4), "verified_batches": warmup}
 
 

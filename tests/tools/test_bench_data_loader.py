@@ -31,6 +31,9 @@ def test_tiny_run_prints_the_json_it_writes(tmp_path, capsys):
         (32, 0), (32, 1), (64, 0), (64, 1)]
     for c in cases:
         assert c["batches"] == 6 and c["verified_batches"] == 3 and c["samples_per_s"] > 0
+        assert c["main_process_cpu_ms_per_batch"] >= 0 and c["workers_cpu_s"] >= 0
+        if c["num_workers"] == 0:  # (a worker's CPU is read in clock ticks: may be 0 here)
+            assert c["workers_cpu_s"] == 0 and c["samples_per_worker_cpu_s"] is None
         assert c["tokens_per_s"] == pytest.approx(c["samples_per_s"] * c["seq_length"],
                                                   rel=1e-3)  # (both rounded)
     assert set(printed["planner"]) == {"mixtral_8x7b", "deepseek_v3"}
