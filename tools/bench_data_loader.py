@@ -64,6 +64,10 @@ _RECORDER = ("import json, os, sys\n"
 GENERATE_CHUNK = 1 << 23  # tokens generated and written at once
 
 
+class BenchError(Exception):
+    """A launch script that does not give its flags: one line, exit 1."""
+
+
 def write_corpus(directory: str, datasets: int, total_bytes: int, vocab_size: int,
                  mean_doc_tokens: int, seed: int) -> list[str]:
     """`datasets` prefixes of random documents (lengths uniform in [1, 2 x mean], tokens
@@ -189,9 +193,13 @@ def script_launch(name: str, scratch: str) -> tuple[list[str], int]:
         f.write(f"#!{sys.executable}\n{_RECORDER}")
     os.chmod(recorder, 0o755)
     env = {**os.environ, "DRY_RUN": "1", "PYTHON": recorder}
-    out = subprocess.run(["bash", os.path.join(ROOT, script), *positional], env=env,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
-    record = json.loads(out.strip().splitlines()[-1])
+    p = subprocess.run(["bash", os.path.join(ROOT, script), *positional], env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode or not lines:
+        why = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BenchError(f"{script} DRY_RUN=1 exited {p.returncode}: {why}")
+    record = json.loads(lines[-1])
     return record["argv"], int(record["world_size"])
 
 
@@ -316,6 +324,9 @@ def main(argv=None) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # index-build log lines: stdout is JSON
             result = run_benchmark(args, work)
+    except BenchError as e:
+        sys.stderr.write(f"bench_data_loader.py: error: {e}\n")
+        return 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(result, indent=1)

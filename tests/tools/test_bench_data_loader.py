@@ -101,3 +101,12 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1, err
         assert err[0].startswith("bench_data_loader.py: error: --"), err
+
+
+def test_a_launch_script_that_fails_is_named(tmp_path, monkeypatch):
+    script = tmp_path / "broken.sh"
+    script.write_text("echo 'broken.sh: no such preset' >&2; exit 2\n")
+    monkeypatch.setitem(bench.SCRIPTS, "broken", (str(script), []))
+    with pytest.raises(bench.BenchError, match=r"broken\.sh DRY_RUN=1 exited 2: broken\.sh: "
+                                               r"no such preset"):
+        bench.script_launch("broken", str(tmp_path))
