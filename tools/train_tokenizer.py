@@ -28,7 +28,7 @@ MAX_DOCUMENT_BYTES = 1 << 20  # longer documents are truncated for training only
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="jsonl, .jsonl.gz or .jsonl.xz")
+    p.add_argument("--input", required=True, help="jsonl, .jsonl.gz, .jsonl.xz or .jsonl.zst")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model, PREFIX.vocab")

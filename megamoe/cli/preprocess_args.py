@@ -38,7 +38,8 @@ NOOP = {
 
 # option -> why it is refused when given (with a non-default value).
 REFUSED = {
-    "--split-sentences": "needs nltk's punkt sentence model, which megamoe does not ship",
+    "--split-sentences": "needs nltk's punkt_tab data, which no PyPI package ships "
+                         "- see docs/training-your-own-data.md",
     "--tokenizer-metadata": "tokenizer metadata files are not read by megamoe's tokenizers",
     "--tokenizer-special-tokens": "extra special tokens are not added by megamoe's "
                                   "tokenizers",

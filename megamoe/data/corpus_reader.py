@@ -71,7 +71,9 @@ class _ZstdRaw(io.RawIOBase):
         return b"".join(out)
 
 
-def _open_binary(path: str, raw: BinaryIO) -> BinaryIO:
+def open_binary(path: str, raw: BinaryIO) -> BinaryIO:
+    """`raw` decompressed by file name (.gz, .xz, .zst; anything else as is). Closing the
+    result leaves `raw` open: the caller's `with` owns it."""
     if path.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw)
     if path.endswith(".xz"):
@@ -81,7 +83,7 @@ def _open_binary(path: str, raw: BinaryIO) -> BinaryIO:
     return raw
 
 
-def _require_module(path: str) -> None:
+def require_module(path: str) -> None:
     """A missing optional reader is one line naming the file, not an ImportError."""
     module = "pyarrow" if is_parquet(path) else "zstandard" if path.endswith(".zst") else None
     if module is not None and importlib.util.find_spec(module) is None:
@@ -99,7 +101,7 @@ class CorpusReader:
     def __init__(self, path: str, keys: Sequence[str], chunk_docs: int) -> None:
         if not os.path.isfile(path):
             raise DataError(f"{path}: input file not found")
-        _require_module(path)
+        require_module(path)
         self.path = path
         self.keys = list(keys)
         self.chunk_docs = chunk_docs
@@ -119,7 +121,7 @@ class CorpusReader:
                 if is_parquet(self.path):
                     yield from self._parquet_chunks(raw)
                 else:
-                    yield from self._json_chunks(_open_binary(self.path, raw))
+                    yield from self._json_chunks(open_binary(self.path, raw))
         except (OSError, EOFError, lzma.LZMAError) as e:
             raise DataError(f"{self.path}: unreadable input ({_one_line(e)})") from None
         finally:
@@ -173,12 +175,12 @@ def parquet_rows(path: str) -> int:
 def count_documents(path: str) -> int:
     """Documents in a file (non-blank jsonl lines or Parquet rows), for
     --keep-sequential-samples' partition size."""
-    _require_module(path)
+    require_module(path)
     if is_parquet(path):
         return parquet_rows(path)
     try:
         with open(path, "rb") as raw:
-            return sum(1 for line in _open_binary(path, raw) if line.strip())
+            return sum(1 for line in open_binary(path, raw) if line.strip())
     except (OSError, EOFError, lzma.LZMAError) as e:
         raise DataError(f"{path}: unreadable input ({_one_line(e)})") from None
 

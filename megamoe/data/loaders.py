@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megamoe.config import DataConfig
+from megamoe.config import DataConfig, RunConfig
 from megamoe.data.errors import DataError
 from megamoe.data.samplers import PretrainingSampler, RandomPretrainingSampler
 from megamoe.data.tokenizers import build_tokenizer
@@ -66,6 +66,19 @@ def make_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank
     if device is None:
         return batches
     return (to_device(batch, device) for batch in batches)
+
+
+def run_iterator(run: RunConfig, dataset, consumed_samples: int, dp_rank: int, dp_size: int,
+                 device: Optional[torch.device] = None,
+                 num_workers: Optional[int] = None) -> Optional[Iterator]:
+    """`make_iterator` with a run's micro-batch, workers (--num-workers unless given) and
+    sampler: what pretrain_gpt.py reads from, and what tools/bench_data_loader.py times
+    (one definition, so the benchmark cannot drift from the training loader)."""
+    workers = run.data.num_workers if num_workers is None else num_workers
+    return make_iterator(dataset, consumed_samples, run.train.micro_batch_size, dp_rank,
+                         dp_size, workers, device=device,
+                         dataloader_type=run.data.dataloader_type,
+                         data_sharding=run.data.data_sharding)
 
 
 def _cyclic(loader: torch.utils.data.DataLoader, first: Iterator) -> Iterator:

@@ -13,7 +13,8 @@ import torch
 
 from megamoe.config import RunConfig
 from megamoe.config.batch_schedule import schedule_text
-from megamoe.data import DataError, build_gpt_datasets, make_iterator
+from megamoe.data import DataError, build_gpt_datasets
+from megamoe.data.loaders import run_iterator
 from megamoe.model.flops import num_parameters
 from megamoe.moe.stats import describe_choice
 from megamoe.parallel.failures import explain
@@ -208,17 +209,10 @@ class _Data:
             # window per --eval-interval)
             valid_consumed = t.evaluations_by(state.iteration) * t.eval_iters * gbs
             train_iter, valid_iter = (
-                _iterator(run, mesh, ds, consumed, run.data.num_workers)
+                run_iterator(run, ds, consumed, mesh.dp_rank, mesh.dp_size, mesh.device)
                 for ds, consumed in ((train_ds, state.consumed_train_samples),
                                      (valid_ds, valid_consumed)))
         return cls(valid_ds, test_ds, train_iter, valid_iter, train_ds)
-
-
-def _iterator(run: RunConfig, mesh: Mesh, dataset, consumed: int, num_workers: int):
-    return make_iterator(dataset, consumed, run.train.micro_batch_size, mesh.dp_rank,
-                         mesh.dp_size, num_workers, device=mesh.device,
-                         dataloader_type=run.data.dataloader_type,
-                         data_sharding=run.data.data_sharding)
 
 
 def _train(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, data: _Data, logger,
@@ -251,6 +245,7 @@ def _final_evaluation(run: RunConfig, mesh: Mesh, model, data: _Data, logger,
         if ds is None or run.train.eval_iters == 0 or (split == "validation"
                                                        and evaluated_last):
             continue
-        it = data.valid_iter if split == "validation" else _iterator(run, mesh, ds, 0, 0)
+        it = data.valid_iter if split == "validation" else run_iterator(
+            run, ds, 0, mesh.dp_rank, mesh.dp_size, mesh.device, num_workers=0)
         loss = evaluate(run, mesh, model, it)
         report_validation(state.iteration, loss, logger, mesh, print_fn, split=split)

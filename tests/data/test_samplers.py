@@ -151,12 +151,13 @@ def test_cyclic_iterator_runs_past_the_dataset_and_resumes():
                                                  ("--dataloader-type cyclic --no-data-sharding",
                                                   "cyclic", False)])
 def test_pretrain_reads_through_the_chosen_sampler(monkeypatch, flags, kind, sharding):
-    import megamoe.training.pretrain as pt
+    import megamoe.data.loaders as loaders  # pretrain.py reads through run_iterator there
     from tests.training.test_pretrain import TINY_MOE
 
     seen = []
-    orig = pt.make_iterator
-    monkeypatch.setattr(pt, "make_iterator", lambda *a, **kw: seen.append(kw) or orig(*a, **kw))
+    orig = loaders.make_iterator
+    monkeypatch.setattr(loaders, "make_iterator",
+                        lambda *a, **kw: seen.append(kw) or orig(*a, **kw))
     args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 2 {flags}"), world_size=1)
     assert pretrain(args, print_fn=lambda _m: None).iteration == 2
     assert seen and all(kw["dataloader_type"] == kind and kw["data_sharding"] == sharding
