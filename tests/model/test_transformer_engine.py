@@ -1,0 +1,172 @@
+"""--transformer-impl transformer_engine, wired against the TE stand-in (tests/te_stand_in:
+TE v2.18's recorded signatures, megamoe's fp32 math): the TE-path model gives the local
+model's logits and gradients with the same weights, every GEMM and the core attention run
+on TE's modules with the layer's own parameters, the --fp8-* flags reach TE's recipe
+objects and autocast, and a model without TE ends with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shlex
+
+import pytest
+import torch
+
+from megamoe.cli.arguments import parse_args
+from megamoe.cli.mapping import run_config_from_args
+from megamoe.config import ConfigError
+from megamoe.model.te.loader import TransformerEngineMissing, load_transformer_engine
+from megamoe.model.te.support import check_run
+from megamoe.training.build import build_model
+from tests.te_stand_in import installed
+from tests.training.test_pretrain import TINY_MOE
+
+# Layer 0 dense (LayerNormLinear fc1), layer 1 MoE with shared experts; qkv bias, GQA.
+SHAPE = ("--moe-layer-freq ([0]+[1]*1) --moe-shared-expert-intermediate-size 32 "
+         "--add-qkv-bias --ffn-hidden-size 40 --train-iters 1")
+TE = "--transformer-impl transformer_engine"
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
+                       "te_signatures.json")
+
+
+def _run(extra: str = ""):
+    return run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} {SHAPE} {extra}"),
+                                           world_size=1), 97)
+
+
+def _loss_and_grads(model, tokens, labels):
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    loss = model(tokens, labels=labels).mean()
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_fixture_is_tes_source_at_the_pinned_tag():
+    data = json.load(open(FIXTURE))
+    assert data["source"]["commit"] == "27486e03cfc1fa41f6932dcecdc47c71c47eac3e"
+    assert data["source"]["rev"] == "v2.18"
+    names = {p["name"] for p in
+             data["callables"]["transformer_engine.pytorch.LayerNormLinear.__init__"]["params"]}
+    assert {"normalization", "eps", "params_dtype", "init_method"} <= names
+
+
+def test_te_path_gives_the_local_models_logits_and_grads():
+    """Same seed, same weights (the TE modules compute with the layers' own parameters):
+    logits and every gradient agree to fp32 rounding (the stand-in runs the same
+    formulas, grouped GEMM as a per-group loop: a different summation order)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 97, (2, 16))
+    labels = torch.randint(0, 97, (2, 16))
+    local = build_model(_run())
+    with installed() as te:
+        model = build_model(_run(TE))
+        assert list(model.state_dict()) == list(local.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     local.state_dict().values()))
+        te.CALLS.clear()
+        logits, grads = _loss_and_grads(model, tokens, labels)
+        ran = {c for c, _ in te.CALLS}
+    ref_logits, ref_grads = _loss_and_grads(local, tokens, labels)
+    assert ran == {"LayerNormLinear", "Linear", "GroupedLinear", "DotProductAttention"}, ran
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7,
+                                   msg=name)
+
+
+def test_te_modules_hold_the_layers_parameters():
+    with installed():
+        model = build_model(_run(TE))
+    dense, moe = model.decoder.layers
+    qkv = dense.self_attention.linear_qkv
+    assert qkv.fp8.module.layer_norm_weight is dense.input_layernorm.weight
+    assert qkv.fp8.module.weight is qkv.weight and qkv.fp8.module.bias is qkv.bias
+    assert dense.mlp.linear_fc1.fp8.module.layer_norm_weight is dense.pre_mlp_layernorm.weight
+    assert dense.fused_input_norm and dense.fused_pre_mlp_norm
+    assert moe.fused_input_norm and not moe.fused_pre_mlp_norm  # MoE: the norm stays apart
+    assert set(model.te_state.modules) == {
+        *(f"decoder.layers.0.{m}" for m in ("self_attention.linear_qkv",
+                                            "self_attention.core_attention",
+                                            "self_attention.linear_proj",
+                                            "mlp.linear_fc1", "mlp.linear_fc2")),
+        *(f"decoder.layers.1.{m}" for m in ("self_attention.linear_qkv",
+                                            "self_attention.core_attention",
+                                            "self_attention.linear_proj",
+                                            "mlp.experts.linear_fc1", "mlp.experts.linear_fc2",
+                                            "mlp.shared_experts.linear_fc1",
+                                            "mlp.shared_experts.linear_fc2"))}
+    experts = moe.mlp.experts.fp8.fc1.module
+    assert not list(experts.parameters())  # weight{e}: views made per call, then dropped
+    assert not any(k.startswith("weight") for k in vars(experts))
+
+
+@pytest.mark.parametrize("flags,recipe,fields", [
+    ("--fp8-format hybrid --fp8-recipe delayed --fp8-margin 2 --fp8-amax-history-len 16 "
+     "--fp8-amax-compute-algo max", "DelayedScaling",
+     {"margin": 2, "amax_history_len": 16, "amax_compute_algo": "max",
+      "fp8_format": "HYBRID"}),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise", "Float8CurrentScaling",
+     {"fp8_format": "E4M3"}),
+])
+def test_fp8_flags_reach_tes_recipe_and_autocast(flags, recipe, fields):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 97, (2, 16))
+    with installed() as te:
+        model = build_model(_run(f"{TE} {flags}"))
+        te.CALLS.clear()
+        model(tokens)
+        recipes = [r for _, r in te.CALLS]
+    assert recipes and all(type(r).__name__ == recipe for r in recipes), recipes
+    r = recipes[0]
+    for name, value in fields.items():
+        got = getattr(r, name)
+        assert (got.name if name == "fp8_format" else got) == value, (name, got)
+
+
+def test_delayed_scalings_extra_state_round_trips():
+    """TE's per-module extra state (the stand-in's amax histories) is collected under
+    Megatron's module names and restores into another TE model exactly; bad input is
+    named."""
+    tokens = torch.randint(0, 97, (2, 16))
+    flags = f"{TE} --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4"
+    with installed():
+        a, b = build_model(_run(flags)), build_model(_run(flags))
+        a(tokens)
+        saved = a.te_state.state_dict()
+        assert all(v.dtype == torch.uint8 and v.numel() for v in saved.values())
+        b.te_state.load_state_dict(saved)
+        for name, module in b.te_state.modules.items():  # what TE would hold again
+            want = pickle.loads(saved[name].numpy().tobytes())
+            assert torch.equal(module.fp8_state["amax_history"], want["amax_history"]), name
+            assert module.fp8_state["steps"] == want["steps"] == 1
+        with pytest.raises(ValueError, match="1-D uint8"):
+            b.te_state.load_state_dict({**saved, next(iter(saved)): torch.zeros(2)})
+        with pytest.raises(ValueError, match="modules differ"):
+            b.te_state.load_state_dict({"x": saved[next(iter(saved))]})
+
+
+def test_without_te_the_run_ends_with_one_line_naming_the_package():
+    with pytest.raises(TransformerEngineMissing) as e:
+        load_transformer_engine()
+    msg = str(e.value)
+    assert "transformer_engine" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("flags,says", [
+    ("--tensor-model-parallel-size 2 --sequence-parallel", "--tensor-model-parallel-size"),
+    ("--recompute-granularity selective --recompute-modules layernorm",
+     "--recompute-modules layernorm"),
+    ("--fp8-format e4m3 --recompute-granularity selective --recompute-modules moe",
+     "--recompute-modules moe"),
+    ("--fp8-format e4m3 --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 1", "--recompute-granularity full"),
+])
+def test_what_te_does_not_build_yet_is_named(flags, says):
+    run = run_config_from_args(parse_args(shlex.split(f"{TINY_MOE} --train-iters 1 {TE} "
+                                                      f"{flags}"), world_size=2), 97)
+    with pytest.raises(ConfigError, match=f"not supported yet: {says}"):
+        check_run(run)
