@@ -156,6 +156,17 @@ def test_without_te_the_run_ends_with_one_line_naming_the_package():
     assert "transformer_engine" in msg and "\n" not in msg
 
 
+def test_te_without_its_compiled_extension_is_missing():
+    """The Python package alone (PyPI's meta package, a core_cu* wheel) cannot run: the
+    probe imports the torch extension first and names it."""
+    import sys
+
+    with installed():  # (its exit removes every transformer_engine* entry again)
+        sys.modules["transformer_engine_torch"] = None  # the next import of it fails
+        with pytest.raises(TransformerEngineMissing, match="transformer_engine_torch"):
+            load_transformer_engine()
+
+
 @pytest.mark.parametrize("flags,says", [
     ("--tensor-model-parallel-size 2 --sequence-parallel", "--tensor-model-parallel-size"),
     ("--recompute-granularity selective --recompute-modules layernorm",
