@@ -17,6 +17,7 @@ import torch
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
+from megamoe.model.te.attention import backend_environment
 from megamoe.model.te.loader import TransformerEngineMissing, load_transformer_engine
 from megamoe.model.te.support import check_run
 from megamoe.training.build import build_model
@@ -53,16 +54,18 @@ def test_fixture_is_tes_source_at_the_pinned_tag():
     assert {"normalization", "eps", "params_dtype", "init_method"} <= names
 
 
-def test_te_path_gives_the_local_models_logits_and_grads():
+@pytest.mark.parametrize("extra", ["", "--normalization LayerNorm --mtp-num-layers 1"])
+def test_te_path_gives_the_local_models_logits_and_grads(extra):
     """Same seed, same weights (the TE modules compute with the layers' own parameters):
     logits and every gradient agree to fp32 rounding (the stand-in runs the same
-    formulas, grouped GEMM as a per-group loop: a different summation order)."""
+    formulas, grouped GEMM as a per-group loop: a different summation order). RMSNorm,
+    and LayerNorm (layer_norm_bias) with an MTP depth (eh_proj on TE's Linear)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 97, (2, 16))
     labels = torch.randint(0, 97, (2, 16))
-    local = build_model(_run())
+    local = build_model(_run(extra))
     with installed() as te:
-        model = build_model(_run(TE))
+        model = build_model(_run(f"{TE} {extra}"))
         assert list(model.state_dict()) == list(local.state_dict())
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      local.state_dict().values()))
@@ -99,6 +102,10 @@ def test_te_modules_hold_the_layers_parameters():
                                             "mlp.experts.linear_fc1", "mlp.experts.linear_fc2",
                                             "mlp.shared_experts.linear_fc1",
                                             "mlp.shared_experts.linear_fc2"))}
+    model.eval()  # the TE modules sit outside the tree: each call copies the mode
+    with installed():
+        model(torch.randint(0, 97, (1, 16)))
+    assert not qkv.fp8.module.training and not dense.self_attention.te_core_attention.module.training
     experts = moe.mlp.experts.fp8.fc1.module
     assert not list(experts.parameters())  # weight{e}: views made per call, then dropped
     assert not any(k.startswith("weight") for k in vars(experts))
@@ -181,3 +188,20 @@ def test_what_te_does_not_build_yet_is_named(flags, says):
                                                       f"{flags}"), world_size=2), 97)
     with pytest.raises(ConfigError, match=f"not supported yet: {says}"):
         check_run(run)
+
+
+def test_model_config_names_a_bad_transformer_impl():
+    from megamoe.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="--transformer-impl must be local or "
+                                          "transformer_engine"):
+        ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
+                    max_position_embeddings=4, vocab_size=16, transformer_impl="te")
+
+
+def test_attention_backend_sets_tes_switches_as_megatron():
+    assert backend_environment("auto") == {}
+    assert backend_environment("flash") == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0",
+                                            "NVTE_UNFUSED_ATTN": "0"}
+    assert backend_environment("unfused")["NVTE_UNFUSED_ATTN"] == "1"
+    assert backend_environment("auto", use_flash_attn=True)["NVTE_FLASH_ATTN"] == "1"
