@@ -105,7 +105,8 @@ def test_te_modules_hold_the_layers_parameters():
     model.eval()  # the TE modules sit outside the tree: each call copies the mode
     with installed():
         model(torch.randint(0, 97, (1, 16)))
-    assert not qkv.fp8.module.training and not dense.self_attention.te_core_attention.module.training
+    assert not qkv.fp8.module.training
+    assert not dense.self_attention.te_core_attention.module.training
     experts = moe.mlp.experts.fp8.fc1.module
     assert not list(experts.parameters())  # weight{e}: views made per call, then dropped
     assert not any(k.startswith("weight") for k in vars(experts))
