@@ -85,7 +85,7 @@ def test_logging_level(monkeypatch, capsys):
 
 def test_transformer_engine_without_te_is_one_line(capsys):
     """The dry run sizes TE's layers as local's; a real run needs TE importable (this
-    machine has none: tests/training/test_transformer_engine_checkpoint.py runs it on the
+    machine has none: tests/training/test_transformer_engine_training.py runs it on the
     stand-in) and says so in one line, exit 1, before anything is built."""
     argv = shlex.split(f"{TINY_MOE} --train-iters 1 --transformer-impl transformer_engine")
     assert cli_main.main(argv + ["--dry-run"]) == 0

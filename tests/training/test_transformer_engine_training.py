@@ -1,8 +1,9 @@
-"""Checkpoints move between --transformer-impl local and transformer_engine (TE: the
-stand-in of tests/te_stand_in): the same parameters under the same names either way, TE's
-extra state carried in common.pt and restored by a TE run, ignored by a local one; and the
+"""Training with --transformer-impl transformer_engine (TE: the stand-in of
+tests/te_stand_in). Checkpoints move between local and transformer_engine runs: the same
+parameters under the same names either way, TE's extra state carried in common.pt and restored by a TE run, ignored by a local one; and the
 command line's one-line refusals of what the TE path does not build yet. (Without TE:
-tests/scripts/test_megatron_flags.py.)"""
+tests/scripts/test_megatron_flags.py.) Slow: EP2 and PP2 on TE against one local
+process."""
 
 from __future__ import annotations
 
@@ -92,3 +93,28 @@ def test_cli_names_what_te_does_not_build_yet(capsys, flags, says):
         rc = cli_main.main(shlex.split(f"{TINY_MOE} --train-iters 1 {TE} {flags}"))
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and says in err, err
+
+
+def _te_worker(rank: int, world_size: int, extra: str) -> list[float]:
+    with installed():  # (each spawned process installs the stand-in itself)
+        args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 3 {TE} {extra}"),
+                          world_size=world_size)
+        return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+    "--pipeline-model-parallel-size 2",
+])
+def test_te_layouts_match_one_local_process(extra):
+    """EP2 (GroupedLinear over each rank's local experts) and PP2 (TE modules in each stage)
+    on TE give one local process's losses, to fp32 rounding (1e-5, as the other layout
+    tests: the gloo reductions sum in another order)."""
+    from tests.distributed import run_distributed
+
+    single = _losses("--train-iters 3")
+    per_rank = run_distributed(_te_worker, 2, 240, extra)
+    last = per_rank[-1]  # (PP: the last stage reports the loss)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(last, single)), (single, last)
+    assert len(last) == len(single)
