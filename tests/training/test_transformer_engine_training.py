@@ -1,9 +1,9 @@
 """Training with --transformer-impl transformer_engine (TE: the stand-in of
 tests/te_stand_in). Checkpoints move between local and transformer_engine runs: the same
-parameters under the same names either way, TE's extra state carried in common.pt and restored by a TE run, ignored by a local one; and the
-command line's one-line refusals of what the TE path does not build yet. (Without TE:
-tests/scripts/test_megatron_flags.py.) Slow: EP2 and PP2 on TE against one local
-process."""
+parameters under the same names either way, TE's extra state carried in common.pt and
+restored by a TE run, ignored by a local one; and the command line's one-line refusals of
+what the TE path does not build yet. (Without TE: tests/scripts/test_megatron_flags.py.)
+Slow: EP2 and PP2 on TE against one local process."""
 
 from __future__ import annotations
 
