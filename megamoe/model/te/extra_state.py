@@ -5,8 +5,9 @@ for stateless recipes, else TE's pickled FP8 metadata: delayed scaling's scales 
 histories). Megatron writes it as `<module>._extra_state` beside the parameters. megamoe's
 TE modules sit outside the model's module tree (engine.py), so the model's state dict
 stays megamoe's; their extra states are collected here, keyed by Megatron's TE-spec module
-names (`decoder.layers.3.self_attention.linear_qkv`, `...mlp.experts.linear_fc1`), and
-saved in the checkpoint's common state (training/checkpoint/te_state.py). A checkpoint
+names within this rank's model (`decoder.layers.3.self_attention.linear_qkv`,
+`...mlp.experts.linear_fc1`; a pipeline stage's own prefix under PP), and saved in the
+checkpoint's common state (training/checkpoint/te_state.py). A checkpoint
 without them (a local run's) leaves TE's initial state, as Megatron loading a checkpoint
 without `_extra_state`.
 """
