@@ -55,7 +55,6 @@ def _compare(*args: str) -> int:
                           text=True, timeout=60, cwd=ROOT).returncode
 
 
-@pytest.mark.slow
 def test_te_check_runs_on_the_stand_in():
     """The GPU's Transformer Engine check, on the CPU against TE's stand-in (fp32, the same
     formulas): local and TE agree to fp32 rounding, and a TE path that computed anything
@@ -67,6 +66,7 @@ def test_te_check_runs_on_the_stand_in():
     assert report["logits"] < 1e-5 and report["grads"] < 1e-4, report
 
 
+@pytest.mark.slow
 def test_compare_fails_on_a_perturbed_or_restarted_run(tmp_path):
     ref = _history(tmp_path / "ref.json", range(1, 7))
     assert _compare(ref, _history(tmp_path / "same.json", range(1, 7))) == 0
