@@ -207,3 +207,18 @@ def test_attention_backend_sets_tes_switches_as_megatron():
                                             "NVTE_UNFUSED_ATTN": "0"}
     assert backend_environment("unfused")["NVTE_UNFUSED_ATTN"] == "1"
     assert backend_environment("auto", use_flash_attn=True)["NVTE_FLASH_ATTN"] == "1"
+
+
+def test_dry_run_counts_tes_amax_histories():
+    """TE keeps 3 forward + 2 backward delayed-scaling states per GEMM where megamoe's own
+    FP8 keeps 3 operands': the dry run's amax bytes are 5/3 of the local count. SHAPE's
+    GEMMs: layer 0 (dense) qkv, proj, fc1, fc2; layer 1 qkv, proj, shared fc1, fc2, and
+    2 expert GEMMs x 4 experts: 16 tensors' states, each (history 4 + scale) x 4 bytes."""
+    from megamoe.planning.fp8_memory import fp8_report
+
+    flags = "--fp8-format hybrid --fp8-amax-history-len 4"
+    model = build_model(_run(flags))
+    gemms = 4 + 4 + 2 * 4
+    local = fp8_report(_run(flags), model)["amax_history_bytes_per_rank"]
+    te = fp8_report(_run(f"{flags} {TE}"), model)["amax_history_bytes_per_rank"]
+    assert local == gemms * 3 * (4 + 1) * 4 and te == gemms * 5 * (4 + 1) * 4
