@@ -1,6 +1,9 @@
 """What FP8 adds to one rank's memory in the planner and --dry-run: delayed scaling's
 amax histories and scales (fp32, per GEMM operand: input, weight, output gradient; one
-per local expert for the experts' GEMMs). Tensorwise scaling keeps no state.
+per local expert for the experts' GEMMs). Tensorwise scaling keeps no state. Transformer
+Engine (--transformer-impl transformer_engine) keeps five per GEMM: three forward (input,
+weight, output) and two backward (output gradient, input gradient), TE's
+`TransformerEngineBaseModule` (num_gemms * 3 forward, * 2 backward quantizer states).
 
 Not modelled yet (docs/fp8.md): the FP8 copies autograd keeps instead of the
 high-precision inputs (smaller activations) and the per-step FP8 weight copies.
@@ -23,15 +26,16 @@ def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
         return None
     par = run.parallel
     ep = par.expert_model_parallel_size
+    per_gemm = 5 if run.model.transformer_impl == "transformer_engine" else 3
     tensors = 0
     gemms = 0
     for _, m in fp8_gemm_modules(model) if model is not None else []:
         if isinstance(m, GroupedExperts):
             gemms += 2
-            tensors += 2 * 3 * max(1, m.num_local_experts // ep)
+            tensors += 2 * per_gemm * max(1, m.num_local_experts // ep)
         else:
             gemms += 1
-            tensors += 3
+            tensors += per_gemm
     num_layers = run.model.num_layers
     stage = max(sum(hi - lo for lo, hi in chunks)
                 for chunks in par.layer_ranges(num_layers))
