@@ -1,9 +1,6 @@
 """What FP8 adds to one rank's memory in the planner and --dry-run: delayed scaling's
 amax histories and scales (fp32, per GEMM operand: input, weight, output gradient; one
-per local expert for the experts' GEMMs). Tensorwise scaling keeps no state. Transformer
-Engine (--transformer-impl transformer_engine) keeps five per GEMM: three forward (input,
-weight, output) and two backward (output gradient, input gradient), TE's
-`TransformerEngineBaseModule` (num_gemms * 3 forward, * 2 backward quantizer states).
+per local expert for the experts' GEMMs). Tensorwise scaling keeps no state.
 
 Not modelled yet (docs/fp8.md): the FP8 copies autograd keeps instead of the
 high-precision inputs (smaller activations) and the per-step FP8 weight copies.
@@ -26,6 +23,8 @@ def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
         return None
     par = run.parallel
     ep = par.expert_model_parallel_size
+    # Transformer Engine keeps 5 states per GEMM: 3 forward (input, weight, output), 2
+    # backward (its TransformerEngineBaseModule: num_gemms * 3 and * 2 quantizer states)
     per_gemm = 5 if run.model.transformer_impl == "transformer_engine" else 3
     tensors = 0
     gemms = 0
