@@ -21,18 +21,18 @@ import torch.distributed as dist
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.te.loader import TransformerEngine
 
-_RECIPE_CLASSES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
+RECIPE_CLASSES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
                    "blockwise": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}
 _FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}
 
 
 def fp8_recipe(te: TransformerEngine, config: Fp8Config):
     """TE's recipe object for `config` (FP8 enabled)."""
-    if config.recipe not in _RECIPE_CLASSES:
+    if config.recipe not in RECIPE_CLASSES:
         raise ValueError(f"not supported yet: --fp8-recipe {config.recipe} with "
                          "--transformer-impl transformer_engine")
     fmt = getattr(te.recipe.Format, _FORMATS[config.format])
-    cls = getattr(te.recipe, _RECIPE_CLASSES[config.recipe])
+    cls = getattr(te.recipe, RECIPE_CLASSES[config.recipe])
     if config.recipe == "delayed":
         return cls(margin=config.margin, fp8_format=fmt,
                    amax_history_len=config.amax_history_len,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from megamoe.config import ConfigError
 from megamoe.config.run import RunConfig
+from megamoe.model.te.recipe import RECIPE_CLASSES
 
 _SELECTIVE_WITH_TE_GEMMS = ("mlp", "moe", "shared_experts")
 
@@ -41,6 +42,8 @@ def check_run(run: RunConfig) -> None:
         raise _refuse("--recompute-modules layernorm (TE fuses the norms into the linears)")
     if not run.fp8.enabled:
         return
+    if run.fp8.recipe not in RECIPE_CLASSES:  # a recipe TE has no class for (e.g. custom)
+        raise _refuse(f"--fp8-recipe {run.fp8.recipe}")
     if run.recompute.granularity == "full" and run.fp8.recipe == "delayed":
         raise _refuse("--recompute-granularity full with --fp8-recipe delayed")
     for module in _SELECTIVE_WITH_TE_GEMMS:
