@@ -54,13 +54,15 @@ def test_fixture_is_tes_source_at_the_pinned_tag():
     assert {"normalization", "eps", "params_dtype", "init_method"} <= names
 
 
-@pytest.mark.parametrize("extra", ["", "--normalization LayerNorm --mtp-num-layers 1"])
+@pytest.mark.parametrize("extra", ["", "--normalization LayerNorm --mtp-num-layers 1 "
+                                   "--qk-layernorm --no-disable-bias-linear"])
 def test_te_path_gives_the_local_models_logits_and_grads(extra):
     """Same seed, same weights (the TE modules compute with the layers' own parameters):
     logits and every gradient agree to fp32 rounding (the stand-in runs the same
     formulas, the experts as a per-group loop: a summation order that may differ from
-    the grouped GEMM's; measured on this CPU: equal). RMSNorm,
-    and LayerNorm (layer_norm_bias) with an MTP depth (eh_proj on TE's Linear)."""
+    the grouped GEMM's; measured on this CPU: equal). RMSNorm; and LayerNorm
+    (layer_norm_bias) with an MTP depth (eh_proj on TE's Linear), q/k norms and linear
+    biases (row-parallel biases added by megamoe after TE's GEMM, experts' per row)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 97, (2, 16))
     labels = torch.randint(0, 97, (2, 16))
