@@ -17,7 +17,7 @@ import torch
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ConfigError
-from megamoe.model.te.attention import backend_environment
+from megamoe.model.te.attention import backend_environment, environment_conflict
 from megamoe.model.te.loader import TransformerEngineMissing, load_transformer_engine
 from megamoe.model.te.support import check_run
 from megamoe.training.build import build_model
@@ -204,7 +204,14 @@ def test_model_config_names_a_bad_transformer_impl():
 
 
 def test_attention_backend_sets_tes_switches_as_megatron():
-    assert backend_environment("auto") == {}
+    """Megatron-Core's LanguageModule._set_attention_backend: the chosen switch 1, the
+    others 0, all 1 for auto; a preset switch with another value is named."""
+    assert backend_environment("auto") == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1",
+                                           "NVTE_UNFUSED_ATTN": "1"}
+    assert environment_conflict("flash", environ={"NVTE_FLASH_ATTN": "1"}) is None
+    says = environment_conflict("flash", environ={"NVTE_FUSED_ATTN": "1"})
+    assert says.startswith("NVTE_FUSED_ATTN=1 in the environment, but --attention-backend "
+                           "flash sets it to 0")
     assert backend_environment("flash") == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0",
                                             "NVTE_UNFUSED_ATTN": "0"}
     assert backend_environment("unfused")["NVTE_UNFUSED_ATTN"] == "1"

@@ -19,9 +19,11 @@ def _te_modules() -> list[str]:
 @contextlib.contextmanager
 def installed():
     """The stand-in importable as `transformer_engine` (and its extension) inside the
-    block; afterwards neither is, as on this machine without TE."""
+    block; afterwards neither is, as on this machine without TE, and TE's attention
+    switches (NVTE_*_ATTN, which a TE build sets) are as before."""
     for name in _te_modules():
         del sys.modules[name]
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
     sys.path.insert(0, DIR)
     importlib.invalidate_caches()
     try:
@@ -30,3 +32,6 @@ def installed():
         sys.path.remove(DIR)
         for name in _te_modules():
             del sys.modules[name]
+        for k in [k for k in os.environ if k.startswith("NVTE_")]:
+            del os.environ[k]
+        os.environ.update(saved_env)

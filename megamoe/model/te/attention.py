@@ -7,15 +7,18 @@ The mask is TE's "causal" (the query at i sees keys 0..i), the softmax scale TE'
 1/sqrt(D), as SDPA's; dropout is `--attention-dropout`, drawn under the caller's RNG context
 (this rank's heads' stream, as the local path).
 
---attention-backend keeps Megatron's meaning under TE: Megatron sets TE's backend
+--attention-backend keeps Megatron's meaning under TE: Megatron-Core sets TE's backend
 switches NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN from it
-(megatron/training/arguments.py), which `backend_environment` reproduces; `auto` leaves
-TE's own choice.
+(LanguageModule._set_attention_backend, megatron/core/models/common/language_module/
+language_module.py): the chosen backend's switch 1 and the others 0, all three 1 for
+`auto` (TE then picks), and a switch already set in the environment to another value is an
+error. `backend_environment` and `environment_conflict` reproduce that.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Mapping, Optional
 
 import torch
 
@@ -29,18 +32,31 @@ _BACKEND_ON = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN",
 
 def backend_environment(backend: str, use_flash_attn: bool = False) -> dict[str, str]:
     """TE's attention-backend switches for --attention-backend (and --use-flash-attn,
-    which asks for flash attention): {} for auto."""
+    which asks for flash attention)."""
     if use_flash_attn:
         backend = "flash"
     on = _BACKEND_ON.get(backend)
-    if on is None:
-        return {}
-    return {name: "1" if name == on else "0" for name in _BACKEND_SWITCHES}
+    return {name: "1" if on is None or name == on else "0" for name in _BACKEND_SWITCHES}
+
+
+def environment_conflict(backend: str, use_flash_attn: bool = False,
+                         environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The line saying which switch the environment already sets otherwise (None: none)."""
+    environ = os.environ if environ is None else environ
+    for name, value in backend_environment(backend, use_flash_attn).items():
+        if environ.get(name) not in (None, value):
+            return (f"{name}={environ[name]} in the environment, but --attention-backend "
+                    f"{'flash' if use_flash_attn else backend} sets it to {value}: unset "
+                    f"{', '.join(_BACKEND_SWITCHES)} and choose with --attention-backend")
+    return None
 
 
 def set_backend_environment(backend: str, use_flash_attn: bool = False) -> None:
     """Set TE's switches in this process before any DotProductAttention is built (TE reads
-    them when it picks a backend)."""
+    them when it picks a backend); ValueError on a conflicting preset switch."""
+    conflict = environment_conflict(backend, use_flash_attn)
+    if conflict:
+        raise ValueError(conflict)
     os.environ.update(backend_environment(backend, use_flash_attn))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from megamoe.config import ConfigError
 from megamoe.config.run import RunConfig
+from megamoe.model.te.attention import environment_conflict
 from megamoe.model.te.recipe import RECIPE_CLASSES
 
 _SELECTIVE_WITH_TE_GEMMS = ("mlp", "moe", "shared_experts")
@@ -37,6 +38,9 @@ def check_run(run: RunConfig) -> None:
         raise _refuse("--reset-attention-mask")
     if run.train.compile:
         raise _refuse("--compile")
+    conflict = environment_conflict(m.attention_backend, m.use_flash_attn)
+    if conflict:
+        raise ConfigError(conflict)
     selected = run.recompute.selected
     if "layernorm" in selected:
         raise _refuse("--recompute-modules layernorm (TE fuses the norms into the linears)")
