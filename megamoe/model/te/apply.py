@@ -71,7 +71,8 @@ def _check_model(model: nn.Module) -> None:
         if isinstance(m, MoELayer) and not isinstance(m.experts, GroupedExperts):
             raise _refuse("custom expert modules")
         if getattr(m, "fp8", None) is not None:
-            raise ValueError("the model already has FP8 GEMMs (model/fp8/): TE brings its own")
+            raise ValueError("the model's GEMMs already have an implementation (megamoe's "
+                             "FP8 policy or Transformer Engine): install one, once")
 
 
 def _convert_layer(te: TransformerEngine, name: str, layer: TransformerLayer,
