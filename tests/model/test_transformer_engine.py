@@ -240,3 +240,9 @@ def test_a_recipe_te_has_no_class_for_is_named():
     with pytest.raises(ConfigError, match="not supported yet: --fp8-recipe rowwise with "
                                           "--transformer-impl transformer_engine"):
         check_run(run)
+
+
+def test_megamoes_default_stays_local():
+    """A deliberate difference from Megatron-LM (whose default is transformer_engine, README
+    and docs/transformer-engine.md say why): TE needs a CUDA build, the CPU path must run."""
+    assert _run().model.transformer_impl == "local"
