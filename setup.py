@@ -36,7 +36,8 @@ setup(
         "logging": ["tensorboard", "wandb", "matplotlib"],  # matplotlib: expert-load heatmap
         # CUDA clusters only: never install it on a CPU-only machine (it builds against a
         # CUDA torch). Only what megamoe imports: grouped_gemm (the CUTLASS expert GEMMs);
-        # Transformer Engine is not used (--transformer-impl transformer_engine is refused).
+        # Transformer Engine (--transformer-impl transformer_engine) is used when it imports
+        # (NGC containers ship it); not in this extra: its torch extension builds from source.
         # NVIDIA apex is installed from NVIDIA's repository, not PyPI.
         "gpu": ["grouped_gemm"],
         # tools/checkpoint/convert.py megamoe-to-hf writes config.json through transformers

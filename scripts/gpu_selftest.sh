@@ -76,6 +76,8 @@ fi
 
 echo "== one GPU"
 [ "$REHEARSAL" = 0 ] && check kernels $PY tools/gpu_selftest.py kernels
+# --transformer-impl transformer_engine against local (skipped, and says so, without TE)
+[ "$REHEARSAL" = 0 ] && check transformer_engine $PY tools/gpu_selftest.py te
 check fp32_gpu_run history "$WORK/ref.json" 1 "${TINY[@]}" "${ITERS[@]}"
 check fp32_cpu_run env CUDA_VISIBLE_DEVICES= $PY tools/gpu_selftest.py history "$WORK/cpu.json" -- "${TINY[@]}" "${ITERS[@]}"
 check gpu_equals_cpu_fp32 $PY tools/gpu_selftest.py compare "$WORK/cpu.json" "$WORK/ref.json"

@@ -91,8 +91,6 @@ REFUSED_VALUES = {
     "--rerun-mode": "only disabled (megamoe's default) is built; validate_results and "
                     "report_stats are one line (tests/training/test_run_health.py::"
                     "test_unbuilt_rerun_machinery_is_refused_in_one_line)",
-    "--transformer-impl": "transformer_engine: --dry-run and the planner accept it, a run "
-                          "that builds the model refuses it; local is what runs",
 }
 
 # Flags the command line reads itself (no config field): flag -> named test.
@@ -198,6 +196,7 @@ def test_every_config_field_is_used():
 # .bin/.idx files and a tokenizer file.
 SAMPLES: dict[str, tuple[str, int, object]] = {
     "--num-layers": ("--num-layers 4", 1, 4),
+    "--transformer-impl": ("--transformer-impl transformer_engine", 1, "transformer_engine"),
     "--hidden-size": ("--hidden-size 64", 1, 64),
     "--ffn-hidden-size": ("--ffn-hidden-size 40", 1, 40),
     "--num-attention-heads": ("--num-attention-heads 8", 1, 8),

@@ -20,6 +20,8 @@ from megamoe.cli.rules import ArgumentError
 from megamoe.config import DataConfig
 from megamoe.config.fields import ConfigError
 from megamoe.data import DataError, tokenizer_for
+from megamoe.model.te.loader import TransformerEngineMissing, load_transformer_engine
+from megamoe.model.te.support import check_run as check_te_run
 from megamoe.parallel.failures import DistributedFailure
 from megamoe.planning.dry_run import dry_run
 from megamoe.planning.fits import check_fits
@@ -32,7 +34,7 @@ from megamoe.training.nonfinite import NonFiniteError
 from megamoe.training.weight_hash import WeightHashMismatch
 
 USER_ERRORS = (DataError, CheckpointError, FileNotFoundError, DistributedFailure,
-               NonFiniteError, LogTargetError, WeightHashMismatch)
+               NonFiniteError, LogTargetError, WeightHashMismatch, TransformerEngineMissing)
 
 
 def _dry_run_vocab_size(data: DataConfig) -> int:
@@ -69,6 +71,9 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
         return TrainState()
     tokenizer = tokenizer_for(data)
     run = run_config_from_args(args, tokenizer.vocab_size)
+    if run.model.transformer_impl == "transformer_engine":
+        check_te_run(run)  # what the TE path does not build yet (ConfigError: exit 2)
+        load_transformer_engine()  # TE importable, or one line (exit 1)
     check_fits(run, print_fn)  # before any process group, data index or allocation
     check_log_targets(run.logging)
     resolved = report_resolved_config(args, build_parser(), print_fn)
@@ -77,11 +82,6 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.transformer_impl == "transformer_engine" and not args.dry_run:
-        # --dry-run and the planner size TE's layers like local's; building them is not done.
-        sys.stderr.write("pretrain_gpt.py: error: not supported yet: --transformer-impl "
-                         "transformer_engine (only --dry-run accepts it)\n")
-        return 2
     try:
         set_logging_level(args.logging_level)
     except ArgumentError as e:

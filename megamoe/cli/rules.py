@@ -261,7 +261,8 @@ def _check_not_supported(args: argparse.Namespace, parser: argparse.ArgumentPars
         raise ArgumentError("--attention-backend fused needs a CUDA device (cuDNN / "
                             "memory-efficient SDPA kernels): use flash, unfused or auto")
     # --transformer-impl transformer_engine passes here (--dry-run and the planner size
-    # the same layers); a run that builds the model refuses it (cli/main.py).
+    # the same layers); what a run cannot build with it yet is refused by
+    # model/te/support.py (cli/main.py), before any process group exists.
 
 
 def _check_loss_scale(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

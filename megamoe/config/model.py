@@ -82,6 +82,9 @@ class ModelConfig:
     use_flash_attn: bool = flag("--use-flash-attn", False)
     # Megatron's --attention-backend: which SDPA kernels may run (model/attention_backend.py).
     attention_backend: str = flag("--attention-backend", "auto")
+    # Megatron's --transformer-impl: megamoe's own layers, or Transformer Engine's modules
+    # computing with the same parameters (model/te/; docs/transformer-engine.md).
+    transformer_impl: str = flag("--transformer-impl", "local")
     # Megatron's --qk-layernorm: one norm (--normalization) over each query and key head's
     # channels, weights shared by the heads, before RoPE (Qwen3-MoE, OLMo-2 style).
     qk_layernorm: bool = flag("--qk-layernorm", False)
@@ -159,6 +162,9 @@ class ModelConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                 f"--num-query-groups ({self.num_query_groups})")
+        require(self.transformer_impl in ("local", "transformer_engine"),
+                "--transformer-impl must be local or transformer_engine, got "
+                f"{self.transformer_impl!r}")
         require(self.normalization in NORMALIZATIONS,
                 f"--normalization must be one of {', '.join(NORMALIZATIONS)}, "
                 f"got {self.normalization!r}")

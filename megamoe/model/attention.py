@@ -74,6 +74,9 @@ class SelfAttention(nn.Module):
         # 2CP-1-r of the sequence; core attention runs parallel/context_parallel.py's op.
         self.cp_group = None
         self.cp_comm_type = "p2p"
+        # Transformer Engine's DotProductAttention in place of SDPA (model/te/attention.py;
+        # --transformer-impl transformer_engine sets it): (q, k, v) -> o, SDPA's layouts
+        self.te_core_attention = None
         q_size = heads * self.head_dim
         kv_size = groups * self.head_dim
         std = config.init_method_std
@@ -135,6 +138,12 @@ class SelfAttention(nn.Module):
         """Causal SDPA (Megatron's "core attention": scores, softmax, dropout, x V); with
         `mask_B1SS` (document-causal, bool) the mask replaces is_causal. Flash attention
         takes no mask: with documents SDPA picks its memory-efficient kernel instead."""
+        if self.te_core_attention is not None:
+            if mask_B1SS is not None:  # (the run's checks refuse --reset-attention-mask)
+                raise ValueError("not supported yet: --reset-attention-mask with "
+                                 "--transformer-impl transformer_engine")
+            with self.tp.dropout_rng(split=True):
+                return self.te_core_attention(q_BNSD, k_BGSD, v_BGSD)
         kernel = kernel_context(self.attention_backend, self.use_flash_attn,
                                 mask_B1SS is not None)
         with self.tp.dropout_rng(split=True), kernel:  # this rank's heads: its own stream

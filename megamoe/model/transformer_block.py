@@ -20,7 +20,8 @@ norm's output), and `recompute_norms` discards the norms' outputs (layernorm).
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -62,6 +63,11 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.recompute_mlp = False
         self.recompute_norms = False
+        # Transformer Engine (model/te/apply.py sets these): the norm runs fused inside
+        # the next linear (LayerNormLinear), and the layer's forward runs inside TE's
+        # autocast (a function giving the context: FP8 under the --fp8-* recipe)
+        self.fused_input_norm = self.fused_pre_mlp_norm = False
+        self.quantization: Optional[Callable[[], ContextManager]] = None
 
     def _dropout(self, x_SBH: torch.Tensor) -> torch.Tensor:
         with self.tp.dropout_rng(split=self.tp.sp):  # SP shards: per-rank masks
@@ -70,17 +76,23 @@ class TransformerLayer(nn.Module):
     def forward(self, x_SBH: torch.Tensor,
                 rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 docs: Optional[DocumentMask] = None) -> torch.Tensor:
-        x_SBH = x_SBH + self._dropout(self._attention(x_SBH, rotary, docs))
-        return x_SBH + self._dropout(maybe_checkpoint(self.recompute_mlp, self._mlp, x_SBH))
+        with self.quantization() if self.quantization is not None else nullcontext():
+            x_SBH = x_SBH + self._dropout(self._attention(x_SBH, rotary, docs))
+            return x_SBH + self._dropout(maybe_checkpoint(self.recompute_mlp, self._mlp,
+                                                          x_SBH))
 
     def _attention(self, x_SBH: torch.Tensor,
                    rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
                    docs: Optional[DocumentMask] = None) -> torch.Tensor:
+        if self.fused_input_norm:  # linear_qkv normalises (TE's LayerNormLinear)
+            return self.self_attention(x_SBH, rotary, docs)
         y_SBH = self.input_layernorm(x_SBH)
         with maybe_discard(self.recompute_norms, y_SBH, lambda: self.input_layernorm(x_SBH)):
             return self.self_attention(y_SBH, rotary, docs)
 
     def _mlp(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        if self.fused_pre_mlp_norm:  # the dense MLP's linear_fc1 normalises (TE)
+            return self.mlp(x_SBH)
         y_SBH = self.pre_mlp_layernorm(x_SBH)
         with maybe_discard(self.recompute_norms, y_SBH, lambda: self.pre_mlp_layernorm(x_SBH)):
             return self.mlp(y_SBH)

@@ -23,15 +23,18 @@ def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
         return None
     par = run.parallel
     ep = par.expert_model_parallel_size
+    # Transformer Engine keeps 5 states per GEMM: 3 forward (input, weight, output), 2
+    # backward (its TransformerEngineBaseModule: num_gemms * 3 and * 2 quantizer states)
+    per_gemm = 5 if run.model.transformer_impl == "transformer_engine" else 3
     tensors = 0
     gemms = 0
     for _, m in fp8_gemm_modules(model) if model is not None else []:
         if isinstance(m, GroupedExperts):
             gemms += 2
-            tensors += 2 * 3 * max(1, m.num_local_experts // ep)
+            tensors += 2 * per_gemm * max(1, m.num_local_experts // ep)
         else:
             gemms += 1
-            tensors += 3
+            tensors += per_gemm
     num_layers = run.model.num_layers
     stage = max(sum(hi - lo for lo, hi in chunks)
                 for chunks in par.layer_ranges(num_layers))

@@ -21,6 +21,7 @@ from megamoe.config import RunConfig
 from megamoe.model.fp8.policy import apply_fp8
 from megamoe.model.gpt_model import GPTModel
 from megamoe.model.moefy import upcycle_model
+from megamoe.model.te.apply import apply_transformer_engine
 from megamoe.parallel.mesh import Mesh, single_process_mesh
 from megamoe.parallelize import parallelize
 from megamoe.training.materialize import materialize
@@ -43,21 +44,27 @@ def build_model(run: RunConfig, mesh: Optional[Mesh] = None) -> torch.nn.Module:
         model = parallelize(_upcycled(run), mesh, run.parallel, run.moe_execution,
                             seed=seed, dtype=dtype, recompute=run.recompute,
                             compile_layers=run.train.compile)
-        return _with_fp8(model.to(mesh.device), run, mesh)
+        return _with_precision(model.to(mesh.device), run, mesh)
     with torch.device("meta"):
         model = GPTModel(run.model)
     model = parallelize(model, mesh, run.parallel, run.moe_execution, seed=seed, dtype=dtype,
                         recompute=run.recompute, compile_layers=run.train.compile)
     model = materialize(model, mesh, seed, on_host=run.parallel.use_cpu_initialization)
-    return _with_fp8(model, run, mesh)
+    return _with_precision(model, run, mesh)
 
 
-def _with_fp8(model: torch.nn.Module, run: RunConfig, mesh: Mesh) -> torch.nn.Module:
-    """--fp8-format: the transformer layers' GEMMs in FP8 (model/fp8/policy.py); delayed
-    scaling's amaxes are reduced over TP x DP x CP (TP x CP with --tp-only-amax-red), as
-    Megatron's get_amax_reduction_group(with_context_parallel=True)."""
+def _with_precision(model: torch.nn.Module, run: RunConfig, mesh: Mesh) -> torch.nn.Module:
+    """--fp8-format: the transformer layers' GEMMs in FP8 (model/fp8/policy.py), or with
+    --transformer-impl transformer_engine TE's modules under TE's recipe (model/te/);
+    delayed scaling's amaxes are reduced over TP x DP x CP (TP x CP with
+    --tp-only-amax-red), as Megatron's get_amax_reduction_group(with_context_parallel=True)."""
     group = mesh.group("tp_cp" if run.fp8.tp_only_amax_red else "tp_dp_cp")
-    apply_fp8(model, run.fp8, mesh.device, group)
+    if run.model.transformer_impl == "transformer_engine":
+        apply_transformer_engine(model, run.fp8, group,
+                                 attention_backend=run.model.attention_backend,
+                                 use_flash_attn=run.model.use_flash_attn)
+    else:
+        apply_fp8(model, run.fp8, mesh.device, group)
     return model
 
 

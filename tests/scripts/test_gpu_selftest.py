@@ -55,6 +55,17 @@ def _compare(*args: str) -> int:
                           text=True, timeout=60, cwd=ROOT).returncode
 
 
+def test_te_check_runs_on_the_stand_in():
+    """The GPU's Transformer Engine check, on the CPU against TE's stand-in (fp32, the same
+    formulas): local and TE agree to fp32 rounding, and a TE path that computed anything
+    else would be seen (the check compares logits and every gradient)."""
+    from tests.te_stand_in import installed
+
+    with installed():
+        report = gpu_selftest.te_parity(torch.device("cpu"), "")
+    assert report["logits"] < 1e-5 and report["grads"] < 1e-4, report
+
+
 @pytest.mark.slow
 def test_compare_fails_on_a_perturbed_or_restarted_run(tmp_path):
     ref = _history(tmp_path / "ref.json", range(1, 7))

@@ -68,6 +68,7 @@ from megamoe.training.checkpoint.safe_load import (
 from megamoe.training.checkpoint.sharded_state import Entry, model_entries
 from megamoe.training.checkpoint.snapshot import snapshot
 from megamoe.training.checkpoint.strictness import KeyMismatch
+from megamoe.training.checkpoint.te_state import gather_te_states, restore_te_state
 
 FORMAT_VERSION = 1
 
@@ -238,7 +239,8 @@ def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer,
     rank, world = _world(single)
     state, optim_common = _tensor_state(model, optimizer, mesh, world, save_optim, copy=False)
     fp8 = gather_fp8_states(model, rank, world)
-    extra = {**(extra or {}), **({"fp8": fp8} if fp8 is not None else {})}
+    extra = {**(extra or {}), **({"fp8": fp8} if fp8 is not None else {}),
+             **gather_te_states(model, rank, world)}
     common = _common(iteration, consumed_samples, args, model_config, scheduler, optim_common,
                      save_rng, mesh, rank, world, extra)
     tmp = _prepare(root, iteration, rank, world)
@@ -269,9 +271,11 @@ class AsyncDistSaver:
                                             copy=True)
         # written by finalize(), after later steps: this iteration's values (snapshot.py)
         fp8 = gather_fp8_states(model, self.rank, self.world)  # host copies: a snapshot
+        extra = {**({"fp8": fp8} if fp8 is not None else {}),
+                 **gather_te_states(model, self.rank, self.world)}
         common = snapshot(_common(iteration, consumed_samples, args, model_config, scheduler,
                                   optim_common, save_rng, mesh, self.rank, self.world,
-                                  {"fp8": fp8} if fp8 is not None else None))
+                                  extra or None))
         tmp = _prepare(root, iteration, self.rank, self.world)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
                                 no_dist=self.world == 1, async_stager=_AlreadyStaged())
@@ -445,7 +449,8 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
         if load_rng and rngs and same_layout:
             set_rng_state(rngs[rank])
             common["rng_restored"] = True
-        common["fp8_note"] = restore_fp8_state(model, common, rank, same_layout, ckpt_dir)
+        common["fp8_note"] = (restore_fp8_state(model, common, rank, same_layout, ckpt_dir)
+                              or restore_te_state(model, common, rank, same_layout, ckpt_dir))
     return common
 
 

@@ -1,0 +1,138 @@
+"""--transformer-impl transformer_engine: install TE's modules on a built model.
+
+The model is built, parallelized and materialised as for `local`; this step then gives
+each transformer layer TE's implementation of its parts, Megatron's TE spec
+(megatron/core/models/gpt/gpt_layer_specs.py):
+
+  input_layernorm + self_attention.linear_qkv -> LayerNormLinear (norm fused)
+  self_attention.core_attention               -> DotProductAttention
+  self_attention.linear_proj                  -> Linear
+  dense MLP: pre_mlp_layernorm + linear_fc1   -> LayerNormLinear (norm fused); linear_fc2 -> Linear
+  MoE: routed experts' fc1 / fc2              -> GroupedLinear each (TEGroupedMLP)
+       shared experts' linear_fc1 / fc2       -> Linear
+  MTP: eh_proj                                -> Linear
+
+each computing with the layer's own parameters (engine.py), and each layer's forward
+inside TE's autocast with the recipe of the --fp8-* flags (recipe.py). The router, the
+norms not fused (MoE layers' pre_mlp_layernorm, the final norm, q/k norms), embeddings
+and the output layer stay megamoe's, as do every collective and the MoE dispatch.
+
+Not built yet (refused by `check_supported` before anything is built, and here for
+library callers): tensor and context parallelism (TE's own TP/SP/CP collectives are not
+wired), multi-latent attention, document masks (--reset-attention-mask), --compile,
+--recompute-modules layernorm (the norms are fused into the linears), and activation
+recompute under delayed FP8 scaling (a torch checkpoint's replay would update TE's amax
+state a second time; TE's own checkpoint is not wired).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from megamoe.config.fp8 import Fp8Config
+from megamoe.model.attention import SelfAttention
+from megamoe.model.fp8.policy import fp8_gemm_modules
+from megamoe.model.mlp import MLP
+from megamoe.model.mtp import MTPLayer
+from megamoe.model.te.attention import TeCoreAttention, set_backend_environment
+from megamoe.model.te.experts import TeGroupedGemm
+from megamoe.model.te.extra_state import TeExtraState
+from megamoe.model.te.linears import TeLinearGemm, TeNormLinearGemm
+from megamoe.model.te.loader import TransformerEngine, load_transformer_engine
+from megamoe.model.te.recipe import autocast_factory
+from megamoe.model.transformer_block import TransformerLayer
+from megamoe.moe.experts import GroupedExperts
+from megamoe.moe.layer import MoELayer
+
+TE_ENGINES = (TeLinearGemm, TeNormLinearGemm, TeGroupedGemm)
+Autocast = Callable[[], ContextManager]
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"not supported yet: {what} with --transformer-impl transformer_engine")
+
+
+def _check_model(model: nn.Module) -> None:
+    """What the engines cannot take over (the run's checks name the flags first)."""
+    for m in model.modules():
+        tp = getattr(m, "tp", None)
+        if tp is not None and tp.size > 1:
+            raise _refuse("--tensor-model-parallel-size > 1")
+        if isinstance(m, SelfAttention) and m.cp_group is not None:
+            raise _refuse("--context-parallel-size > 1")
+        if isinstance(m, TransformerLayer):
+            if not isinstance(m.self_attention, SelfAttention):
+                raise _refuse("--multi-latent-attention")
+            if m.recompute_norms:
+                raise _refuse("--recompute-modules layernorm")
+        if isinstance(m, MoELayer) and not isinstance(m.experts, GroupedExperts):
+            raise _refuse("custom expert modules")
+        if getattr(m, "fp8", None) is not None:
+            raise ValueError("the model's GEMMs already have an implementation (megamoe's "
+                             "FP8 policy or Transformer Engine): install one, once")
+
+
+def _convert_layer(te: TransformerEngine, name: str, layer: TransformerLayer,
+                   autocast: Autocast, state: TeExtraState) -> None:
+    attn = layer.self_attention
+    attn.linear_qkv.fp8 = TeNormLinearGemm(te, layer.input_layernorm, attn.linear_qkv)
+    layer.fused_input_norm = True
+    attn.linear_proj.fp8 = TeLinearGemm(te, attn.linear_proj, bias=False)
+    heads = attn.linear_qkv.local_blocks[0] // attn.head_dim
+    groups = attn.linear_qkv.local_blocks[1] // attn.head_dim
+    attn.te_core_attention = TeCoreAttention(te, attn, num_heads=heads, num_groups=groups,
+                                             head_dim=attn.head_dim,
+                                             layer_number=layer.layer_index + 1)
+    prefix = f"{name}.self_attention"
+    state.add(f"{prefix}.linear_qkv", attn.linear_qkv.fp8.module)
+    state.add(f"{prefix}.core_attention", attn.te_core_attention.module)
+    state.add(f"{prefix}.linear_proj", attn.linear_proj.fp8.module)
+    mlp = layer.mlp
+    if isinstance(mlp, MLP):
+        mlp.linear_fc1.fp8 = TeNormLinearGemm(te, layer.pre_mlp_layernorm, mlp.linear_fc1)
+        layer.fused_pre_mlp_norm = True
+        mlp.linear_fc2.fp8 = TeLinearGemm(te, mlp.linear_fc2, bias=False)
+        for sub in ("linear_fc1", "linear_fc2"):
+            state.add(f"{name}.mlp.{sub}", getattr(mlp, sub).fp8.module)
+    elif isinstance(mlp, MoELayer):
+        mlp.experts.fp8 = TeGroupedGemm(te, mlp.experts)
+        for sub, module in mlp.experts.fp8.modules().items():
+            state.add(f"{name}.mlp.experts.{sub}", module)
+        shared = mlp.shared_experts
+        if shared is not None:
+            shared.linear_fc1.fp8 = TeLinearGemm(te, shared.linear_fc1,
+                                                 bias=shared.linear_fc1.bias is not None)
+            shared.linear_fc2.fp8 = TeLinearGemm(te, shared.linear_fc2, bias=False)
+            for sub in ("linear_fc1", "linear_fc2"):
+                state.add(f"{name}.mlp.shared_experts.{sub}", getattr(shared, sub).fp8.module)
+    layer.quantization = autocast
+
+
+def apply_transformer_engine(model: nn.Module, fp8: Fp8Config,
+                             amax_group: Optional[dist.ProcessGroup] = None, *,
+                             attention_backend: str = "auto", use_flash_attn: bool = False,
+                             te: Optional[TransformerEngine] = None) -> TeExtraState:
+    """Install TE's modules on every transformer layer and MTP layer of `model` (in
+    place); `model.te_state` (returned) holds their checkpoint extra state. `amax_group`:
+    delayed scaling's amax reduction group. TransformerEngineMissing (loader.py) when TE
+    cannot be imported."""
+    te = te or load_transformer_engine()
+    _check_model(model)
+    set_backend_environment(attention_backend, use_flash_attn)
+    autocast = autocast_factory(te, fp8, amax_group)
+    state = TeExtraState()
+    for name, m in model.named_modules():
+        if isinstance(m, TransformerLayer):
+            _convert_layer(te, name, m, autocast, state)
+        elif isinstance(m, MTPLayer):
+            m.eh_proj.fp8 = TeLinearGemm(te, m.eh_proj, bias=False,
+                                         autocast=autocast if fp8.enabled else None)
+            state.add(f"{name}.eh_proj", m.eh_proj.fp8.module)
+    for name, m in fp8_gemm_modules(model):  # every GEMM FP8 would cover, TE covers
+        if not isinstance(getattr(m, "fp8", None), TE_ENGINES):
+            raise _refuse(f"the GEMM {name}")
+    model.te_state = state
+    return state

@@ -1,0 +1,1 @@
+"""Stand-in for TE's compiled torch extension: megamoe's probe only imports it."""
