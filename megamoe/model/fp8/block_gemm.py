@@ -57,24 +57,22 @@ def _rowwise_kernel(a: BlockQ, b: BlockQ, out_dtype: torch.dtype) -> torch.Tenso
                             scale_b=b.scale_inv.t().contiguous(), out_dtype=out_dtype)
 
 
-def _blockwise_scale(q: BlockQ, as_b: bool) -> tuple[torch.Tensor, object]:
-    """torch's layouts (torch/_meta_registrations.py, _scaled_mm_v2): a 1x128 operand
-    [M, K/128] with stride [1, M]; a 128x128 b operand [round_up(K/128, 4), N/128] with
-    stride [1, L4]; a 1x128 b operand [K/128, N] column-major."""
+def _blockwise_scale(q: BlockQ) -> tuple[torch.Tensor, object]:
+    """torch's layouts (torch/_meta_registrations.py, _scaled_mm_v2's checks; the tests
+    run them on meta tensors): a 1x128 operand [rows, K/128] with stride [1, rows] (as a
+    or as b); a 128x128 b operand [round_up(K/128, 4), N/128] with stride [1, L4]."""
     s = q.scale_inv
-    if q.tile[0] == 128:  # a 128x128 weight: as b, [K/128 padded to 4, N/128]
+    if q.tile[0] == 128:  # a 128x128 weight as b: [K/128 padded to 4, N/128]
         s = s.t()
-        k_blocks = s.shape[0]
-        pad = -k_blocks % 4
+        pad = -s.shape[0] % 4
         s = F.pad(s, (0, 0, 0, pad)) if pad else s
         return _col_major(s), F.ScalingType.BlockWise128x128
-    s = s.t() if as_b else s  # [K/128, N] for b, [M, K/128] for a
     return _col_major(s), F.ScalingType.BlockWise1x128
 
 
 def _blockwise_kernel(a: BlockQ, b: BlockQ, out_dtype: torch.dtype) -> torch.Tensor:
-    sa, ra = _blockwise_scale(a, as_b=False)
-    sb, rb = _blockwise_scale(b, as_b=True)
+    sa, ra = _blockwise_scale(a)
+    sb, rb = _blockwise_scale(b)
     return F.scaled_mm(a.data.contiguous(), _col_major(b.data.t()), sa, ra, sb, rb,
                        output_dtype=out_dtype)
 
@@ -141,7 +139,7 @@ def block_mm(a: BlockQ, b: BlockQ, out_dtype: torch.dtype, recipe: str) -> torch
     """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype, both tiled along K: the device's
     block-scaled kernel when it has one and it passed its probe, else the reference."""
     kernel = _kernel_for(recipe, a, b, out_dtype)
-    if kernel is not None and a.data.is_cuda:
+    if kernel is not None and device_capability(a.data.device) is not None:
         key = (recipe, a.tile, b.tile, a.data.device)
         if key not in KERNEL_STATUS:
             KERNEL_STATUS[key] = _probe(kernel, recipe, a, b)
