@@ -5,7 +5,8 @@ Inputs and weights are quantised to the recipe's forward dtype (E4M3), output gr
 its backward dtype (E4M3, or E5M2 under hybrid); each operand has its own scale
 (scaling.Fp8Meta). The GEMMs accumulate in fp32 and write the input's dtype; the bias is
 added (and its gradient summed) in that precision. Autograd keeps the FP8 input and weight
-(1 byte per value) with their scales, not the high-precision copies.
+(1 byte per value) with their scales, not the high-precision copies. The block-scaled
+recipes (blockwise, mxfp8, rowwise) run block_linear.py instead (fp8_linear dispatches).
 """
 
 from __future__ import annotations
