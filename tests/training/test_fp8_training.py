@@ -71,6 +71,7 @@ def _bf16_loss(prefix: str, iters: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise"])
 def test_tiny_mixtral_fp8_block_recipes_end_within_2pct_of_bf16(corpus_prefix, recipe):
     """The block-scaled recipes through the CPU reference GEMM, 30 iterations (slow: the
@@ -81,6 +82,7 @@ def test_tiny_mixtral_fp8_block_recipes_end_within_2pct_of_bf16(corpus_prefix, r
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 300 iterations through the CPU reference: ~6 min loaded
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
 def test_tiny_mixtral_fp8_block_recipes_300_iterations(corpus_prefix, recipe):
     """Issue 32's slow-set run: 300 iterations per block recipe within 2% of bf16."""

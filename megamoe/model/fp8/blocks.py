@@ -23,6 +23,7 @@ change no amax and quantise to zero). x ~= q * scale_inv, the scale_inv of q's t
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +60,8 @@ def e8m0_exponent(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     The OCP MX spec v1.0 (section 6.3) instead takes X = 2^(floor(log2 amax) - emax_elem)
     (emax 8 for E4M3) and clamps the elements; megamoe follows TE, the implementation
     Megatron-LM runs (tests/model/test_fp8_blocks.py shows where the two differ)."""
-    rcp = torch.tensor(1.0 / fp8_max, dtype=torch.float32, device=amax.device)
-    v = amax.float() * rcp
+    rcp = struct.unpack("f", struct.pack("f", 1.0 / fp8_max))[0]  # fp32(1/fp8_max)
+    v = amax.float() * rcp  # an fp32 product (the scalar is cast to fp32): no host copy
     bits = v.view(torch.int32)
     exp = (bits >> 23) & 0xFF
     mant = bits & 0x7FFFFF
