@@ -252,3 +252,23 @@ def test_experts_dispatch_to_scaled_grouped_mm_by_capability(monkeypatch, cap, f
     assert calls[1:] == want and (calls[:1] == [5]) == kernel  # the probe, then the GEMMs
     for a, b in zip(*res):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_a_kernel_that_fails_its_probe_leaves_the_reference(monkeypatch):
+    """sm90 with a blockwise kernel that raises (a torch build without it): one warning,
+    then the reference for every later GEMM on that device, without retrying."""
+    tries = []
+
+    def broken(a, b, out_dtype):
+        tries.append(1)
+        raise RuntimeError("no kernel")
+    monkeypatch.setattr(block_gemm, "device_capability", lambda _d: (9, 0))
+    monkeypatch.setattr(block_gemm, "KERNEL_STATUS", {})
+    monkeypatch.setattr(block_gemm, "_blockwise_kernel", broken)
+    a = quantize_operand(torch.randn(128, 256), "blockwise", E4M3)
+    b = quantize_operand(torch.randn(128, 256), "blockwise", E4M3, weight=True)
+    with pytest.warns(UserWarning, match="failed its probe"):
+        y = block_gemm.block_mm(a, b, torch.float32, "blockwise")
+    y2 = block_gemm.block_mm(a, b, torch.float32, "blockwise")
+    assert torch.equal(y, block_gemm.reference_mm(a, b, torch.float32)) and torch.equal(y, y2)
+    assert tries == [1]

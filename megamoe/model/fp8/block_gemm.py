@@ -14,12 +14,14 @@ K (blocks.py), on the best kernel the device has, else the exact reference.
 
 A kernel is used only after a probe: once per (kernel, tile pair, device) it runs a small
 aligned GEMM and is compared with the reference; an exception or a mismatch keeps the
-reference for that device (KERNEL_STATUS says which). No GPU has run these kernels yet.
+reference for that device (KERNEL_STATUS says which; a warning says so once). No GPU has
+run these kernels yet.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -143,6 +145,10 @@ def block_mm(a: BlockQ, b: BlockQ, out_dtype: torch.dtype, recipe: str) -> torch
         key = (recipe, a.tile, b.tile, a.data.device)
         if key not in KERNEL_STATUS:
             KERNEL_STATUS[key] = _probe(kernel, recipe, a, b)
+            if not KERNEL_STATUS[key]:
+                warnings.warn(f"FP8 {recipe}: the {a.tile}x{b.tile} kernel failed its probe "
+                              f"on {a.data.device}; the reference GEMM runs there",
+                              stacklevel=2)
         if not KERNEL_STATUS[key]:
             kernel = None
     if kernel is None:

@@ -13,6 +13,8 @@ block_linear.block_fp8_grouped_mm instead.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from megamoe.model.fp8.block_gemm import KERNEL_STATUS, device_capability
@@ -35,6 +37,9 @@ def _kernel_ok(device: torch.device) -> bool:
     key = ("scaled_grouped_mm", device)
     if key not in KERNEL_STATUS:
         KERNEL_STATUS[key] = _probe(device)
+        if not KERNEL_STATUS[key]:
+            warnings.warn(f"FP8 experts: torch._scaled_grouped_mm failed its probe on "
+                          f"{device}; the per-expert loop runs there", stacklevel=2)
     return KERNEL_STATUS[key]
 
 
