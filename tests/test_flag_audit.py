@@ -451,7 +451,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--exp-avg-dtype": (f"{AWARE} --exp-avg-dtype fp16", 1, "fp16"),
     "--exp-avg-sq-dtype": (f"{AWARE} --exp-avg-sq-dtype bf16", 1, "bf16"),
     "--fp8-format": ("--fp8-format hybrid", 1, "hybrid"),
-    "--fp8-recipe": ("--fp8-format e4m3 --fp8-recipe tensorwise", 1, "tensorwise"),
+    "--fp8-recipe": ("--fp8-format e4m3 --fp8-recipe blockwise", 1, "blockwise"),
     "--fp8-margin": ("--fp8-format e4m3 --fp8-margin 2", 1, 2),
     "--fp8-amax-history-len": ("--fp8-format e4m3 --fp8-amax-history-len 8", 1, 8),
     "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),

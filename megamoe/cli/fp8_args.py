@@ -2,7 +2,8 @@
 megatron-core's TransformerConfig fp8 fields, plus --fp8-param-gather and the MXFP8 /
 FSDP buffer flags; Megatron-LM d98e8a64). What they do: config/fp8.py and model/fp8/.
 
-Built: --fp8-format, --fp8-recipe tensorwise / delayed, --fp8-margin,
+Built: --fp8-format, --fp8-recipe tensorwise / delayed / blockwise / mxfp8 (and rowwise, a
+megamoe extension that is not one of Megatron's choices), --fp8-margin,
 --fp8-amax-history-len, --fp8-amax-compute-algo, and --tp-only-amax-red (megatron-core's
 TransformerConfig.tp_only_amax_red, which Megatron-LM's parser does not expose: a megamoe
 extension). Every other FP8 flag of Megatron's parser is parsed so that a Megatron script
@@ -23,8 +24,10 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> None:
                    help="FP8 GEMMs for the transformer layers' linears and experts: e4m3 "
                         "everywhere, or hybrid (e4m3 inputs and weights, e5m2 gradients)")
     g.add_argument("--fp8-recipe", default="delayed", choices=RECIPES,
-                   help="tensorwise (per-tensor current scaling) or delayed (scales from an "
-                        "amax history); mxfp8, blockwise, custom: not supported yet")
+                   help="tensorwise (per-tensor current scaling), delayed (scales from an "
+                        "amax history), blockwise (1x128 / 128x128 tiles), mxfp8 (1x32 tiles, "
+                        "E8M0 scales), rowwise (megamoe's extension: one scale per row); "
+                        "custom: not supported yet")
     g.add_argument("--fp8-margin", type=int, default=0,
                    help="delayed scaling: scale = fp8_max / amax / 2^margin")
     g.add_argument("--fp8-interval", type=int, default=1,

@@ -2,12 +2,15 @@
 at d98e8a64: `fp8`, `fp8_recipe`, `fp8_margin`, `fp8_amax_history_len`,
 `fp8_amax_compute_algo`, `tp_only_amax_red`).
 
-`format` None means no FP8 (Megatron's default). Built here: the `tensorwise` recipe
-(Transformer Engine's Float8CurrentScaling: each tensor scaled by its own amax when it is
-quantised) and `delayed` (TE's DelayedScaling: the scale comes from an amax history updated
-after use). The GEMMs run on torch._scaled_mm (megamoe/model/fp8/). Megatron passes the
-margin, history length and compute algorithm only to DelayedScaling; under tensorwise they
-would be ignored, so a non-default value there is refused (cli/fp8_args.py).
+`format` None means no FP8 (Megatron's default). Built here: `tensorwise` (Transformer
+Engine's Float8CurrentScaling: each tensor scaled by its own amax when it is quantised),
+`delayed` (TE's DelayedScaling: the scale comes from an amax history updated after use),
+`blockwise` (TE's Float8BlockScaling, DeepSeek-V3's 1x128 / 128x128 tiles), `mxfp8` (TE's
+MXFP8BlockScaling, 1x32 tiles with E8M0 scales) and megamoe's extension `rowwise` (one
+scale per row along the contraction dimension, torchao's row-wise recipe; not a Megatron
+choice). The GEMMs: megamoe/model/fp8/. Megatron passes the margin, history length and
+compute algorithm only to DelayedScaling; under another recipe they would be ignored, so a
+non-default value there is refused.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Optional
 from megamoe.config.fields import flag, require
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
-BUILT_RECIPES = ("tensorwise", "delayed")
+# Megatron-LM's choices, then megamoe's extension (rowwise: torchao's row-wise recipe)
+RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")
+BUILT_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "rowwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 MAX_AMAX_HISTORY_LEN = 1 << 16  # TE keeps one fp32 per entry per tensor: bounded
 
@@ -57,12 +61,13 @@ class Fp8Config:
         if self.format is None:
             return
         require(self.recipe in BUILT_RECIPES,
-                f"not supported yet: --fp8-recipe {self.recipe} (built: tensorwise, delayed)")
-        if self.recipe == "tensorwise":
+                f"not supported yet: --fp8-recipe {self.recipe} (built: "
+                f"{', '.join(BUILT_RECIPES)})")
+        if self.recipe != "delayed":
             for name, value, default in (("--fp8-margin", self.margin, 0),
                                          ("--fp8-amax-history-len", self.amax_history_len, 1),
                                          ("--fp8-amax-compute-algo", self.amax_compute_algo,
                                           "most_recent")):
                 require(value == default,
                         f"{name} applies to --fp8-recipe delayed only (Transformer Engine's "
-                        f"current scaling has no such setting), got {value}")
+                        f"{self.recipe} scaling has no such setting), got {value}")

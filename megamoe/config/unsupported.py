@@ -27,7 +27,7 @@ NOT_SUPPORTED_YET = (
     # the error injection of Megatron's rerun state machine (--rerun-mode validate_results,
     # not built: cli/runhealth_args.py)
     "--error-injection-rate", "--error-injection-type",
-    # FP8 beyond the tensorwise and delayed recipes (issue 32; cli/fp8_args.py)
+    # FP8 features beyond the recipes (issue 32; cli/fp8_args.py)
     "--fp8-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
     "--num-layers-at-end-in-bf16", "--fp8-output-proj", "--fp8-quantizer-factory",
     "--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-transpose-cache",

@@ -67,6 +67,14 @@ def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     return memory, transient
 
 
+def _add_fp8_copies(memory: dict, copies: int) -> None:
+    """The FP8 copies autograd keeps are activations: added to them and to the total."""
+    memory["activations"] += copies
+    memory["total"] = sum(memory[k] for k in ("weights", "gradients", "optimizer")) + max(
+        memory["activations"], memory["optimizer_step_transient"],
+        memory["checkpoint_save_transient"])
+
+
 MEMORY_ROWS = (("weights", "weights"), ("gradients", "gradients"),
                ("optimizer", "optimizer states"), ("activations", "activations"),
                ("optimizer_step_transient", "optimizer step transient"),
@@ -95,7 +103,9 @@ def format_table(report: dict, run: RunConfig) -> list[str]:
     if "fp8" in report:
         f = report["fp8"]
         rows.append(("FP8", f"{f['format']} {f['recipe']}, {f['gemms']} GEMMs, amax "
-                            f"histories {format_bytes(f['amax_history_bytes_per_rank'])}"))
+                            f"histories {format_bytes(f['amax_history_bytes_per_rank'])}, "
+                            f"FP8 copies {format_bytes(f['fp8_copy_bytes_per_rank'])} "
+                            "(in activations)"))
     width = max(len(name) for name, _ in rows)
     return (["dry run: the model and one rank of this layout (largest pipeline stage)"]
             + [f"  {name:<{width}}  {value}" for name, value in rows])
@@ -128,8 +138,10 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print,
               "active_parameters_per_token": active, "per_rank_memory_bytes": memory,
               "per_rank_memory_gib": round(memory["total"] / 2**30, 3),
               "per_rank_checkpoint_host_bytes": int(transient["save_host"])}
-    if run.fp8.enabled:  # delayed scaling's amax histories (planning/fp8_memory.py)
+    if run.fp8.enabled:  # amax histories and FP8 copies (planning/fp8_memory.py)
         report["fp8"] = fp8_report(run, model)
+        _add_fp8_copies(memory, report["fp8"]["fp8_copy_bytes_per_rank"])
+        report["per_rank_memory_gib"] = round(memory["total"] / 2**30, 3)
     if as_json:
         print_fn(json.dumps(report))
     else:

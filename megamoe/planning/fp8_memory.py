@@ -1,9 +1,21 @@
-"""What FP8 adds to one rank's memory in the planner and --dry-run: delayed scaling's
-amax histories and scales (fp32, per GEMM operand: input, weight, output gradient; one
-per local expert for the experts' GEMMs). Tensorwise scaling keeps no state.
+"""What FP8 adds to one rank's memory in the planner and --dry-run:
 
-Not modelled yet (docs/fp8.md): the FP8 copies autograd keeps instead of the
-high-precision inputs (smaller activations) and the per-step FP8 weight copies.
+  amax histories  delayed scaling's histories and scales (fp32, per GEMM operand: input,
+                  weight, output gradient; one per local expert for the experts' GEMMs);
+                  tensor-wise and the block recipes keep no state.
+  FP8 copies      what the FP8 GEMMs' autograd keeps for backward per micro-batch
+                  (model/fp8/linear.py, grouped.py, block_linear.py): each GEMM's input in
+                  FP8 (1 byte per value) and its weight in FP8 (the transposed / columnwise
+                  copy under the block recipes), plus their scales (fp32: one per tensor,
+                  per 1x128 tile or 128x128 block (blockwise), per 1x32 tile (mxfp8, kept
+                  as fp32 by the reference), per row (rowwise)), times the micro-batches the
+                  stage holds in 1F1B (PP - rank; interleaved as memory.activation_bytes).
+
+The FP8 copies are added to the activation count, and the high-precision inputs the
+activation model counts (planning/activations.py) are not removed: most of them stay alive
+anyway (a norm keeps its output, SwiGLU its input), so the sum is an upper bound. Routed
+tokens are counted balanced over the experts (topk copies per token); MTP layers' GEMMs
+are not counted.
 """
 
 from __future__ import annotations
@@ -13,11 +25,84 @@ from torch import nn
 from megamoe.config import RunConfig
 from megamoe.model.fp8.policy import fp8_gemm_modules
 from megamoe.moe.experts import GroupedExperts
+from megamoe.parallel.tensor_parallel import RowParallelLinear
+
+FP32 = 4
+
+
+def scale_bytes_per_value(recipe: str, k: int, weight: bool) -> float:
+    """fp32 scale bytes per quantised value of an operand whose contraction dim is k."""
+    if recipe == "blockwise":
+        return FP32 / (128 * 128 if weight else 128)
+    if recipe == "mxfp8":
+        return FP32 / 32
+    if recipe == "rowwise":
+        return FP32 / k
+    return 0.0  # one scale per tensor
+
+
+def _gemm_shapes(m: nn.Module, tp: int, ep: int, etp: int, topk: int) -> list[tuple]:
+    """(input values per token, weight values, contraction dim) on one rank of one FP8
+    GEMM module, from the single-process (meta) model's shapes."""
+    if isinstance(m, GroupedExperts):
+        out = []
+        for w in (m.fc1_weight, m.fc2_weight):  # [E, K, M]; ETP splits f
+            e, k, n = w.shape
+            fc1 = w is m.fc1_weight
+            k_local = k if fc1 else k // etp
+            out.append((topk * k_local, e // ep * k_local * (n // etp if fc1 else n), k_local))
+        return out
+    n, k = m.weight.shape
+    k_local = k // tp if isinstance(m, RowParallelLinear) else k
+    return [(k_local, n * k // tp, k_local)]
+
+
+def _per_layer(run: RunConfig, model: nn.Module, with_scales: bool
+               ) -> dict[int, tuple[float, float]]:
+    """Decoder layer index -> (FP8 copy bytes per token, per micro-batch fixed bytes)."""
+    f, par, m = run.fp8, run.parallel, run.model
+    tp, ep = par.tensor_model_parallel_size, par.expert_model_parallel_size
+    etp = par.expert_tensor_parallel_size or tp
+    topk = m.moe.topk if m.moe.num_experts else 1
+    out: dict[int, tuple[float, float]] = {}
+    for name, mod in fp8_gemm_modules(model):
+        parts = name.split(".")
+        if parts[:2] != ["decoder", "layers"]:
+            continue  # MTP layers: not counted (module doc)
+        i = int(parts[2])
+        per_token, fixed = out.get(i, (0.0, 0.0))
+        for values, weights, k in _gemm_shapes(mod, tp, ep, etp, topk):
+            scales = with_scales * scale_bytes_per_value(f.recipe, k, False)
+            per_token += values * (1 + scales)
+            fixed += weights * (1 + with_scales * scale_bytes_per_value(f.recipe, k, True))
+        out[i] = (per_token, fixed)
+    return out
+
+
+def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = True) -> int:
+    """The FP8 copies autograd keeps on the most loaded pipeline stage (module doc);
+    `with_scales=False`: the FP8 values alone (what the tests measure exactly)."""
+    if model is None or not run.fp8.enabled:
+        return 0
+    par, m = run.parallel, run.model
+    tokens = m.seq_length // par.context_parallel_size * run.train.micro_batch_size
+    layers = _per_layer(run, model, with_scales)
+    ranks = par.layer_ranges(m.num_layers)
+    pp = len(ranks)
+    worst = 0.0
+    for r, chunks in enumerate(ranks):
+        vpp = len(chunks)
+        flight = pp + (pp - 1 - 2 * r) / vpp if vpp > 1 else pp - r
+        stage = sum(tokens * layers.get(i, (0, 0))[0] + layers.get(i, (0, 0))[1]
+                    for lo, hi in chunks for i in range(lo, hi))
+        worst = max(worst, flight * stage)
+    return int(worst)
 
 
 def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
-    """{"format", "recipe", "gemms", "amax_history_bytes_per_rank"} of the largest
-    pipeline stage, from the (meta) single-process model; None without FP8."""
+    """{"format", "recipe", "gemms", "amax_history_bytes_per_rank",
+    "fp8_copy_bytes_per_rank"} of the largest pipeline stage, from the (meta)
+    single-process model; None without FP8."""
     f = run.fp8
     if not f.enabled:
         return None
@@ -41,4 +126,5 @@ def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
     per_rank = tensors * stage / num_layers  # GEMMs per layer are the same in every layer
     state = (f.amax_history_len + 1) * 4 if f.recipe == "delayed" else 0
     return {"format": f.format, "recipe": f.recipe, "gemms": gemms,
-            "amax_history_bytes_per_rank": int(per_rank * state)}
+            "amax_history_bytes_per_rank": int(per_rank * state),
+            "fp8_copy_bytes_per_rank": fp8_copy_bytes(run, model)}

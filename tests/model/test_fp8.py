@@ -197,12 +197,13 @@ def test_delayed_state_round_trip_and_checks():
 def test_fp8_gemms_stay_on_the_device_without_host_reads():
     """Under FakeTensorMode on the stand-in accelerator ("meta", tests/test_fake_device.py):
     a host tensor mixed in raises FakeTensorDeviceMismatchError and a value read (.item())
-    raises; the FP8 linear, the grouped GEMM and the delayed update run through."""
+    raises; the FP8 linear, the grouped GEMM and the delayed update run through, under
+    every recipe built."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dev = torch.device("meta")
     with FakeTensorMode():
-        for recipe in ("tensorwise", "delayed"):
+        for recipe in ("tensorwise", "delayed", "blockwise", "mxfp8", "rowwise"):
             state = Fp8State(Fp8Config(format="hybrid", recipe=recipe))
             lin, experts = state.new_scaling("l", 1, dev), state.new_scaling("e", 2, dev)
             x = torch.randn(32, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -2,17 +2,97 @@
 forward and both backward GEMMs on torch._scaled_mm, one scale per expert and operand
 (as TE's GroupedLinear: one quantizer per GEMM).
 
-It runs as a loop of per-expert scaled GEMMs; the group sizes are read on the host once per
-call (as the grouped-GEMM loop backend). torch._scaled_grouped_mm (CUDA SM90, row-wise
-scales) is not wired in yet: docs/fp8.md.
+Each of the three GEMMs runs as one torch._scaled_grouped_mm where the device has it
+(CUDA sm90, both operands E4M3, bf16 output, K and M multiples of 16; checked once by a
+probe against the loop: grouped_kernel_ok), with each expert's per-tensor scale broadcast
+over its rows / columns (the same products as the loop); otherwise as a loop of
+per-expert scaled GEMMs (the CPU; E5M2 gradients under hybrid). The group sizes are read on
+the host once per call (as the grouped-GEMM loop backend). The block-scaled recipes run
+block_linear.block_fp8_grouped_mm instead.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from megamoe.model.fp8.block_gemm import KERNEL_STATUS, device_capability
+from megamoe.model.fp8.block_linear import block_fp8_grouped_mm
+from megamoe.model.fp8.blocks import BLOCK_RECIPES
 from megamoe.model.fp8.linear import LinearScaling, scaled_mm
-from megamoe.model.fp8.quantize import amax_of, quantize
+from megamoe.model.fp8.quantize import E4M3, amax_of, quantize
+
+
+def _scaled_grouped_mm(*args, **kwargs):
+    """torch's grouped FP8 GEMM (a name tests can replace with a CPU stand-in)."""
+    return torch._scaled_grouped_mm(*args, **kwargs)
+
+
+def _kernel_ok(device: torch.device) -> bool:
+    """torch._scaled_grouped_mm here: CUDA sm90 (its row-wise FP8 kernel), and a probe
+    against the loop passed once per device."""
+    if device_capability(device) != (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    key = ("scaled_grouped_mm", device)
+    if key not in KERNEL_STATUS:
+        KERNEL_STATUS[key] = _probe(device)
+        if not KERNEL_STATUS[key]:
+            warnings.warn(f"FP8 experts: torch._scaled_grouped_mm failed its probe on "
+                          f"{device}; the per-expert loop runs there", stacklevel=2)
+    return KERNEL_STATUS[key]
+
+
+def grouped_kernel_ok(device: torch.device, a_dtype, b_dtype, out_dtype, *dims: int) -> bool:
+    """Whether one of the experts' GEMMs runs on torch._scaled_grouped_mm: E4M3 operands
+    (its only FP8 type), bf16 output (row-wise scaling's only one), dims multiples of 16."""
+    return (a_dtype == E4M3 and b_dtype == E4M3 and out_dtype == torch.bfloat16
+            and all(d % 16 == 0 for d in dims) and _kernel_ok(device))
+
+
+def _probe(device: torch.device) -> bool:
+    """The forward of two experts (16 and 32 rows, K = M = 32) on the kernel and on the
+    loop; any error or a difference beyond bf16 rounding means no."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(48, 32, generator=gen).to(device).to(E4M3)
+    w = torch.randn(2, 32, 32, generator=gen).to(device).to(E4M3)
+    sx, sw = torch.tensor([2.0, 0.5], device=device), torch.tensor([0.25, 4.0], device=device)
+    try:
+        got = _kernel_fwd(x, sx, w, sw, [16, 32], torch.bfloat16).float()
+    except Exception:  # noqa: BLE001 - any failure (build, layout, device) means "no"
+        return False
+    ref = torch.cat([(x[lo:hi].float() / sx[e]) @ (w[e].float() / sw[e])
+                     for e, (lo, hi) in enumerate([(0, 16), (16, 48)])])
+    return bool(((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
+
+
+def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Cumulative row ends (int32), as torch's grouped GEMMs take them."""
+    ends, total = [], 0
+    for n in sizes:
+        total += n
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def _kernel_fwd(q_NK, s_E, q_EKM, sw_E, sizes, out_dtype):
+    """[rows of e] @ W_e (decode scales 1/s per expert, broadcast to row-wise)."""
+    one = torch.ones((), device=q_NK.device)
+    rows = (one / _row_scales(s_E, sizes, q_NK.shape[0])).reshape(-1).contiguous()
+    cols = (one / sw_E).unsqueeze(1).expand(-1, q_EKM.shape[2]).contiguous()
+    b = q_EKM.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per expert
+    return _scaled_grouped_mm(q_NK.contiguous(), b, rows, cols,
+                              offs=_offsets(sizes, q_NK.device), out_dtype=out_dtype)
+
+
+def _kernel_wgrad(qx_NK, sx_E, qg_NM, sg_E, sizes, out_dtype):
+    """dW_e = x_e^T @ g_e for every expert at once (2-D x 2-D, groups along the rows)."""
+    one = torch.ones((), device=qx_NK.device)
+    E, K, M = len(sizes), qx_NK.shape[1], qg_NM.shape[1]
+    sa = (one / sx_E).unsqueeze(1).expand(E, K).reshape(-1).contiguous()
+    sb = (one / sg_E).unsqueeze(1).expand(E, M).reshape(-1).contiguous()
+    return _scaled_grouped_mm(qx_NK.t().contiguous(), qg_NM.t().contiguous().t(), sa, sb,
+                              offs=_offsets(sizes, qx_NK.device), out_dtype=out_dtype)
 
 
 def _row_scales(scale_E: torch.Tensor, sizes: list[int], num_rows: int) -> torch.Tensor:
@@ -41,6 +121,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.sizes, ctx.scaling = sizes, scaling
         ctx.x_dtype, ctx.w_dtype = x_NK.dtype, w_EKM.dtype
+        E, K, M = w_EKM.shape
+        if grouped_kernel_ok(x_NK.device, qx.dtype, qw.dtype, x_NK.dtype, K, M):
+            return _kernel_fwd(qx, sx, qw, sw, sizes, x_NK.dtype)
         out = [scaled_mm(q, sx[e], qw[e], sw[e], x_NK.dtype)
                for e, q in enumerate(qx.split(sizes)) if sizes[e]]
         if not out:
@@ -53,12 +136,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
         sizes = ctx.sizes
         qg, sg = _quantize_rows(ctx.scaling.g, g_NM.contiguous(), sizes)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        E, K, M = qw.shape
+        dev = g_NM.device
+        if ctx.needs_input_grad[0] and grouped_kernel_ok(dev, qg.dtype, qw.dtype, ctx.x_dtype,
+                                                         K, M):
+            dx = _kernel_fwd(qg, sg, qw.transpose(1, 2), sw, sizes, ctx.x_dtype)
+        elif ctx.needs_input_grad[0]:
             parts = [scaled_mm(q, sg[e], qw[e].t(), sw[e], ctx.x_dtype)
                      for e, q in enumerate(qg.split(sizes)) if sizes[e]]
             dx = torch.cat(parts) if parts else g_NM.new_zeros(0, qw.shape[1], dtype=ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            E, K, M = qw.shape
+        if ctx.needs_input_grad[1] and grouped_kernel_ok(dev, qx.dtype, qg.dtype, ctx.w_dtype,
+                                                         K, M):
+            dw = _kernel_wgrad(qx, sx, qg, sg, sizes, ctx.w_dtype)
+        elif ctx.needs_input_grad[1]:
             dw = torch.zeros(E, K, M, dtype=ctx.w_dtype, device=qw.device)
             for e, (q_x, q_g) in enumerate(zip(qx.split(sizes), qg.split(sizes))):
                 if sizes[e]:
@@ -70,4 +160,6 @@ def fp8_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int],
                    scaling: LinearScaling) -> torch.Tensor:
     """Rows grouped by expert (sizes[e] rows of expert e, in order) @ that expert's
     [K, M] weight, in FP8."""
+    if scaling.x.recipe in BLOCK_RECIPES:
+        return block_fp8_grouped_mm(x_NK, w_EKM, sizes, scaling)
     return _Fp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling)

@@ -5,7 +5,8 @@ Inputs and weights are quantised to the recipe's forward dtype (E4M3), output gr
 its backward dtype (E4M3, or E5M2 under hybrid); each operand has its own scale
 (scaling.Fp8Meta). The GEMMs accumulate in fp32 and write the input's dtype; the bias is
 added (and its gradient summed) in that precision. Autograd keeps the FP8 input and weight
-(1 byte per value) with their scales, not the high-precision copies.
+(1 byte per value) with their scales, not the high-precision copies. The block-scaled
+recipes (blockwise, mxfp8, rowwise) run block_linear.py instead (fp8_linear dispatches).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from megamoe.model.fp8.block_linear import block_fp8_linear
+from megamoe.model.fp8.blocks import BLOCK_RECIPES
 from megamoe.model.fp8.quantize import amax_of, quantize
 from megamoe.model.fp8.scaling import Fp8Meta
 
@@ -82,7 +85,11 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, bias: Optional[torch.Te
                scaling: LinearScaling) -> torch.Tensor:
     """F.linear(x, weight, bias) with the GEMMs in FP8; x is [..., K]."""
     lead = x.shape[:-1]
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight_NK, scaling)
+    x_TK = x.reshape(-1, x.shape[-1])
+    if scaling.x.recipe in BLOCK_RECIPES:
+        y = block_fp8_linear(x_TK, weight_NK, scaling)
+    else:
+        y = _Fp8Linear.apply(x_TK, weight_NK, scaling)
     y = y.reshape(*lead, weight_NK.shape[0])
     return y if bias is None else y + bias
 

@@ -1,5 +1,6 @@
 """Per-tensor FP8 scaling state of one GEMM operand (n tensors: 1 for a dense linear, one
-per local expert for the experts' grouped GEMM), for the two recipes built.
+per local expert for the experts' grouped GEMM). The block-scaled recipes (blocks.py:
+blockwise, mxfp8, rowwise) keep no state: their Fp8Meta only names the recipe and dtype.
 
 tensorwise (TE's Float8CurrentScaling): stateless; each tensor is scaled by its own amax at
 the moment it is quantised (quantize.current_scale).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.model.fp8.blocks import BLOCK_RECIPES
 from megamoe.model.fp8.quantize import FP8_MAX, current_scale, delayed_scale
 
 
@@ -29,8 +31,8 @@ class Fp8Meta:
     def __init__(self, recipe: str, dtype: torch.dtype, n: int, *, history_len: int = 1,
                  compute_algo: str = "most_recent", margin: int = 0,
                  device: torch.device | str = "cpu") -> None:
-        if recipe not in ("tensorwise", "delayed"):
-            raise ValueError(f"FP8 recipe {recipe!r} has no per-tensor scaling here")
+        if recipe not in ("tensorwise", "delayed", *BLOCK_RECIPES):
+            raise ValueError(f"FP8 recipe {recipe!r} is not built")
         self.recipe, self.dtype, self.n = recipe, dtype, n
         self.fp8_max = FP8_MAX[dtype]
         self.compute_algo, self.margin = compute_algo, margin
