@@ -81,13 +81,15 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     """Peak bytes the CPU allocator holds for `fn()` on top of what was held before, from
     the profiler's allocation events: unlike `TensorMemoryTracker` it sees allocations
     inside a kernel's C++ code (an attention kernel's scratch tiles), freed before the
-    kernel returns. (Uses the profiler's raw event list, `kineto_results`: the public
-    per-operator totals net an allocation freed within the same operator to zero.)"""
-    from torch.profiler import ProfilerActivity, profile
+    kernel returns. (Uses the autograd profiler's raw event list, `kineto_results`: the
+    per-operator totals net an allocation freed within the same operator to zero; and
+    that profiler directly, as `torch.profiler.profile` first imports torch._inductor:
+    30 s on two busy cores.)"""
+    from torch.autograd.profiler import profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(use_cpu=True, profile_memory=True) as prof:
         fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    events = [e for e in prof.kineto_results.events() if e.name() == "[memory]"
               and e.device_type() == torch.autograd.DeviceType.CPU]
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
