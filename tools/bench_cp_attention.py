@@ -4,7 +4,8 @@ blocks (`explicit_blocks()`: the scores of each block formed as a [B, N, 2c, 2c]
 how every block was computed before the kernels) and against one process running
 PyTorch's causal SDPA over the whole sequence. Per rank: peak transient bytes (every CPU
 allocation during the op, kernels' scratch included: tools/memory_tracking.allocator_peak;
-the largest over the ranks) and wall seconds of the same run (the slowest rank).
+the largest over the ranks), wall seconds and CPU seconds (the process's own: less
+dependent on other load than wall time) of the same run (the slowest rank).
 
     python tools/bench_cp_attention.py --seq-length 32768 --cp 2 4 \\
         --out docs/benchmarks/cp_attention_32k.json
@@ -46,9 +47,10 @@ def _inputs(args: argparse.Namespace, seq: int) -> list[torch.Tensor]:
 def _measure(step: Callable[[], None]) -> dict:
     """Seconds and allocator peak of one run (the profiler records a few dozen operator
     and allocation events per block: its cost is small against a block's seconds)."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     peak = allocator_peak(step)
-    return {"seconds": time.perf_counter() - start, "peak_bytes": peak}
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+            "peak_bytes": peak}
 
 
 def _rank_body(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -74,9 +76,11 @@ def _rank_body(rank: int, world: int, args: argparse.Namespace) -> dict:
                 got = _measure(step)
         else:
             got = _measure(step)
-        stats = torch.tensor([got["seconds"], float(got["peak_bytes"])], dtype=torch.float64)
+        stats = torch.tensor([got["seconds"], got["cpu_seconds"], float(got["peak_bytes"])],
+                             dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        result[name] = {"seconds": stats[0].item(), "peak_bytes_per_rank": int(stats[1])}
+        result[name] = {"seconds": stats[0].item(), "cpu_seconds": stats[1].item(),
+                        "peak_bytes_per_rank": int(stats[2])}
     return result
 
 
@@ -90,8 +94,7 @@ def one_process_sdpa(args: argparse.Namespace) -> dict:
         torch.nn.functional.scaled_dot_product_attention(
             *leaves, is_causal=True, enable_gqa=args.heads != args.groups).backward(dout)
 
-    got = _measure(step)
-    return {"seconds": got["seconds"], "peak_bytes": got["peak_bytes"]}
+    return _measure(step)
 
 
 def measure(args: argparse.Namespace, run_ranks: RunRanks) -> dict:

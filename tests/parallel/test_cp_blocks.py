@@ -142,3 +142,22 @@ def test_one_kernel_block_grows_linearly_in_memory():
     explicit = _one_block_peak(None, long) / _one_block_peak(None, short)
     assert kernel < 6, kernel
     assert explicit > 12, explicit
+
+
+@pytest.mark.parametrize("kernel,dtype,v_dim", [
+    ("cuda_flash", torch.bfloat16, 8), ("cuda_efficient", torch.float32, 6)])
+def test_cuda_kernel_calls_are_well_formed(kernel, dtype, v_dim):
+    """The CUDA ops' calls (argument lists, the padded lse of the efficient op, GQA
+    expansion and the group sums) checked against PyTorch's meta kernels for them: no GPU
+    here, so shapes and signatures are what can be checked (values: a GPU's self-test)."""
+    q = torch.empty(2, 4, 40, 8, dtype=dtype, device="meta")
+    k = torch.empty(2, 2, 24, 8, dtype=dtype, device="meta")
+    v = torch.empty(2, 2, 24, v_dim, dtype=dtype, device="meta")
+    out, lse = cp_blocks.kernel_forward(kernel, q, k, v, False, 0.3)
+    assert (out.shape, out.dtype) == ((2, 4, 40, v_dim), torch.float32)
+    assert (lse.shape, lse.dtype) == ((2, 4, 40), torch.float32)
+    dout = torch.empty(2, 4, 40, v_dim, dtype=dtype, device="meta")
+    dq, dk, dv = cp_blocks.kernel_backward(kernel, dout, q, k, v, out.to(dtype), lse, False,
+                                           0.3)
+    assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
+    assert (dk.dtype, dv.dtype) == (torch.float32, torch.float32)
