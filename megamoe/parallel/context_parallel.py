@@ -209,8 +209,8 @@ class _Blocks:
         if self.kernel is None:
             self.dout = dout.to(out.dtype)
             self.delta = (self.dout * out).sum(-1)
-        else:  # the kernels take dout and the output in the model dtype
-            self.dout, self.out = dout, out.to(dout.dtype)
+        else:  # the kernels take dout and the output in the model dtype, rows in place
+            self.dout, self.out = dout.contiguous(), out.to(dout.dtype)
 
     def backward(self, i, q, blk, src, dq):
         """Adds the block's dq to `dq`; returns its dK/dV as one `_kv` buffer (fp32)."""

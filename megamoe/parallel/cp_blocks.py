@@ -19,6 +19,8 @@ Two ways to compute a block:
   backward `_scaled_dot_product_flash_attention_for_cpu_backward`; it needs equal head
   dims, so MLA's q/k and v are zero-padded to the wider one (exact: zero channels add
   nothing to q.k and give zero output channels, which are cut off).
+  All three give the natural-log lse (as PyTorch's own ring attention,
+  torch/distributed/tensor/experimental/_context_parallel/_attention.py, merges them).
   The CUDA choice is PyTorch's own (`can_use_flash_attention` /
   `can_use_efficient_attention`: dtype, head dims, architecture, the user's
   `torch.backends.cuda.enable_*_sdp` switches). K/V heads are expanded to the query
@@ -35,6 +37,10 @@ decides which rows and columns of the block take part (cp_layout.block_plan), so
 kernels never need a mask. The backward op of each kernel recomputes the block's
 probabilities as exp(s - lse) with the *final* lse, and delta = rowsum(dout * out) with
 the final output, so each block's dq/dk/dv is exact (FlashAttention-2's identity).
+Rounding: in bf16/fp16 a kernel returns each block's output and dq in the model dtype
+(merged and summed in fp32 after), where the explicit blocks kept them in fp32: one more
+model-dtype rounding per block, as Transformer Engine's and PyTorch's ring attention; in
+fp32/fp64 the two paths agree to rounding (tests/parallel/test_cp_blocks.py, 1e-12 fp64).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 
 _aten = torch.ops.aten
 _FORCE_EXPLICIT = [False]
@@ -86,12 +93,6 @@ def choose_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return "cpu_flash" if ok else None
     if q.device.type != "cuda":
         return None
-    from torch.backends.cuda import (
-        SDPAParams,
-        can_use_efficient_attention,
-        can_use_flash_attention,
-    )
-
     shape = (q.shape[0], q.shape[1], k.shape[2])  # the kernels see expanded K/V heads
     k_e, v_e = k[:, :1].expand(*shape, k.shape[-1]), v[:, :1].expand(*shape, v.shape[-1])
     params = SDPAParams(q, k_e, v_e, None, 0.0, True, False)
