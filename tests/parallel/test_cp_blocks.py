@@ -161,3 +161,28 @@ def test_cuda_kernel_calls_are_well_formed(kernel, dtype, v_dim):
                                            0.3)
     assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
     assert (dk.dtype, dv.dtype) == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("v_dim", [16, 8])
+def test_bf16_kernel_block_matches_fp32_explicit_block(v_dim):
+    """A bf16 block on the CPU flash kernel (GQA; MLA's narrower V when v_dim = 8) equals
+    the fp32 explicit block on the same (bf16-representable) inputs to bf16 rounding: the
+    kernel rounds its output and dq to bf16 (2^-8 relative), so 2e-2 of each tensor's
+    largest magnitude allows a few roundings and nothing more (a wrong lse base or a
+    missing group sum is off by O(1))."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 64, 16, generator=g).bfloat16()
+    k = torch.randn(1, 2, 64, 16, generator=g).bfloat16()
+    v = torch.randn(1, 2, 64, v_dim, generator=g).bfloat16()
+    dout = torch.randn(1, 4, 64, v_dim, generator=g).bfloat16()
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    out, lse = cp_blocks.kernel_forward("cpu_flash", q, k, v, True, 0.3)
+    grads = cp_blocks.kernel_backward("cpu_flash", dout, q, k, v, out.bfloat16(), lse, True,
+                                      0.3)
+    q32, k32, v32, d32 = (t.float() for t in (q, k, v, dout))
+    out_ref, lse_ref = cp_blocks.explicit_forward(q32, k32, v32, mask, 0.3)
+    delta = (d32 * out_ref).sum(-1)
+    ref = cp_blocks.explicit_backward(q32, k32, v32, lse_ref, d32, delta, mask, 0.3)
+    assert (lse - lse_ref).abs().max() < 1e-3  # fp32 from bf16 inputs: ~1e-4 seen
+    for got, want in zip((out, *grads), (out_ref, *ref)):
+        assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
