@@ -26,9 +26,15 @@ channels, V v channels) without padding bytes on the wire; dK/dV travel the same
   backward reduce-scatters dK/dV (summed in fp32, as the ring's).
 - `a2a` (Ulysses): parallel/cp_a2a.py trades the sequence split for a head split with
   all-to-alls and runs one attention over the whole sequence.
-Per block the scores are formed explicitly in fp32 ([B, heads, 2c, 2c]: per block, never
-per sequence), portable to every device; a fused kernel returning the log-sum-exp could
-replace `_block_forward` / `_block_backward` without touching the ring.
+Each block is one call of PyTorch's SDPA kernels that return the log-sum-exp (flash on
+CUDA bf16/fp16, memory-efficient on CUDA fp32 and MLA's unequal head dims, the CPU flash
+op here) on the part of the block the causal layout makes visible (cp_layout.block_plan:
+the own block causal, an earlier rank's first chunk or a later rank's keys for the second
+query chunk fully visible), so no [Sq, Sk] scores are ever held; the backward runs the
+kernels' backward ops with the final output and log-sum-exp. Document masks and dropout
+need a per-pair mask the kernels cannot take: such calls form each block's scores
+explicitly in fp32 ([B, heads, 2c, 2c], per block, never per sequence). Both:
+parallel/cp_blocks.py.
 
 Attention dropout (`dropout_p`, training): each block's keep-mask is drawn from the
 device generator (the caller's dropout stream) when the block's forward runs, after noting
@@ -45,10 +51,19 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megamoe.parallel.comm import Group, all_gather_no_grad, group_rank, group_size
 from megamoe.parallel.cp_a2a import a2a_attention
-from megamoe.parallel.cp_layout import causal_mask, cp_positions
+from megamoe.parallel.cp_blocks import (
+    acc_dtype,
+    choose_kernel,
+    explicit_backward,
+    explicit_forward,
+    kernel_backward,
+    kernel_forward,
+)
+from megamoe.parallel.cp_layout import block_plan, causal_mask, cp_positions
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 NOT_BUILT_COMM_TYPES = ("a2a+p2p",)
@@ -80,16 +95,6 @@ def cp_masked_mean(loss_BS: torch.Tensor, mask_BS: torch.Tensor, group: Group,
     total = stats[1].clamp(min=1.0)
     for_grad = local_sum * size / total
     return for_grad + (stats[0] / total - for_grad.detach())  # value: the global mean
-
-
-def _expand_groups(t_BGSD: torch.Tensor, heads: int) -> torch.Tensor:
-    rep = heads // t_BGSD.shape[1]
-    return t_BGSD if rep == 1 else t_BGSD.repeat_interleave(rep, dim=1)
-
-
-def _acc(t: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype: fp32, or the input's when wider (fp64 tests)."""
-    return torch.promote_types(t.dtype, torch.float32)
 
 
 class _Dropout:
@@ -133,47 +138,12 @@ def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def _block_forward(q, k, v, mask, scale, keep=None):
-    """(out [B, N, Sq, D], lse [B, N, Sq]) in `_acc` precision of q against one K/V
-    block; rows with no visible key get out 0 and lse -inf. `keep`: the block's dropout
-    keep-mask (scaled), applied to the probabilities, not to the log-sum-exp."""
-    acc = _acc(q)
-    k, v = _expand_groups(k, q.shape[1]).to(acc), _expand_groups(v, q.shape[1]).to(acc)
-    s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(acc).min))
-    return torch.matmul(p if keep is None else p * keep, v), lse
-
-
 def _merge(out, lse, out_b, lse_b):
     """Online-softmax merge of two partial results over disjoint key sets."""
     new = torch.logaddexp(lse, lse_b)
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
     w, w_b = torch.exp(lse - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
     return out * w + out_b * w_b, new
-
-
-def _block_backward(q, k, v, lse, dout, delta, mask, scale, keep=None):
-    """(dq, dk, dv) of one block, from the final lse and delta = rowsum(dout * out);
-    `keep`: the block's forward dropout keep-mask."""
-    heads, groups, acc = q.shape[1], k.shape[1], _acc(q)
-    ke, ve = _expand_groups(k, heads).to(acc), _expand_groups(v, heads).to(acc)
-    s = torch.matmul(q.to(acc), ke.transpose(-1, -2)) * scale
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
-    p = torch.exp(s - safe).masked_fill(~mask, 0.0)
-    dp = torch.matmul(dout, ve.transpose(-1, -2))
-    if keep is not None:
-        dv, dp = torch.matmul((p * keep).transpose(-1, -2), dout), dp * keep
-    else:
-        dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, ke) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
-    if heads != groups:  # sum the query heads sharing each kv group
-        dk = dk.unflatten(1, (groups, heads // groups)).sum(2)
-        dv = dv.unflatten(1, (groups, heads // groups)).sum(2)
-    return dq, dk, dv
 
 
 class _Ring:
@@ -201,6 +171,66 @@ class _Ring:
             w.wait()
 
 
+class _Blocks:
+    """How one call computes its blocks (parallel/cp_blocks.py): with a kernel on the
+    visible part of each block (cp_layout.block_plan: no mask), or explicitly with the
+    (document-)causal mask and the dropout keep-masks where the call has document ids or
+    dropout (the kernels take neither)."""
+
+    def __init__(self, kernel, q, ids_BS, all_ids, rank, cp, k_dim, scale, drop):
+        self.kernel, self.rank, self.cp, self.k_dim = kernel, rank, cp, k_dim
+        self.ids, self.all_ids, self.scale, self.drop = ids_BS, all_ids, scale, drop
+        self.pos = cp_positions(q.shape[2], rank, cp, q.device)
+
+    def _mask(self, q, src):
+        return causal_mask(self.pos, cp_positions(q.shape[2], src, self.cp, q.device),
+                           self.ids, None if self.all_ids is None else self.all_ids[src])
+
+    def forward(self, q, blk, src, out, lse):
+        """(out, lse) merged with the block of cp rank `src`'s K/V `blk`."""
+        k, v = _split(blk, self.k_dim)
+        if self.kernel is None:
+            keep = self.drop.forward_keep(_scores_shape(q, blk), q.device, acc_dtype(q))
+            o_b, l_b = explicit_forward(q, k, v, self._mask(q, src), self.scale, keep)
+            return (o_b, l_b) if out is None else _merge(out, lse, o_b, l_b)
+        plan = block_plan(self.rank, src, self.cp, q.shape[2])
+        kt = plan.k_to
+        o_b, l_b = kernel_forward(self.kernel, q[:, :, plan.q_from:], k[:, :, :kt],
+                                  v[:, :, :kt], plan.causal, self.scale)
+        if out is None:  # the first block is the rank's own: every row
+            return o_b, l_b
+        rows = slice(plan.q_from, None)
+        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o_b, l_b)
+        return out, lse
+
+    def start_backward(self, dout, out, lse):
+        """Keep what every block's backward reads: the final output and lse, dout."""
+        self.lse = lse
+        if self.kernel is None:
+            self.dout = dout.to(out.dtype)
+            self.delta = (self.dout * out).sum(-1)
+        else:  # the kernels take dout and the output in the model dtype, rows in place
+            self.dout, self.out = dout.contiguous(), out.to(dout.dtype)
+
+    def backward(self, i, q, blk, src, dq):
+        """Adds the block's dq to `dq`; returns its dK/dV as one `_kv` buffer (fp32)."""
+        k, v = _split(blk, self.k_dim)
+        if self.kernel is None:
+            keep = self.drop.backward_keep(i, _scores_shape(q, blk), q.device, acc_dtype(q))
+            dq_b, dk_b, dv_b = explicit_backward(q, k, v, self.lse, self.dout, self.delta,
+                                                 self._mask(q, src), self.scale, keep)
+            dq += dq_b
+            return _kv(dk_b, dv_b)
+        plan = block_plan(self.rank, src, self.cp, q.shape[2])
+        rows, kt = slice(plan.q_from, None), plan.k_to
+        dq_b, dk_b, dv_b = kernel_backward(
+            self.kernel, self.dout[:, :, rows], q[:, :, rows], k[:, :, :kt], v[:, :, :kt],
+            self.out[:, :, rows], self.lse[:, :, rows], plan.causal, self.scale)
+        dq[:, :, rows] += dq_b
+        g = _kv(dk_b, dv_b)  # the keys the block did not see get zeros
+        return F.pad(g, (0, 0, 0, blk.shape[2] - g.shape[2]))
+
+
 class _CPAttention(torch.autograd.Function):
     """K and V travel as one buffer [B, G, S/CP, Dk + Dv] (`_kv`), split back by the
     two head dims where a block is used (`_split`), so K and V may differ in width (MLA:
@@ -210,30 +240,27 @@ class _CPAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ids_BS, group, comm_type, scale, dropout_p):
         ring = _Ring(group)
         r, cp = ring.rank, ring.size
-        dk = k.shape[-1]
-        pos = cp_positions(q.shape[2], r, cp, q.device)
         all_ids = (all_gather_no_grad(ids_BS[None], group) if ids_BS is not None else None)
+        kernel = choose_kernel(q, k, v, ids_BS is not None or dropout_p > 0)
+        drop = _Dropout(dropout_p)
+        blocks = _Blocks(kernel, q, ids_BS, all_ids, r, cp, k.shape[-1], scale, drop)
         kv = _kv(k, v)
         if comm_type == "allgather":
             kv_full = all_gather_no_grad(kv[None], group)  # [CP, B, G, Sl, Dk + Dv]
         out = lse = None
-        drop = _Dropout(dropout_p)
         for i in range(cp):
             src = (r - i) % cp
             works = None
             if comm_type == "p2p" and i + 1 < cp:
                 nxt, works = ring.start(kv)  # overlaps the block below
             blk = kv if comm_type == "p2p" else kv_full[src]
-            mask = causal_mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
-                               None if all_ids is None else all_ids[src])
-            keep = drop.forward_keep(_scores_shape(q, blk), q.device, _acc(q))
-            o_b, l_b = _block_forward(q, *_split(blk, dk), mask, scale, keep)
-            out, lse = (o_b, l_b) if out is None else _merge(out, lse, o_b, l_b)
+            out, lse = blocks.forward(q, blk, src, out, lse)
             if works is not None:
                 ring.wait(works)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, ids_BS, all_ids)
         ctx.group, ctx.comm_type, ctx.scale, ctx.drop = group, comm_type, scale, drop
+        ctx.kernel = kernel
         return out.to(q.dtype)
 
     @staticmethod
@@ -241,10 +268,9 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, out, lse, ids_BS, all_ids = ctx.saved_tensors
         ring = _Ring(ctx.group)
         r, cp = ring.rank, ring.size
-        dk = k.shape[-1]
-        pos = cp_positions(q.shape[2], r, cp, q.device)
-        dout = dout.to(out.dtype)
-        delta = (dout * out).sum(-1)
+        blocks = _Blocks(ctx.kernel, q, ids_BS, all_ids, r, cp, k.shape[-1], ctx.scale,
+                         ctx.drop)
+        blocks.start_backward(dout, out, lse)
         dq = torch.zeros_like(q, dtype=out.dtype)
         kv = _kv(k, v)  # travels in the model dtype; blocks upcast on arrival
         if ctx.comm_type == "allgather":
@@ -257,16 +283,10 @@ class _CPAttention(torch.autograd.Function):
             if ctx.comm_type == "p2p" and i + 1 < cp:
                 kv_next, kv_works = ring.start(kv)  # the next block, under this compute
             blk = kv if ctx.comm_type == "p2p" else kv_all[src]
-            mask = causal_mask(pos, cp_positions(q.shape[2], src, cp, q.device), ids_BS,
-                               None if all_ids is None else all_ids[src])
-            keep = ctx.drop.backward_keep(i, _scores_shape(q, blk), q.device, _acc(q))
-            dq_b, dk_b, dv_b = _block_backward(q, *_split(blk, dk), lse, dout, delta, mask,
-                                               ctx.scale, keep)
-            dq += dq_b
+            g = blocks.backward(i, q, blk, src, dq)
             if ctx.comm_type == "allgather":
-                dkv_all[src] += _kv(dk_b, dv_b)
+                dkv_all[src] += g
                 continue
-            g = _kv(dk_b, dv_b)
             g = g if dkv is None else g + dkv
             # on to the rank that holds this block next; after the last step it is home
             dkv_next, g_works = ring.start(g)
@@ -277,7 +297,7 @@ class _CPAttention(torch.autograd.Function):
             dkv = dkv_next
         if ctx.comm_type == "allgather":
             dkv = _reduce_scatter_blocks(dkv_all, ctx.group)
-        dk_t, dv_t = _split(dkv, dk)
+        dk_t, dv_t = _split(dkv, k.shape[-1])
         return (dq.to(q.dtype), dk_t.to(k.dtype), dv_t.to(v.dtype),
                 None, None, None, None, None)
 

@@ -11,7 +11,7 @@ between tokens by their full-sequence positions.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -60,3 +60,28 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_ids_BS: Optional[tor
     if q_ids_BS is not None:
         m = m & (q_ids_BS[:, :, None] == k_ids_BS[:, None, :])[:, None]
     return m
+
+
+class BlockPlan(NamedTuple):
+    """Which part of the causal block (queries of cp rank `rank`, keys of rank `src`) is
+    visible, as full rows and columns: queries `q_from` onwards (0: all, c: the second
+    chunk only), keys before `k_to` (None: all, c: the first chunk only); `causal`: the
+    visible part is lower-triangular (the diagonal block), else fully visible."""
+
+    q_from: int
+    k_to: Optional[int]
+    causal: bool
+
+
+def block_plan(rank: int, src: int, cp: int, seq_local: int) -> BlockPlan:
+    """The visible part of the block of rank `rank`'s queries against rank `src`'s keys in
+    the load-balanced layout (chunks r, 2CP-1-r), without a mask: its own block is causal
+    (positions rise along the local sequence); an earlier rank's first chunk (src < r) is
+    wholly before both query chunks and its second chunk after both; a later rank's
+    chunks (src > r) are both after this rank's first chunk and before its second."""
+    c = seq_local // 2
+    if src == rank:
+        return BlockPlan(0, None, True)
+    if src < rank:
+        return BlockPlan(0, c, False)
+    return BlockPlan(c, None, False)
