@@ -156,8 +156,12 @@ class SelfAttention(nn.Module):
                           v_BGSD: torch.Tensor,
                           doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Core attention of this cp rank's queries against the whole sequence (dropout
-        from this rank's heads' stream, as `core_attention`)."""
-        with self.tp.dropout_rng(split=True):
+        from this rank's heads' stream, as `core_attention`). --attention-backend restricts
+        the blocks' kernels as it restricts SDPA's: unfused/local compute the scores
+        explicitly, flash and fused allow only their kernels (parallel/cp_blocks.py)."""
+        kernel = kernel_context(self.attention_backend, self.use_flash_attn,
+                                doc_ids_BS is not None)
+        with self.tp.dropout_rng(split=True), kernel:
             return cp_attention(q_BNSD, k_BGSD, v_BGSD, self.cp_group, self.cp_comm_type,
                                 doc_ids_BS, dropout_p=self.attention_dropout
                                 if self.training else 0.0)

@@ -236,8 +236,11 @@ class MLASelfAttention(nn.Module):
                           doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Core attention of this cp rank's queries against the whole sequence with MLA's
         softmax scale (the ring carries K and V at their own head dims, no padding);
-        dropout from this rank's heads' stream, as `core_attention`."""
-        with self.tp.dropout_rng(split=True):
+        dropout from this rank's heads' stream, as `core_attention`; --attention-backend
+        restricts the blocks' kernels as it restricts SDPA's (parallel/cp_blocks.py)."""
+        kernel = kernel_context(self.attention_backend, self.use_flash_attn,
+                                doc_ids_BS is not None)
+        with self.tp.dropout_rng(split=True), kernel:
             return cp_attention(q_BNSD, k_BNSD, v_BNSV, self.cp_group, self.cp_comm_type,
                                 doc_ids_BS, scale=self.softmax_scale,
                                 dropout_p=self.attention_dropout if self.training else 0.0)

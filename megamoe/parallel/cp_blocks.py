@@ -23,8 +23,11 @@ Two ways to compute a block:
   torch/distributed/tensor/experimental/_context_parallel/_attention.py, merges them).
   The CUDA choice is PyTorch's own (`can_use_flash_attention` /
   `can_use_efficient_attention`: dtype, head dims, architecture, the user's
-  `torch.backends.cuda.enable_*_sdp` switches). K/V heads are expanded to the query
-  heads (GQA) and dk/dv summed back over each group, as the explicit path does.
+  `torch.backends.cuda.enable_*_sdp` switches, which --attention-backend sets through
+  `sdpa_kernel` around the call: unfused/local allow only MATH, so the blocks are explicit;
+  on the CPU the flash switch governs `cpu_flash`, as it governs SDPA's). K/V heads are
+  expanded to the query heads (GQA) and dk/dv summed back over each group,
+  as the explicit path does.
 - explicit (`explicit_forward` / `explicit_backward`): the scores of the block formed in
   fp32 (or the input's wider dtype) with an arbitrary boolean mask and an optional
   dropout keep-mask. Used where a block needs what the kernels cannot take: document masks
@@ -88,9 +91,9 @@ def choose_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     metadata only (no host sync); `needs_mask`: document ids or dropout are in play."""
     if needs_mask or _FORCE_EXPLICIT[0]:
         return None
-    if q.device.type == "cpu":
+    if q.device.type == "cpu":  # SDPA's CPU flash kernel answers to the flash switch
         ok = q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-        return "cpu_flash" if ok else None
+        return "cpu_flash" if ok and torch.backends.cuda.flash_sdp_enabled() else None
     if q.device.type != "cuda":
         return None
     shape = (q.shape[0], q.shape[1], k.shape[2])  # the kernels see expanded K/V heads

@@ -115,6 +115,20 @@ def test_document_ids_and_dropout_take_the_explicit_blocks():
     assert cp_blocks.choose_kernel(q.to("meta"), q, q, needs_mask=False) is None
 
 
+@pytest.mark.parametrize("backend,want", [("auto", "cpu_flash"), ("flash", "cpu_flash"),
+                                           ("unfused", None), ("local", None)])
+def test_attention_backend_governs_the_blocks(backend, want):
+    """--attention-backend means under CP what it means for SDPA: the layers enter the same
+    kernel context (model/attention_backend.py) around cp_attention, so unfused/local
+    (MATH only) compute the scores explicitly and flash keeps the flash kernel."""
+    from megamoe.model.attention_backend import kernel_context
+
+    q = torch.randn(1, 2, 8, 4)
+    with kernel_context(backend, False, False):
+        assert cp_blocks.choose_kernel(q, q, q, needs_mask=False) == want
+    assert cp_blocks.choose_kernel(q, q, q, needs_mask=False) == "cpu_flash"  # restored
+
+
 def _one_block_peak(kernel, length: int) -> int:
     """Allocator peak of one causal block's forward and backward at `length` tokens."""
     g = torch.Generator().manual_seed(0)
