@@ -224,3 +224,52 @@ def _trained(nltk_site, tmp_path) -> str:
     data.mkdir(mode=0o700)
     train_punkt_tab(str(data), "One sentence. Another one here. Mr. Smith left. " * 20)
     return str(data)
+
+
+@pytest.mark.slow
+def test_identical_to_megatron_split_sentences(tmp_path, nltk_site):
+    """Megatron-LM's own tools/preprocess_data.py (pinned commit, megatron-core peer venv,
+    nltk 3.10.4 on its PYTHONPATH) against megamoe's, with and without --keep-newlines,
+    on the corpus plus one document over 1,000,000 characters: identical .bin/.idx.
+
+    The punkt_tab data sits in $HOME/nltk_data with NLTK_DATA unset: Megatron's NLTK_DATA
+    branch loads `file:$NLTK_DATA/tokenizers/punkt/<lang>.pickle`, which nltk >= 3.9 does
+    not redirect to punkt_tab (its workers fail to start and the pool restarts them
+    forever). With --partitions 1 Megatron's first run only writes `<input>_ss.jsonl`
+    (its main loop `continue`s after the split); the second run encodes that file.
+    """
+    from tests.data.nltk_env import shakespeare_text, train_punkt_tab
+    from tests.data.test_preprocess_vs_megatron import _peer_or_skip
+    from tools import bench_preprocess
+
+    py = _peer_or_skip()
+    home = tmp_path / "home"
+    (home / "nltk_data").mkdir(parents=True, mode=0o700)
+    train_punkt_tab(str(home / "nltk_data"), "\n".join(shakespeare_text()[:8]))
+    docs = corpus_docs() + [{"text": "\n".join(shakespeare_text()[30:130])[:1_200_000]}]
+    assert len(docs[-1]["text"]) > 1_000_000
+    lines = "".join(json.dumps({"text": d["text"]}) + "\n" for d in docs)
+    (tmp_path / "corpus.jsonl").write_text(lines)
+    tok = bench_preprocess.train_tokenizer(str(tmp_path / "corpus.jsonl"), str(tmp_path / "tok"))
+    mlm = bench_preprocess.megatron_checkout(bench_preprocess.parse_args([]).git_dir,
+                                             bench_preprocess.COMMIT, str(tmp_path / "mlm"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NLTK_DATA")}
+    env.update(HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=nltk_site)
+    ours_env = dict(env, PYTHONPATH=os.pathsep.join([ROOT, nltk_site]))
+    for flags in ([], ["--keep-newlines"]):
+        name = "nl" if flags else "plain"
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text(lines)
+        common = ["--input", str(src), "--tokenizer-type", "HuggingFaceTokenizer",
+                  "--tokenizer-model", tok, "--append-eod", "--workers", "2",
+                  "--split-sentences", *flags]
+        megatron = [py, os.path.join(mlm, "shim.py"), os.path.join(mlm, "tools",
+                    "preprocess_data.py"), *common, "--output-prefix", str(tmp_path / name)]
+        bench_preprocess.timed(megatron, env)  # pass 1: the split only
+        assert (tmp_path / f"{name}_ss.jsonl").exists()
+        assert not (tmp_path / f"{name}_text_sentence.bin").exists()
+        bench_preprocess.timed(megatron, env)  # pass 2: encodes <input>_ss.jsonl
+        bench_preprocess.timed([sys.executable, TOOL, *common, "--output-prefix",
+                                str(tmp_path / f"ours_{name}")], ours_env)
+        _same_files(str(tmp_path / f"{name}_text_sentence"),
+                    str(tmp_path / f"ours_{name}_text_sentence"))
