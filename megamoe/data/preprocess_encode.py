@@ -48,8 +48,14 @@ _STATE: dict = {}  # per worker process: the tokenizer, EncodeConfig, sentence s
 def init_worker(tokenizer_factory, cfg: EncodeConfig) -> None:
     _STATE["tokenizer"] = tokenizer_factory()
     _STATE["cfg"] = cfg
-    _STATE["splitter"] = (load_splitter(cfg.lang, cfg.keep_newlines)
-                          if cfg.split_sentences else None)
+    _STATE["splitter"], _STATE["init_error"] = None, ""
+    if cfg.split_sentences:
+        # an initializer that raises makes multiprocessing.Pool restart the worker without
+        # end (Megatron's run hangs so): the error goes back with the first chunk instead
+        try:
+            _STATE["splitter"] = load_splitter(cfg.lang, cfg.keep_newlines)
+        except DataError as e:
+            _STATE["init_error"] = str(e)
 
 
 def _documents(chunk: tuple, keys: tuple[str, ...], strings: bool) -> tuple[dict, str]:
@@ -122,8 +128,10 @@ def _pack(tokenizer, values: list, append_eod: bool, dtype: np.dtype) -> tuple:
 def encode_chunk(chunk: tuple) -> EncodedChunk:
     """Tokenize every document of `chunk` with this worker's tokenizer."""
     cfg: EncodeConfig = _STATE["cfg"]
+    if _STATE["init_error"]:
+        return EncodedChunk(0, {}, _STATE["init_error"])
     splitter = _STATE["splitter"]
-    values, error = _documents(chunk, cfg.keys, strings=splitter is not None)
+    values, error = _documents(chunk, cfg.keys, strings=cfg.split_sentences)
     if error:
         return EncodedChunk(0, {}, error)
     if splitter is not None:  # Megatron's Encoder.split, then encode of the sentences

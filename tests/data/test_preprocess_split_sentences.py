@@ -137,8 +137,11 @@ def test_split_sentences_is_megatrons_nltk_split(tmp_path, sp_model, nltk_site, 
     env = _env(nltk_site, nltk_data, tmp_path)
     common = ["--input", src, "--tokenizer-type", "SentencePieceTokenizer",
               "--tokenizer-model", sp_model, "--split-sentences", "--chunk-size", "7"]
-    runs = [(False, True, ["text"], ["--workers", "2"]),
-            (True, False, ["text", "title"], ["--workers", "1", "--lang", "english"])]
+    # run 2: Megatron's --partitions 2 sends document i to partition i % 2 and merges
+    # partition 0 then 1 into {prefix}_{key}_sentence
+    runs = [(False, True, ["text"], ["--workers", "1"]),
+            (True, False, ["text", "title"], ["--workers", "2", "--partitions", "2",
+                                              "--lang", "english"])]
     n_sentences = []
     for keep_newlines, eod, keys, extra in runs:
         name = f"nl{int(keep_newlines)}"
@@ -147,7 +150,8 @@ def test_split_sentences_is_megatrons_nltk_split(tmp_path, sp_model, nltk_site, 
         p = _run([*common, *flags, *extra, "--json-keys", *keys,
                   "--output-prefix", tmp_path / f"ours_{name}"], env)
         assert p.returncode == 0, p.stderr
-        _megatron_split_encode(docs, keys, tok, nltk_data, str(tmp_path / f"ref_{name}"),
+        order = docs[0::2] + docs[1::2] if "--partitions" in extra else docs
+        _megatron_split_encode(order, keys, tok, nltk_data, str(tmp_path / f"ref_{name}"),
                                keep_newlines, eod)
         for key in keys:
             _same_files(str(tmp_path / f"ours_{name}_{key}_sentence"),
@@ -273,3 +277,17 @@ def test_identical_to_megatron_split_sentences(tmp_path, nltk_site):
                                 str(tmp_path / f"ours_{name}")], ours_env)
         _same_files(str(tmp_path / f"{name}_text_sentence"),
                     str(tmp_path / f"ours_{name}_text_sentence"))
+
+
+def test_worker_without_punkt_data_reports_instead_of_raising(nltk_site):
+    """A Pool initializer that raises is restarted without end (Megatron's run hangs so):
+    a worker whose splitter cannot load answers its first chunk with the one-line error."""
+    from megamoe.data import preprocess_encode as enc
+
+    try:
+        enc.init_worker(lambda: None, enc.EncodeConfig(("text",), False, "uint16",
+                                                       True, "no_such_language"))
+        result = enc.encode_chunk(("json", 1, ['{"text": "One. Two."}']))
+    finally:
+        enc._STATE.clear()
+    assert result.n_docs == 0 and "punkt_tab data for --lang no_such_language" in result.error
