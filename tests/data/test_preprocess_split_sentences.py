@@ -130,18 +130,23 @@ def _same_files(a: str, b: str) -> None:
 
 
 def test_split_sentences_is_megatrons_nltk_split(tmp_path, sp_model, nltk_site, nltk_data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     docs = corpus_docs()
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    pq.write_table(pa.table({"text": [d["text"] for d in docs]}), tmp_path / "in.parquet",
+                   row_group_size=9)
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
     env = _env(nltk_site, nltk_data, tmp_path)
-    common = ["--input", src, "--tokenizer-type", "SentencePieceTokenizer",
-              "--tokenizer-model", sp_model, "--split-sentences", "--chunk-size", "7"]
-    # run 2: Megatron's --partitions 2 sends document i to partition i % 2 and merges
-    # partition 0 then 1 into {prefix}_{key}_sentence
-    runs = [(False, True, ["text"], ["--workers", "1"]),
+    common = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+              "--split-sentences", "--chunk-size", "7"]
+    # run 1 reads the Parquet copy; run 2: Megatron's --partitions 2 sends document i to
+    # partition i % 2 and merges partition 0 then 1 into {prefix}_{key}_sentence
+    runs = [(False, True, ["text"], ["--workers", "1", "--input", tmp_path / "in.parquet"]),
             (True, False, ["text", "title"], ["--workers", "2", "--partitions", "2",
-                                              "--lang", "english"])]
+                                              "--lang", "english", "--input", src])]
     n_sentences = []
     for keep_newlines, eod, keys, extra in runs:
         name = f"nl{int(keep_newlines)}"
