@@ -43,6 +43,9 @@ setup(
         # tools/checkpoint/convert.py megamoe-to-hf writes config.json through transformers
         # (hf-to-megamoe needs only safetensors, which is also a base requirement).
         "hf": ["transformers>=4.46", "safetensors"],
+        # tools/preprocess_data.py --split-sentences: nltk's PunktTokenizer (>= 3.9 reads
+        # the pickle-free punkt_tab data; get it with `python -m nltk.downloader punkt_tab`)
+        "data": ["nltk>=3.9"],
         # the documentation site: mkdocs build --strict over docs/ (mkdocs.yml)
         "docs": ["mkdocs-material", "mkdocstrings[python]"],
         # No "bench" extra on purpose: DeepSpeed, the peer in tools/bench_dispatch.py, must be

@@ -15,8 +15,15 @@ from typing import Callable
 def cached_python(root: str, key: str, build: Callable[[str], None],
                   error: type[Exception]) -> str:
     """The cached venv's python; `error` (naming the venv) if building it fails."""
+    return cached_path(root, key, build, error, os.path.join("bin", "python"))
+
+
+def cached_path(root: str, key: str, build: Callable[[str], None],
+                error: type[Exception], marker: str) -> str:
+    """`root/key/marker`, calling `build(root/key)` first if that file is missing (a venv:
+    marker bin/python; a `pip install --target` folder: the package's __init__.py)."""
     final = os.path.join(root, key)
-    py = os.path.join(final, "bin", "python")
+    py = os.path.join(final, marker)
     if os.path.isfile(py):
         return py
     os.makedirs(root, exist_ok=True)

@@ -31,10 +31,10 @@ LAYERS = [  # lowest first; a module belongs to the first prefix it matches
 ]
 # Imports allowed inside functions: optional or heavy packages used by one code path.
 # (sentencepiece and tokenizers: each serves one tokenizer type, and the data
-# preprocessing workers must not pay for the others.)
+# preprocessing workers must not pay for the others; nltk: --split-sentences only.)
 OPTIONAL = {"transformers", "tensorboard", "torch.utils.tensorboard", "wandb", "matplotlib",
             "grouped_gemm", "transformer_engine", "apex", "deepspeed", "sentencepiece",
-            "tokenizers", "pyarrow", "zstandard"}
+            "tokenizers", "pyarrow", "zstandard", "nltk"}
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 

@@ -1,5 +1,6 @@
 """setup.py's extras: the `gpu` extra installs only packages megamoe imports, the `hf`
-extra holds what tools/checkpoint/convert.py imports from Hugging Face."""
+extra holds what tools/checkpoint/convert.py imports from Hugging Face, the `data` extra
+nltk for tools/preprocess_data.py --split-sentences."""
 
 from __future__ import annotations
 
@@ -48,3 +49,10 @@ def test_hf_extra_covers_the_converters_imports():
     hf = {module_name(r) for r in extras()["hf"]}
     assert {"transformers", "safetensors"} <= hf
     assert "transformers" in imported_modules("tools/checkpoint")
+
+
+def test_data_extra_holds_nltk_for_split_sentences():
+    """--split-sentences imports nltk (megamoe/data/sentence_split.py), an optional
+    dependency that only the `data` extra installs."""
+    assert "nltk" in {module_name(r) for r in extras()["data"]}
+    assert "nltk" in imported_modules("megamoe/data")

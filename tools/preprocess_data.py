@@ -5,7 +5,9 @@
         --tokenizer-model tokenizer_dir --append-eod --workers 4
 
 Inputs: jsonl (plain, .gz, .xz, .zst) or Parquet (columns named by --json-keys), streamed
-in chunks with bounded memory. Writes `{output-prefix}_{key}_document.bin/.idx` per key,
+in chunks with bounded memory. Writes `{output-prefix}_{key}_document.bin/.idx` per key
+(`_sentence` with --split-sentences: nltk punkt sentences as sequences, documents as
+groups; nltk and its punkt_tab data must be installed),
 byte-identical to Megatron-LM's tools/preprocess_data.py for the same input and tokenizer
 (tools/bench_preprocess.py checks it and measures the speed). Every Megatron option is
 accepted with Megatron's meaning or refused with one line (megamoe/cli/preprocess_args.py).
@@ -27,6 +29,7 @@ from megamoe.data import DataError, build_tokenizer  # noqa: E402
 from megamoe.data.indexed_dataset import optimal_dtype  # noqa: E402
 from megamoe.data.preprocess_encode import EncodeConfig  # noqa: E402
 from megamoe.data.preprocess_run import RunConfig, input_files, run  # noqa: E402
+from megamoe.data.sentence_split import load_splitter  # noqa: E402
 
 
 def tokenizer_factory(args):
@@ -44,10 +47,13 @@ def run_config(args, workers: int, **overrides) -> RunConfig:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise DataError(f"{out_dir}: output directory not found (--output-prefix)")
+    if args.split_sentences:  # nltk and its punkt_tab data: checked before any output
+        load_splitter(args.lang, args.keep_newlines)
     return RunConfig(inputs=input_files(args.input, args.partitions),
                      output_prefix=args.output_prefix,
                      encode=EncodeConfig(tuple(args.json_keys), args.append_eod,
-                                         np_name(dtype)),
+                                         np_name(dtype), args.split_sentences, args.lang,
+                                         args.keep_newlines),
                      workers=workers, partitions=args.partitions,
                      keep_sequential_samples=args.keep_sequential_samples,
                      chunk_docs=args.chunk_size, log_interval=args.log_interval, **overrides)

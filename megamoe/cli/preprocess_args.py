@@ -5,8 +5,12 @@ in one of three ways:
 * built: the option does what Megatron's does (most of them);
 * deliberate no-op: Megatron's preprocessing parses it and never reads it for the
   output (NOOP names why), so megamoe accepts it and it changes nothing either;
-* refused: a feature megamoe has not built (other tokenizer families, nltk sentence
-  splitting): the run stops with one `not supported yet: --flag (why)` line, exit 2.
+* refused: a feature megamoe has not built (other tokenizer families): the run stops
+  with one `not supported yet: --flag (why)` line, exit 2.
+
+--split-sentences (with --keep-newlines, --lang) is built on nltk, an optional
+dependency (megamoe/data/sentence_split.py); --keep-newlines and --lang are read only
+with it, as in Megatron.
 
 megamoe's own additions: --chunk-size (documents per worker task).
 """
@@ -32,14 +36,10 @@ NOOP = {
     "--disable-pad-vocab-size": "embedding padding only (as --padded-vocab-size)",
     "--vocab-extra-ids": "Megatron's get_args overwrites it with 0",
     "--null-tokenizer-pad-id": "padding is never written by preprocessing",
-    "--keep-newlines": "read only with --split-sentences",
-    "--lang": "read only with --split-sentences",
 }
 
 # option -> why it is refused when given (with a non-default value).
 REFUSED = {
-    "--split-sentences": "needs nltk's punkt_tab data, which no PyPI package ships "
-                         "- see docs/training-your-own-data.md",
     "--tokenizer-metadata": "tokenizer metadata files are not read by megamoe's tokenizers",
     "--tokenizer-special-tokens": "extra special tokens are not added by megamoe's "
                                   "tokenizers",
@@ -68,6 +68,15 @@ def _positive(flag: str):
             raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {value}")
         return value
     return parse
+
+
+def _language(text: str) -> str:
+    """--lang names one punkt_tab model folder (nltk's own rule: letters, digits, - and
+    _), so a path like `english/../german` is a bad flag, not a missing file."""
+    if not text or not all(c.isalnum() or c in "-_" for c in text):
+        raise argparse.ArgumentTypeError(f"--lang must be a punkt model name such as "
+                                         f"english (letters, digits, - and _), got {text!r}")
+    return text
 
 
 def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-newlines", action="store_true")
     g = p.add_argument_group("tokenization process")
     g.add_argument("--append-eod", action="store_true")
-    g.add_argument("--lang", default="english")
+    g.add_argument("--lang", type=_language, default="english")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True)
     g = p.add_argument_group("runtime")

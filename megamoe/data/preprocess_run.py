@@ -5,8 +5,9 @@ Chunks of documents go to a worker pool through a bounded window of pending task
 large the corpus is), results come back in input order and one buffered writer per
 output appends them. With Megatron's --partitions P, document i goes to partition
 i mod P (or, with --keep-sequential-samples, to consecutive blocks of ceil(N/P)), each
-partition is published as `{prefix}_{p}_{key}_document` and the partitions are merged in
-order into `{prefix}_{key}_document`: the same files Megatron's partition run leaves
+partition is published as `{prefix}_{p}_{key}_{level}` and the partitions are merged in
+order into `{prefix}_{key}_{level}` (level: `sentence` with --split-sentences, else
+`document`, Megatron's names): the same files Megatron's partition run leaves
 (megamoe does not write the partitioned copies of the input). Nothing is published
 unless every document was encoded: outputs are written to temporary names first.
 """
@@ -46,8 +47,8 @@ class RunConfig:
     publish: bool = True
 
 
-def dataset_prefix(prefix: str, key: str) -> str:
-    return f"{prefix}_{key}_document"
+def dataset_prefix(prefix: str, key: str, split_sentences: bool = False) -> str:
+    return f"{prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
 class _Sink:
@@ -58,8 +59,11 @@ class _Sink:
         self.block = math.ceil(total_docs / cfg.partitions) if total_docs else None
         self.n_docs = 0
         self.builders = {(p, k): IndexedDatasetBuilder(
-            dataset_prefix(self._prefix(p), k) + ".bin", np.dtype(cfg.encode.dtype))
+            self._name(self._prefix(p), k) + ".bin", np.dtype(cfg.encode.dtype))
             for p in range(cfg.partitions) for k in cfg.encode.keys}
+
+    def _name(self, prefix: str, key: str) -> str:
+        return dataset_prefix(prefix, key, self.cfg.encode.split_sentences)
 
     def _prefix(self, p: int) -> str:
         prefix = self.cfg.output_prefix
@@ -93,15 +97,15 @@ class _Sink:
         """Publish every output (partitions first, then their merge); returns prefixes."""
         keys, parts = self.cfg.encode.keys, range(self.cfg.partitions)
         for (p, key), b in self.builders.items():
-            b.finalize(dataset_prefix(self._prefix(p), key) + ".idx")
+            b.finalize(self._name(self._prefix(p), key) + ".idx")
         if self.cfg.partitions == 1:
-            return [dataset_prefix(self.cfg.output_prefix, k) for k in keys]
+            return [self._name(self.cfg.output_prefix, k) for k in keys]
         merged = []
         for key in keys:
-            final = dataset_prefix(self.cfg.output_prefix, key)
+            final = self._name(self.cfg.output_prefix, key)
             with IndexedDatasetBuilder(final + ".bin", np.dtype(self.cfg.encode.dtype)) as m:
                 for p in parts:
-                    m.add_index(dataset_prefix(self._prefix(p), key))
+                    m.add_index(self._name(self._prefix(p), key))
                 m.finalize(final + ".idx")
             merged.append(final)
         return merged

@@ -43,6 +43,9 @@ BUILT = {
     "--vocab-file": "tests/data/test_tokenizers.py (GPT2BPETokenizer)",
     "--merge-file": "tests/data/test_tokenizers.py (GPT2BPETokenizer)",
     "--trust-remote-code": "tests/data/test_remote_tokenizer.py",
+    "--split-sentences": "tests/data/test_preprocess_split_sentences.py",
+    "--keep-newlines": "tests/data/test_preprocess_split_sentences.py",
+    "--lang": "tests/data/test_preprocess_split_sentences.py",
 }
 
 
@@ -79,6 +82,11 @@ def test_option_set_matches_pinned_megatron_and_each_is_classified(capsys):
                 parse_args(base + [flag, value] + (["--vocab-size", "7"] if eod else []))
             err = capsys.readouterr().err.strip().splitlines()
             assert e.value.code == 2 and flag in err[-1], (flag, err)
+    for lang in ("", "english/../german", "en glish"):  # one punkt_tab folder name
+        with pytest.raises(SystemExit) as e:
+            parse_args(base + ["--split-sentences", "--lang", lang])
+        assert e.value.code == 2 and "--lang" in capsys.readouterr().err
+    assert parse_args(base + ["--lang", "german-1_x"]).lang == "german-1_x"
     with pytest.raises(SystemExit) as e:
         parse_args(base[:-1] + ["3", "--partitions", "2"])
     assert e.value.code == 2 and "--partitions" in capsys.readouterr().err
