@@ -84,17 +84,26 @@ def dp2(tmp_path_factory, mcore_python):
 
 def _imported_equal_reference(conv: str, ref: str) -> None:
     """The converted moments and main params are megatron-core's own model-shaped ones
-    (the same state saved twice by one process: equal exactly, being copies)."""
+    (the same state saved twice by one process: equal exactly, being copies). With TP >
+    1 Megatron pads the vocabulary (100 tokens) to a multiple of 128 x TP, megamoe to
+    128 and carries the real rows only (zero padding): the padding rows are never looked
+    up and not compared then."""
     p0, s0 = _raw(os.path.join(ref, "iter_0000002"))
     bf16 = p0["embedding.word_embeddings.weight"].dtype == torch.bfloat16  # (fp32 main)
     p1, s1, _, step = _resumed(os.path.join(conv, "iter_0000002"), bf16)
     assert step == 2.0
+
+    def same(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
+        if got.shape != want.shape and key in ("embedding.word_embeddings.weight",
+                                               "output_layer.weight"):
+            got, want = got[:100], want[:100]
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
     for name in ("exp_avg", "exp_avg_sq"):
         assert sorted(s1[name]) == sorted(s0[name])
         for key, t in s1[name].items():
-            torch.testing.assert_close(t, s0[name][key], rtol=0, atol=0, msg=key)
+            same(t, s0[name][key], key)
     for key, t in s0["param"].items():
-        torch.testing.assert_close(p1[key], t, rtol=0, atol=0, msg=key)
+        same(p1[key], t, key)
 
 
 def _convert(tmp, save: str, capsys) -> str:
