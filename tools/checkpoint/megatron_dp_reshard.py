@@ -296,19 +296,28 @@ def read_flat_states(it_dir: str, common: dict, metadata, weights: dict[str, tor
             for (p, i), buf in want.items() for b, bucket in enumerate(buf.buckets)
             for s in STATES}
     load(flat)
+    pieces = [(bucket, buf.files, {s: flat[fqn(p, i, b, s)] for s in STATES})
+              for (p, i), buf in want.items() for b, bucket in enumerate(buf.buckets)]
+    return merge_buckets(pieces, layout, it_dir), _step_of(it_dir, metadata, list(want))
+
+
+def merge_buckets(pieces: list[tuple[Bucket, list[tuple[int, int, int]],
+                                     dict[str, torch.Tensor]]],
+                  layout: LegacyLayout, where: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Every bucket's states (bucket, the (tp, pp, ep) ranks it belongs to, {state: its
+    flat tensor}) cut into each rank's local tensors, named as its legacy rank file
+    names them (bucket_layout's entries: (local name, ..., local shape)), then merged
+    into whole megatron-core tensors by the legacy weights' own merge."""
     files: dict[str, dict[tuple[int, int, int], dict[str, torch.Tensor]]] = {
         s: {} for s in STATES}
-    for (prefix, idx), buf in want.items():
-        for b, bucket in enumerate(buf.buckets):
-            for state in STATES:
-                t = flat[fqn(prefix, idx, b, state)]
-                for (local, _, _, shape), (start, end) in bucket.params.items():
-                    for rank in buf.files:
-                        files[state].setdefault(rank, {})[local] = t[start:end].view(shape)
+    for bucket, ranks, flat in pieces:
+        for state, t in flat.items():
+            for entry, (start, end) in bucket.params.items():
+                for rank in ranks:
+                    files[state].setdefault(rank, {})[entry[0]] = t[start:end].view(entry[-1])
     try:
-        out = {s: merge_legacy({r: [sd] for r, sd in by_rank.items()}, layout)
-               for s, by_rank in files.items()}
+        return {s: merge_legacy({r: [sd] for r, sd in by_rank.items()}, layout)
+                for s, by_rank in files.items()}
     except (ValueError, RuntimeError) as e:
-        raise ConvertError(f"{it_dir}: the optimizer's rank buffers do not merge "
+        raise ConvertError(f"{where}: the optimizer's rank buffers do not merge "
                            f"({e.args[0] if e.args else e})") from None
-    return out, _step_of(it_dir, metadata, list(want))

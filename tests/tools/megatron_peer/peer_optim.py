@@ -216,7 +216,10 @@ def save(a) -> None:
     args.num_distributed_optimizer_instances = 1
     if a.bf16:
         args.bf16, args.params_dtype = True, torch.bfloat16
-    _save_as(a.sharding, a.out, args, model, optimizer)
+    if a.format == "torch":
+        _save_legacy(a, args, model, optimizer)
+    else:
+        _save_as(a.sharding, a.out, args, model, optimizer)
     if a.reference_out:  # the same state in megatron-core's own model-shaped layout
         _save_as("fully_reshardable", a.reference_out, args, model, optimizer)
 
@@ -244,6 +247,35 @@ def _save_as(sharding: str, out: str, args, model, optimizer) -> None:
             f.write(str(args.iteration))
 
 
+def _save_legacy(a, args, model, optimizer) -> None:
+    """What Megatron-LM's save_checkpoint writes for `--ckpt-format torch`
+    (megatron/training/checkpointing.py): on every rank whose data-parallel or
+    expert-data-parallel rank is 0, `mp_rank_*/model_optim_rng.pt` (args, the chunk's
+    state_dict_for_save_checkpoint, `optimizer.state_dict()`, scheduler, RNG); with the
+    distributed optimizer, every rank calls `optimizer.save_parameter_state` on
+    `distrib_optim.pt` beside it (megatron-core gathers each buffer on its DP rank 0,
+    which writes it)."""
+    from megatron.core import parallel_state as ps
+
+    args.ckpt_format, args.use_dist_ckpt = "torch", False
+    it_dir = os.path.join(a.out, f"iter_{args.iteration:07d}")
+    path = peer_legacy._checkpoint_name(a, it_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
+                    "model": model.state_dict_for_save_checkpoint(),
+                    "optimizer": optimizer.state_dict(),
+                    "opt_param_scheduler": peer.scheduler_state(args),
+                    "rng_state": [peer_legacy._rng_state()],
+                    "num_floating_point_operations_so_far": 1.5e12}, path)
+    if args.use_distributed_optimizer:
+        optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(a.out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(args.iteration))
+
+
 def worker(rank: int, a) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -265,6 +297,8 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["fp32", "distrib"], default="fp32")
     p.add_argument("--sharding", default="fully_reshardable")
     p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="--ckpt-format of the save (--reference-out is torch_dist)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--bf16", action="store_true", help="bf16 weights, fp32 main params")
     p.add_argument("--tp", type=int, default=1)
