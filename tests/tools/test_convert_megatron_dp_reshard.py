@@ -124,16 +124,19 @@ def _imported_equal_reference(conv: str, ref: str) -> None:
         same(p1[key], t, key)
 
 
-def _convert(tmp, save: str, capsys) -> str:
+LINE = "Adam state of the distributed optimizer (dp_reshardable) at step 2"
+
+
+def _convert(tmp, save: str, capsys, line: str = LINE) -> str:
     conv = str(tmp / "conv")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
-    assert ("Adam state of the distributed optimizer (dp_reshardable) at step 2"
-            in capsys.readouterr().out)
+    assert line in capsys.readouterr().out
     return conv
 
 
-def _convert_and_resume(tmp, save: str, ref: str, capsys, *run: str) -> None:
-    conv = _convert(tmp, save, capsys)
+def _convert_and_resume(tmp, save: str, ref: str, capsys, *run: str, line: str = LINE
+                        ) -> None:
+    conv = _convert(tmp, save, capsys, line)
     _imported_equal_reference(conv, ref)
     worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp / "run"), *run))
     with capsys.disabled():
