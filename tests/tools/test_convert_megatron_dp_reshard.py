@@ -120,7 +120,9 @@ def _imported_equal_reference(conv: str, ref: str) -> None:
         assert sorted(s1[name]) == sorted(s0[name])
         for key, t in s1[name].items():
             same(t, s0[name][key], key)
-    for key, t in s0["param"].items():
+    # the fp32 main parameters (the non-distributed FP32Optimizer's are the weights)
+    main0 = s0.get("param") or s0.get("fp32_param") or {k: p0[k] for k in s0["exp_avg"]}
+    for key, t in main0.items():
         same(p1[key], t, key)
 
 

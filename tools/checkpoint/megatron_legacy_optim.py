@@ -37,6 +37,7 @@ from megatron_dp_layout import bucket_layout, bucket_size_of
 from megatron_dp_reshard import STATES, NotModelled, _flag, _layout, merge_buckets
 from megatron_optim import NAMES, step_of, to_megamoe_states
 
+from megamoe.model.megatron_shards import merge_legacy
 from megamoe.training.checkpoint.megatron_common import load_megatron_torch_file
 
 FILE = "distrib_optim.pt"
@@ -165,19 +166,125 @@ def read_legacy_optimizer(it_dir: str, common: dict, ranks: dict[Rank, tuple[str
     optimizer = getattr(args, "optimizer", "adam")
     if optimizer not in ("adam", None):
         return None, None, f"only Adam's state is read (args.optimizer = {optimizer!r})"
-    if getattr(args, "use_distributed_optimizer", False) is not True:
-        return None, None, ("the non-distributed optimizer's state in model_optim_rng.pt "
-                            "is not read yet (only distrib_optim.pt)")
+    distributed = getattr(args, "use_distributed_optimizer", False) is True
     try:
         raw, part = read_legacy_distributed(
             it_dir, args, {r: c[0] for r, (_, c, _) in ranks.items()},
-            {r: (path, o) for r, (path, _, o) in ranks.items()})
+            {r: (path, o) for r, (path, _, o) in ranks.items()}) if distributed else (
+            read_legacy_nondistributed(it_dir, args, ranks))
     except NotModelled as e:
-        return None, None, f"the legacy distributed optimizer's layout is not rebuilt: {e}"
+        return None, None, f"the legacy optimizer's layout is not rebuilt: {e}"
     except ConvertError as e:
         msg = str(e)
         raise ConvertError(msg if msg.startswith(it_dir) else f"{it_dir} (args): {msg}"
                            ) from None
     step = step_of(part, it_dir)
     mapped = to_megamoe_states({NAMES[k]: v for k, v in raw.items()}, config, params, it_dir)
-    return mapped, step, f"Adam state of the distributed optimizer ({FILE}) at step {step}"
+    where = FILE if distributed else "model_optim_rng.pt"
+    kind = "the distributed optimizer" if distributed else "the non-distributed optimizer"
+    return mapped, step, f"Adam state of {kind} ({where}) at step {step}"
+
+
+def _wd_mult(name: str, shape: tuple, qk_ln_decays: bool) -> float:
+    """megatron-core's standard override (get_standard_config_overrides): no weight
+    decay for 1-D parameters and biases (with --apply-wd-to-qk-layernorm, except the
+    q / k norms)."""
+    skip = len(shape) == 1 or name.endswith(".bias")
+    if qk_ln_decays and ("q_layernorm." in name or "k_layernorm." in name):
+        skip = False
+    return 0.0 if skip else 1.0
+
+
+def _groups(entry: Any, path: str) -> tuple[dict, list | None]:
+    """(the torch optimizer's state_dict, Float16's fp32_from_fp16_params or None) of
+    one optimizer's state_dict (FP32Optimizer: the torch one; Float16OptimizerWith
+    Float16Params: {optimizer, fp32_from_fp16_params, grad_scaler})."""
+    if isinstance(entry, dict) and "fp32_from_fp16_params" in entry:
+        inner, mains = entry.get("optimizer"), entry["fp32_from_fp16_params"]
+        if not isinstance(mains, list):
+            raise ConvertError(f"{path}: optimizer.fp32_from_fp16_params is not a list")
+    else:
+        inner, mains = entry, None
+    if not (isinstance(inner, dict) and isinstance(inner.get("state"), dict)
+            and isinstance(inner.get("param_groups"), list)):
+        raise ConvertError(f"{path}: optimizer is not a torch optimizer state_dict")
+    return inner, mains
+
+
+def _rank_states(chunk: dict, entry: Any, args, experts: bool | None, path: str,
+                 out: dict[str, dict[str, torch.Tensor]], steps: set) -> None:
+    """One optimizer's states of one rank file by local name into `out`. megatron-core's
+    _get_param_groups orders the groups by their override (none, then wd_mult 0) and
+    each group's parameters in named_parameters order; torch numbers them across the
+    groups (`params` index lists). Each saved group's wd_mult and is_expert_parallel pick
+    its parameters; counts and every state's shape must match."""
+    inner, mains = _groups(entry, path)
+    params = _params(chunk, experts)
+    qk = _flag(args, "apply_wd_to_qk_layernorm")
+    used = set()
+    for g, group in enumerate(inner["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise ConvertError(f"{path}: optimizer param_groups[{g}] has no params list")
+        if group.get("is_decoupled_lr"):
+            raise NotModelled("decoupled learning-rate groups are not modelled")
+        wd, expert = group.get("wd_mult"), group.get("is_expert_parallel", False)
+        if wd not in (0.0, 1.0) or group.get("lr_mult", 1.0) != 1.0:
+            raise NotModelled(f"param group {g} with wd_mult {wd!r}, lr_mult "
+                              f"{group.get('lr_mult')!r} (overrides) is not modelled")
+        mine = [(n, shape) for n, shape in params if _wd_mult(n, shape, qk) == wd
+                and (".local_experts." in n and experts is not None) == bool(expert)]
+        if len(mine) != len(group["params"]) or mains is not None and (
+                g >= len(mains) or not isinstance(mains[g], list)
+                or len(mains[g]) != len(mine)):
+            raise NotModelled(f"{path}: param group {g} holds {len(group['params'])} "
+                              f"parameters, the model chunk {len(mine)} of its kind")
+        for j, ((name, shape), idx) in enumerate(zip(mine, group["params"])):
+            st = inner["state"].get(idx)
+            tensors = {"exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq"),
+                       "param": chunk[name] if mains is None else mains[g][j]
+                       } if isinstance(st, dict) else {}
+            for state, t in tensors.items():
+                if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape
+                        and t.dtype.is_floating_point):
+                    raise ConvertError(f"{path}: optimizer state {idx} ({state}) is not a "
+                                       f"float tensor shaped {list(shape)} like {name}")
+                out[state][name] = t
+            step = st.get("step")
+            step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+            if isinstance(step, bool) or not isinstance(step, (int, float)):
+                raise ConvertError(f"{path}: optimizer state {idx} step {step!r} is not a "
+                                   "number")
+            steps.add(step)
+            used.add(name)
+    if used != {n for n, _ in params}:
+        raise NotModelled(f"{path}: the param groups do not cover the chunk's parameters")
+
+
+def read_legacy_nondistributed(it_dir: str, args, ranks: dict[Rank, tuple[str, list, Any]]
+                               ) -> tuple[dict, dict]:
+    """read_legacy_distributed for the non-distributed optimizers (FP32Optimizer,
+    Float16OptimizerWithFloat16Params): each rank file's `optimizer` holds its own
+    parameters' states (a list of the dense and the expert optimizer's with EP > 1), so
+    every file gives a legacy-shaped state dict per state, merged as the weights are."""
+    layout, _ = _layout(args)
+    files: dict[str, dict[Rank, list[dict]]] = {s: {} for s in STATES}
+    steps: set = set()
+    for rank, (path, chunks, entry) in ranks.items():
+        out: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
+        if layout.ep > 1:
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise ConvertError(f"{path}: optimizer is not a list of the dense and the "
+                                   "expert optimizer's states (EP > 1)")
+            for part, experts in zip(entry, (False, True)):
+                _rank_states(chunks[0], part, args, experts, path, out, steps)
+        else:
+            _rank_states(chunks[0], entry, args, None, path, out, steps)
+        for s in STATES:
+            files[s][rank] = [out[s]]
+    try:
+        merged = {s: merge_legacy(by_rank, layout) for s, by_rank in files.items()}
+    except (ValueError, RuntimeError) as e:
+        raise ConvertError(f"{it_dir}: the optimizer's rank states do not merge "
+                           f"({e.args[0] if e.args else e})") from None
+    return merged, {"optimizer": {i: {"state": {"common_step": v}}
+                                  for i, v in enumerate(steps)}}

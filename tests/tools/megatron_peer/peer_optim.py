@@ -193,7 +193,7 @@ def save(a) -> None:
                      post_process=ps.is_pipeline_last_stage())
     model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout,
                                   ddp_args, stage)
-    if a.layout_json:
+    if a.layout_json and a.optimizer == "distrib":  # (flat buffers only there)
         dump_layout(optimizer, model, a.layout_json)
     if a.layout_only:
         return
