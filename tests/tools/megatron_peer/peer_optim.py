@@ -147,7 +147,8 @@ def _forward_backward(model, ddp, tokens, pos, mask) -> None:
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     x = None
     if not first:
-        x = torch.empty(peer.SEQ, tokens.shape[0], model.config.hidden_size)
+        x = torch.empty(peer.SEQ, tokens.shape[0], model.config.hidden_size,
+                        dtype=next(model.parameters()).dtype)
         torch.distributed.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
         x.requires_grad_()
         model.set_input_tensor(x)
