@@ -1,5 +1,6 @@
-"""The legacy `--ckpt-format torch` distributed optimizer's state (`distrib_optim.pt`
-beside each rank's `model_optim_rng.pt`) imported by convert.py megatron-to-megamoe,
+"""The legacy `--ckpt-format torch` optimizer state (the distributed optimizer's
+`distrib_optim.pt` beside each rank's `model_optim_rng.pt`, and the non-distributed
+optimizers' `optimizer` entry of that file) imported by convert.py megatron-to-megamoe,
 against real megatron-core 0.19.2 (megatron_peer/peer_optim.py --format torch: two real
 Adam steps of its DistributedOptimizer, then Megatron-LM's legacy save with
 megatron-core's own `save_parameter_state`):
@@ -41,7 +42,8 @@ LINE = "Adam state of the distributed optimizer (distrib_optim.pt) at step 2"
 
 
 def _save(tmp, mcore_python, *extra: str) -> tuple[str, str]:
-    """(the legacy save, the same state saved as fully_reshardable torch_dist)."""
+    """(the legacy save, the same state saved as torch_dist model-shaped: the distributed
+    optimizer's fully_reshardable, or the non-distributed one's)."""
     out, ref = str(tmp / "legacy"), str(tmp / "ref")
     run_peer(["--optimizer", "distrib", "--format", "torch", "--out", out,
               "--reference-out", ref, *extra], python=mcore_python, script=PEER_OPTIM)
@@ -59,6 +61,43 @@ def test_legacy_distrib_optim_resumes_with_the_adamw_step(case, tmp_path, mcore_
                                                           capsys):
     save, ref = _save(tmp_path, mcore_python, *CASES[case])
     _convert_and_resume(tmp_path, save, ref, capsys, line=LINE)
+
+
+NONDIST = {"fp32_tp2_pp2": ("--tp", "2", "--pp", "2"),
+           "fp32_tp2_ep2_dp2": ("--tp", "2", "--ep", "2", "--dp", "2"),
+           "bf16_pp2": ("--pp", "2", "--bf16")}
+NONDIST_LINE = "Adam state of the non-distributed optimizer (model_optim_rng.pt) at step 2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(NONDIST))
+def test_legacy_nondistributed_optimizer_resumes_with_the_adamw_step(case, tmp_path,
+                                                                    mcore_python, capsys):
+    """model_optim_rng.pt's `optimizer` of FP32Optimizer (TP 2 x PP 2; TP 2 x EP 2 x DP 2:
+    a ChainedOptimizer's [dense, expert] list in every file) and of Float16OptimizerWith
+    Float16Params (--bf16, PP 2: its fp32_from_fp16_params, which carry megatron-core's
+    tensor attributes): megatron-core's param-group order rebuilt, equal to its
+    model-shaped save, and the AdamW step by hand."""
+    save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST[case])
+    _convert_and_resume(tmp_path, save, ref, capsys, *[e for e in NONDIST[case]
+                                                       if e == "--bf16"], line=NONDIST_LINE)
+
+
+@pytest.mark.slow
+def test_a_shuffled_group_order_is_refused_or_fails(tmp_path, mcore_python, capsys,
+                                                    monkeypatch):
+    """The chunk's parameters taken in reverse order: the per-state shape checks refuse
+    the file (one line), or the import differs from megatron-core's save."""
+    save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST["fp32_tp2_pp2"])
+    real = legacy_optim._params
+    monkeypatch.setattr(legacy_optim, "_params", lambda *a: real(*a)[::-1])
+    conv = str(tmp_path / "conv")
+    if convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 1:
+        assert "is not a float tensor shaped" in capsys.readouterr().err
+        return
+    monkeypatch.undo()
+    with pytest.raises(AssertionError):
+        _imported_equal_reference(conv, ref)
 
 
 @pytest.mark.slow

@@ -273,8 +273,8 @@ def read_legacy_nondistributed(it_dir: str, args, ranks: dict[Rank, tuple[str, l
         out: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
         if layout.ep > 1:
             if not isinstance(entry, list) or len(entry) != 2:
-                raise ConvertError(f"{path}: optimizer is not a list of the dense and the "
-                                   "expert optimizer's states (EP > 1)")
+                raise NotModelled(f"{path}: optimizer is not a list of the dense and the "
+                                  "expert optimizer's states (EP > 1)")
             for part, experts in zip(entry, (False, True)):
                 _rank_states(chunks[0], part, args, experts, path, out, steps)
         else:
