@@ -12,7 +12,9 @@ optimizer. Each file is a torch.save'd dict: `args` (argparse.Namespace), `itera
 
 Every file is unpickled by megatron_common's restricted unpickler; the layout comes from
 rank 0's args and every other file must agree with it; a missing, stray or truncated rank
-file is one error naming it. The weights are merged by megamoe/model/megatron_shards.py.
+file is one error naming it. The weights are merged by megamoe/model/megatron_shards.py;
+the optimizer state (each rank's `optimizer` entry, `distrib_optim.pt`) is read by
+megatron_legacy_optim.py with the same merge.
 """
 
 from __future__ import annotations
