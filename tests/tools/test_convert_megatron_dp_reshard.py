@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import importlib
 import json
 import os
@@ -178,7 +179,9 @@ def test_dp2_ep2_and_bf16_dp_reshardable(tmp_path, mcore_python, capsys, extra):
 TP_PP = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_dp2": ("--tp", "2", "--dp", "2"),
          "pp2_dp2": ("--pp", "2", "--dp", "2"),
          "tp2_ep2_etp2": ("--tp", "2", "--ep", "2", "--etp", "2"),
-         "tp2_ep2_etp1": ("--tp", "2", "--ep", "2", "--etp", "1")}
+         "tp2_ep2_etp1": ("--tp", "2", "--ep", "2", "--etp", "1"),
+         # tied embeddings: each stage's copy in a bucket of its own (shared_embedding)
+         "tied_pp2_dp2": ("--variant", "qk_norm", "--pp", "2", "--dp", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +215,26 @@ def test_tp_pp_ep_dp_reshardable_resumes_with_the_adamw_step(case, tmp_path, mco
     """TP 2 x PP 2, TP 2 x DP 2, PP 2 x DP 2, TP 2 x EP 2 with expert TP 2 (expert
     dp_group_idx = etp + 2 ep) and 1: the imported state is megatron-core's own
     model-shaped one and megamoe's first update from it is AdamW by hand."""
-    save, ref, _ = _save(tmp_path, mcore_python, *TP_PP[case])
+    save, ref, dump = _save(tmp_path, mcore_python, *TP_PP[case])
+    _layouts_are_megatron_cores(save, dump)
     _convert_and_resume(tmp_path, save, ref, capsys)
+
+
+def _layouts_are_megatron_cores(save: str, dump: str) -> int:
+    """Every rank's every optimizer's buckets, as megatron-core dumped them, are the
+    converter's (by dp_group_idx and chained prefix); returns how many were compared."""
+    common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
+    ours = reshard.expected_buffers(common["args"], weights)
+    seen = 0
+    for path in sorted(glob.glob(f"{dump}.rank*.json")):
+        opts = json.load(open(path))
+        for k, opt in enumerate(opts):
+            prefix = f"chained_{k}." if len(opts) > 1 else ""
+            _same_as_dump(ours[(prefix, opt["dp_group_idx"])].buckets,
+                          _facts_of(opt["buffers"][0]))
+            seen += 1
+    assert seen >= 2
+    return seen
 
 
 def _glu_merged_as_columns(monkeypatch) -> None:

@@ -37,7 +37,8 @@ checks = importlib.import_module("checks")
 
 CASES = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_ep2_dp2": ("--tp", "2", "--ep", "2",
                                                                 "--dp", "2"),
-         "pp2_dp2": ("--pp", "2", "--dp", "2")}
+         "pp2_dp2": ("--pp", "2", "--dp", "2"),
+         "tied_pp2": ("--variant", "qk_norm", "--pp", "2")}
 LINE = "Adam state of the distributed optimizer (distrib_optim.pt) at step 2"
 
 
