@@ -54,11 +54,12 @@ class NotModelled(Exception):
     """The saved args describe a layout this module does not rebuild; says why."""
 
 
-def _int(args, name: str, default: int, low: int = 1) -> int:
+def _int(args, name: str, default: int, low: int = 1, high: int = 2**20) -> int:
+    """An untrusted integer field of the saved args, in [low, high]."""
     value = getattr(args, name, default)
     value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConvertError(f"args.{name} = {value!r} is not an integer >= {low}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConvertError(f"args.{name} = {value!r} is not an integer in [{low}, {high}]")
     return value
 
 
@@ -94,10 +95,10 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         raise NotModelled("--ddp-num-buckets is not modelled")
     if not isinstance(getattr(args, "data_parallel_size", None), int):
         raise NotModelled("args.data_parallel_size is not saved")
-    tp, pp = _int(args, "tensor_model_parallel_size", 1), _int(args,
-                                                               "pipeline_model_parallel_size", 1)
-    ep = _int(args, "expert_model_parallel_size", 1)
-    etp = _int(args, "expert_tensor_parallel_size", tp)
+    tp, pp = (_int(args, n, 1, high=2**16) for n in ("tensor_model_parallel_size",
+                                                    "pipeline_model_parallel_size"))
+    ep = _int(args, "expert_model_parallel_size", 1, high=2**16)
+    etp = _int(args, "expert_tensor_parallel_size", tp, high=2**16)
     if etp not in ((tp, 1) if ep > 1 else (tp,)):
         raise NotModelled(f"expert TP {etp} with TP {tp}, EP {ep} is not modelled")
     experts = _int(args, "num_experts", 1) if getattr(args, "num_experts", None) else 0
