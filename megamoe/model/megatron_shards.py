@@ -119,6 +119,19 @@ def _merge_tp(name: str, shards: list[Tensor], glu: bool,
     raise ValueError(f"{name}: no known tensor-parallel layout")
 
 
+def tp_shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape one of `tp` ranks holds of a tensor whose whole shape is `shape` (`name`
+    without the layer prefix; experts as `mlp.linear_fc{1,2}.weight`): the split that
+    _merge_tp undoes, from the same name sets. MLA's down projections, whose split
+    depends on the spec, are a ValueError."""
+    if tp == 1 or name in REPLICATED:
+        return tuple(shape)
+    dim = 0 if name in COLUMN or name in GLU else 1 if name in ROW else None
+    if dim is None or shape[dim] % tp:
+        raise ValueError(f"{name}: no known tensor-parallel split of {list(shape)} over {tp}")
+    return tuple(s // tp if d == dim else s for d, s in enumerate(shape))
+
+
 def _global_name(key: str, layout: LegacyLayout, offset: int) -> tuple[str, str]:
     """(the global key, the name without the layer prefix) of a chunk's key. MTP depths
     are numbered globally (all on the last stage: megatron-core's default placement)."""

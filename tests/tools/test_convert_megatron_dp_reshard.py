@@ -19,6 +19,8 @@ megatron-core 0.19.2 (megatron_peer/peer_optim.py) as the oracle:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import glob
 import importlib
 import json
 import os
@@ -66,6 +68,23 @@ def test_layout_is_megatron_cores(case):
     _check_layout(json.load(open(FACTS))[case])
 
 
+def _same_as_dump(ours: list, fact: dict) -> None:
+    """The converter's buckets (rebuilt from the args and weights) are megatron-core's:
+    same lengths, and each parameter (by megatron-core's own name in the rank's model
+    chunk) at the same range. The converter names the norms by their checkpoint keys,
+    the local spec's key map (`input_layernorm.weight` is saved as
+    `self_attention.linear_qkv.layer_norm_weight`, `pre_mlp_layernorm.weight` as
+    `mlp.linear_fc1.layer_norm_weight`)."""
+    def module_name(key: str) -> str:
+        return key.replace("self_attention.linear_qkv.layer_norm_weight",
+                           "input_layernorm.weight").replace(
+            "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+    assert [(b.numel, b.numel_unpadded, [(module_name(e[0]), s, t)
+                                         for e, (s, t) in b.params.items()])
+            for b in ours] == [(n, u, sorted(map(tuple, params), key=lambda x: x[1]))
+                               for n, u, params in fact["buckets"]]
+
+
 def _save(tmp, mcore_python, *extra: str) -> tuple[str, str, str]:
     """(dp_reshardable save, fully_reshardable save of the same state, layout dump)."""
     out, ref, dump = str(tmp / "flat"), str(tmp / "ref"), str(tmp / "layout" / "l")
@@ -84,29 +103,43 @@ def dp2(tmp_path_factory, mcore_python):
 
 def _imported_equal_reference(conv: str, ref: str) -> None:
     """The converted moments and main params are megatron-core's own model-shaped ones
-    (the same state saved twice by one process: equal exactly, being copies)."""
+    (the same state saved twice by one process: equal exactly, being copies). With TP >
+    1 Megatron pads the vocabulary (100 tokens) to a multiple of 128 x TP, megamoe to
+    128 and carries the real rows only (zero padding): the padding rows are never looked
+    up and not compared then."""
     p0, s0 = _raw(os.path.join(ref, "iter_0000002"))
     bf16 = p0["embedding.word_embeddings.weight"].dtype == torch.bfloat16  # (fp32 main)
     p1, s1, _, step = _resumed(os.path.join(conv, "iter_0000002"), bf16)
     assert step == 2.0
+
+    def same(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
+        if got.shape != want.shape and key in ("embedding.word_embeddings.weight",
+                                               "output_layer.weight"):
+            got, want = got[:100], want[:100]
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
     for name in ("exp_avg", "exp_avg_sq"):
         assert sorted(s1[name]) == sorted(s0[name])
         for key, t in s1[name].items():
-            torch.testing.assert_close(t, s0[name][key], rtol=0, atol=0, msg=key)
-    for key, t in s0["param"].items():
-        torch.testing.assert_close(p1[key], t, rtol=0, atol=0, msg=key)
+            same(t, s0[name][key], key)
+    # the fp32 main parameters (the non-distributed FP32Optimizer's are the weights)
+    main0 = s0.get("param") or s0.get("fp32_param") or {k: p0[k] for k in s0["exp_avg"]}
+    for key, t in main0.items():
+        same(p1[key], t, key)
 
 
-def _convert(tmp, save: str, capsys) -> str:
+LINE = "Adam state of the distributed optimizer (dp_reshardable) at step 2"
+
+
+def _convert(tmp, save: str, capsys, line: str = LINE) -> str:
     conv = str(tmp / "conv")
     assert convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 0
-    assert ("Adam state of the distributed optimizer (dp_reshardable) at step 2"
-            in capsys.readouterr().out)
+    assert line in capsys.readouterr().out
     return conv
 
 
-def _convert_and_resume(tmp, save: str, ref: str, capsys, *run: str) -> None:
-    conv = _convert(tmp, save, capsys)
+def _convert_and_resume(tmp, save: str, ref: str, capsys, *run: str, line: str = LINE
+                        ) -> None:
+    conv = _convert(tmp, save, capsys, line)
     _imported_equal_reference(conv, ref)
     worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp / "run"), *run))
     with capsys.disabled():
@@ -123,9 +156,7 @@ def test_dp2_dp_reshardable_imports_megatron_cores_state(dp2, tmp_path, capsys):
     fact = _facts_of(json.load(open(f"{dump}.rank0.json"))[0]["buffers"][0])
     _check_layout(fact)
     common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
-    ours = reshard.expected_buffers(common["args"], weights)[("", 0)]
-    assert [(b.numel, b.numel_unpadded, sorted(b.params.values())) for b in ours] == [
-        (n, u, sorted((s, e) for _, s, e in params)) for n, u, params in fact["buckets"]]
+    _same_as_dump(reshard.expected_buffers(common["args"], weights)[("", 0)].buckets, fact)
     _imported_equal_reference(_convert(tmp_path, save, capsys), ref)
 
 
@@ -142,6 +173,90 @@ def test_dp2_ep2_and_bf16_dp_reshardable(tmp_path, mcore_python, capsys, extra):
     --bf16: bf16 buffers (dtype_(torch.bfloat16, torch.float32)), fp32 main params."""
     save, ref, _ = _save(tmp_path, mcore_python, *extra)
     _convert_and_resume(tmp_path, save, ref, capsys, *[e for e in extra if e == "--bf16"])
+
+
+# TP / PP layouts: each (TP, PP) rank's own buffers, merged as the legacy weights are
+TP_PP = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_dp2": ("--tp", "2", "--dp", "2"),
+         "pp2_dp2": ("--pp", "2", "--dp", "2"),
+         "tp2_ep2_etp2": ("--tp", "2", "--ep", "2", "--etp", "2"),
+         "tp2_ep2_etp1": ("--tp", "2", "--ep", "2", "--etp", "1"),
+         # tied embeddings: each stage's copy in a bucket of its own (shared_embedding)
+         "tied_pp2_dp2": ("--variant", "qk_norm", "--pp", "2", "--dp", "2")}
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(tmp_path_factory, mcore_python):
+    """A TP 2 x PP 2 Megatron save (4 gloo ranks, two Adam steps; the peer's pipeline is
+    one micro-batch by hand) in dp_reshardable, with its fully_reshardable twin."""
+    return _save(tmp_path_factory.mktemp("tp2pp2"), mcore_python, *TP_PP["tp2_pp2"])
+
+
+def test_tp2_pp2_dp_reshardable_imports_megatron_cores_state(tp2_pp2, tmp_path, capsys):
+    """The default-suite case for TP / PP: four ranks' buffers (dp_group_idx = tp + 2 pp,
+    megatron-core's own numbering, checked against its dump) cut into each rank's TP
+    slices of its stage's parameters and merged: megatron-core's model-shaped state
+    exactly."""
+    save, ref, dump = tp2_pp2
+    common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
+    ours = reshard.expected_buffers(common["args"], weights)
+    for rank in range(4):
+        (opt,) = json.load(open(f"{dump}.rank{rank}.json"))
+        assert opt["dp_group_idx"] == opt["ranks"]["tp"] + 2 * opt["ranks"]["pp"]
+        fact = _facts_of(opt["buffers"][0])
+        _check_layout(fact)
+        _same_as_dump(ours[("", opt["dp_group_idx"])].buckets, fact)
+    _imported_equal_reference(_convert(tmp_path, save, capsys), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(TP_PP))
+def test_tp_pp_ep_dp_reshardable_resumes_with_the_adamw_step(case, tmp_path, mcore_python,
+                                                            capsys):
+    """TP 2 x PP 2, TP 2 x DP 2, PP 2 x DP 2, TP 2 x EP 2 with expert TP 2 (expert
+    dp_group_idx = etp + 2 ep) and 1: the imported state is megatron-core's own
+    model-shaped one and megamoe's first update from it is AdamW by hand."""
+    save, ref, dump = _save(tmp_path, mcore_python, *TP_PP[case])
+    _layouts_are_megatron_cores(save, dump)
+    _convert_and_resume(tmp_path, save, ref, capsys)
+
+
+def _layouts_are_megatron_cores(save: str, dump: str) -> int:
+    """Every rank's every optimizer's buckets, as megatron-core dumped them, are the
+    converter's (by dp_group_idx and chained prefix); returns how many were compared."""
+    common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
+    ours = reshard.expected_buffers(common["args"], weights)
+    seen = 0
+    for path in sorted(glob.glob(f"{dump}.rank*.json")):
+        opts = json.load(open(path))
+        for k, opt in enumerate(opts):
+            prefix = f"chained_{k}." if len(opts) > 1 else ""
+            _same_as_dump(ours[(prefix, opt["dp_group_idx"])].buckets,
+                          _facts_of(opt["buffers"][0]))
+            seen += 1
+    assert seen >= 2
+    return seen
+
+
+def _glu_merged_as_columns(monkeypatch) -> None:
+    """The breakage: the per-TP-rank [gate_r; up_r] halves of fc1's moments concatenated
+    as plain column-parallel rows (the layout's swiglu flag dropped)."""
+    real = reshard._layout
+
+    def layout(args):
+        found, dp = real(args)
+        return dataclasses.replace(found, swiglu=False), dp
+    monkeypatch.setattr(reshard, "_layout", layout)
+
+
+@pytest.mark.slow
+def test_a_tp_merge_without_the_swiglu_halves_fails_the_check(tp2_pp2, tmp_path, monkeypatch,
+                                                              capsys):
+    save, ref, _ = tp2_pp2
+    _glu_merged_as_columns(monkeypatch)
+    conv = _convert(tmp_path, save, capsys)
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="linear_fc1"):
+        _imported_equal_reference(conv, ref)
 
 
 @pytest.mark.slow
@@ -215,16 +330,29 @@ def test_args_the_layout_does_not_model():
                 num_layers=2)
     want = reshard.expected_buffers(argparse.Namespace(**base), w)
     assert sorted(want) == [("chained_0.", 0), ("chained_1.", 0), ("chained_1.", 1)]
-    assert [e for e in want[("chained_1.", 1)][0].params][:2] == [
-        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 3)),
-        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (1, 2))]
-    for bad in (dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2),
-                dict(virtual_pipeline_model_parallel_size=2), dict(data_parallel_size=3),
+    fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert [e[1:3] for e in want[("chained_1.", 1)].buckets[0].params][:2] == [
+        (fc1, (1, 3)), (fc1, (1, 2))]
+    assert want[("chained_1.", 1)].files == [(0, 0, 1)]
+    # TP 2 x PP 2: four dense buffers, each rank's halves of its stage's layer
+    tp_pp = reshard.expected_buffers(argparse.Namespace(**{
+        **base, "expert_model_parallel_size": 1, "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2, "untie_embeddings_and_output_weights": True}), w)
+    assert sorted(tp_pp) == [("", 0), ("", 1), ("", 2), ("", 3)]
+    assert [(e[0], e[3]) for e in tp_pp[("", 3)].buckets[0].params][-1] == (
+        "decoder.layers.0.mlp.router.weight", (4, 4))  # (replicated)
+    assert [(e[0], e[3]) for e in tp_pp[("", 3)].buckets[0].params][0] == (
+        "output_layer.weight", (4, 4))  # (column-parallel)
+    for bad in (dict(virtual_pipeline_model_parallel_size=2), dict(data_parallel_size=3),
                 dict(moe_grouped_gemm=True), dict(data_parallel_size=None),
-                dict(ddp_num_buckets=4), dict(context_parallel_size=2)):
+                dict(ddp_num_buckets=4), dict(context_parallel_size=2),
+                dict(expert_tensor_parallel_size=2), dict(pipeline_model_parallel_size=3),
+                dict(decoder_first_pipeline_num_layers=1, pipeline_model_parallel_size=2),
+                dict(multi_latent_attention=True, tensor_model_parallel_size=2)):
         with pytest.raises(reshard.NotModelled):
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
     for bad in (dict(ddp_bucket_size="40000"), dict(data_parallel_size=0),
-                dict(overlap_grad_reduce="yes")):
+                dict(overlap_grad_reduce="yes"), dict(tensor_model_parallel_size=2**40),
+                dict(pipeline_model_parallel_size=True)):
         with pytest.raises(reshard.ConvertError, match="args."):
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)

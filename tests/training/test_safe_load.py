@@ -302,3 +302,33 @@ class _Eval:
 
     def __reduce__(self):
         return (eval, (f"open({self.marker!r}, 'w')",))
+
+
+class _OtherRebuild:
+    """A pickle that asks _rebuild_from_type_v2 to call another admitted global."""
+
+    def __reduce__(self):
+        import codecs
+
+        return torch._tensor._rebuild_from_type_v2, (codecs.encode, torch.Tensor,
+                                                     ("x", "utf-8"), {"a": 1})
+
+
+def test_megatron_tensor_with_attributes_loads_as_a_plain_tensor(tmp_path):
+    """Float16's fp32 main parameters carry megatron-core's Python attributes
+    (`tensor_model_parallel`, ...) and pickle through torch._tensor._rebuild_from_type_v2:
+    read as the plain tensor, the attributes dropped; that rebuild asked to call anything
+    but the plain tensor rebuild is refused."""
+    from megamoe.training.checkpoint.megatron_common import load_megatron_torch_file
+
+    main = torch.arange(6.0).view(2, 3)
+    main.tensor_model_parallel, main.partition_dim = True, 0
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"optimizer": {"fp32_from_fp16_params": [[main]]}}, path)
+    got = load_megatron_torch_file(path)["optimizer"]["fp32_from_fp16_params"][0]
+    assert torch.equal(got[0], main)
+    assert type(got[0]) is torch.Tensor and not hasattr(got[0], "tensor_model_parallel")
+    torch.save({"x": _OtherRebuild()}, path)
+    with pytest.raises(CheckpointError, match="refused") as e:
+        load_megatron_torch_file(path)
+    assert path in str(e.value) and "\n" not in str(e.value)

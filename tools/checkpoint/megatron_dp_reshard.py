@@ -15,14 +15,26 @@ pipeline group (experts). Each parameter's slice comes from megatron_dp_layout, 
 from the saved args; every bucket's saved length must equal the rebuilt one, so a layout
 that the args do not describe is not guessed at.
 
-Modelled: TP 1, PP 1, CP 1, one optimizer instance, EP any (SequentialMLP experts,
-`local_experts.N`), fp32 or bf16 parameters. Anything else raises NotModelled with the
-reason (the converter then keeps weights and schedule only).
+Each (TP, PP) rank keeps its own buffers: its TP slices of its stage's parameters
+(dp_group_idx = tp + TP x pp, megatron-core's rank in the model-parallel group; the
+expert buffers' dp_group_idx = etp + ETP x (ep + EP x pp)). Every rank's slices are cut
+out as that rank's local tensors, named as a legacy rank file names them (layers
+numbered in the stage, experts in the EP rank), and merged by megatron_shards.merge_legacy,
+the legacy weights' own merge (column / row splits, SwiGLU's per-rank [gate; up]
+halves, the qkv groups, stages renumbered).
+
+Modelled: any TP, PP (even split), DP and EP with expert TP = TP or 1 (EP > 1), CP 1,
+one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), all
+layers alike (one stacked block), no MTP, no MLA with TP > 1, fp32 or bf16 parameters.
+Anything else raises NotModelled with the reason (the converter then keeps weights and
+schedule only).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,23 +42,24 @@ from checks import ConvertError
 from megatron_dp_layout import Bucket, bucket_layout, bucket_size_of
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megamoe.model.megatron_shards import LegacyLayout, merge_legacy, tp_shard_shape
 from megamoe.training.checkpoint.megatron_common import load_megatron_pickle, read_byte_item
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 _BUCKET = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_"
                      r"(\d+)\.dtype_(\(torch\.\w+, torch\.\w+\))\.bucket_idx_(\d+)\.(\w+)")
-_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
 
 
 class NotModelled(Exception):
     """The saved args describe a layout this module does not rebuild; says why."""
 
 
-def _int(args, name: str, default: int, low: int = 1) -> int:
+def _int(args, name: str, default: int, low: int = 1, high: int = 2**20) -> int:
+    """An untrusted integer field of the saved args, in [low, high]."""
     value = getattr(args, name, default)
     value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConvertError(f"args.{name} = {value!r} is not an integer >= {low}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConvertError(f"args.{name} = {value!r} is not an integer in [{low}, {high}]")
     return value
 
 
@@ -59,41 +72,70 @@ def _flag(args, name: str) -> bool:
     return value
 
 
-def _sizes(args) -> tuple[int, int]:
-    """(data-parallel size, expert-parallel size), after refusing what is not modelled."""
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size", "num_distributed_optimizer_instances"):
+_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+           "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+           "account_for_loss_in_pipeline_split")
+
+
+def _layout(args) -> tuple[LegacyLayout, int]:
+    """(the parallel layout, the data-parallel size), after refusing what is not modelled."""
+    for name in ("context_parallel_size", "num_distributed_optimizer_instances"):
         if _int(args, name, 1) != 1:
             raise NotModelled(f"args.{name} = {getattr(args, name)} (only 1 is modelled)")
     if getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
         raise NotModelled("virtual pipeline stages are not modelled")
-    if _int(args, "expert_tensor_parallel_size", 1) != 1:
-        raise NotModelled("args.expert_tensor_parallel_size != 1 is not modelled")
     for name in ("use_megatron_fsdp", "fp8_param_gather", "use_precision_aware_optimizer",
                  "moe_grouped_gemm"):
         if _flag(args, name):
             raise NotModelled(f"args.{name} is not modelled")
+    for name in _UNEVEN:
+        if getattr(args, name, None) not in (None, False):
+            raise NotModelled(f"args.{name} (an uneven pipeline split) is not modelled")
     if getattr(args, "ddp_num_buckets", None) is not None:  # (newer Megatron-LM)
         raise NotModelled("--ddp-num-buckets is not modelled")
     if not isinstance(getattr(args, "data_parallel_size", None), int):
         raise NotModelled("args.data_parallel_size is not saved")
-    return _int(args, "data_parallel_size", 1), _int(args, "expert_model_parallel_size", 1)
+    tp, pp = (_int(args, n, 1, high=2**16) for n in ("tensor_model_parallel_size",
+                                                    "pipeline_model_parallel_size"))
+    ep = _int(args, "expert_model_parallel_size", 1, high=2**16)
+    etp = _int(args, "expert_tensor_parallel_size", tp, high=2**16)
+    if etp not in ((tp, 1) if ep > 1 else (tp,)):
+        raise NotModelled(f"expert TP {etp} with TP {tp}, EP {ep} is not modelled")
+    experts = _int(args, "num_experts", 1) if getattr(args, "num_experts", None) else 0
+    layers = _int(args, "num_layers", 1)
+    dp = _int(args, "data_parallel_size", 1)
+    if layers % pp or (experts or ep) % ep or (tp * dp) % (etp * ep):
+        raise NotModelled(f"{layers} layers / PP {pp}, {experts} experts / EP {ep}, "
+                          f"TP {tp} x DP {dp} / (expert TP {etp} x EP {ep}) do not divide")
+    mla = _flag(args, "multi_latent_attention")
+    if mla and tp > 1:
+        raise NotModelled("MLA with TP > 1 is not modelled (its down projections' split "
+                          "depends on the spec)")
+    return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=None, num_layers=layers,
+                        num_experts=experts, swiglu=_flag(args, "swiglu"),
+                        tied=not _flag(args, "untie_embeddings_and_output_weights")), dp
 
 
-Entry = tuple[str, tuple[int, ...]]  # (checkpoint key, index into its stacked dims)
+# (local name as a rank's state_dict names it, DCP key, index into its stacked dims,
+#  the name the TP split rules know it by)
+Param = tuple[str, str, tuple[int, ...], str]
+# the same with the rank's local shape in place of the rule's name
+Entry = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 
 
-def parameter_order(weights: dict[str, torch.Tensor], layers: int, experts: int, ep: int
-                    ) -> tuple[list[Entry], list[list[Entry]]]:
-    """(dense parameters, each EP rank's expert parameters), each in megatron-core's
-    registration order (named_parameters), as (checkpoint key, index) entries.
+def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int
+                     ) -> tuple[list[Param], list[list[Param]]]:
+    """(a stage's dense parameters, each EP rank's expert parameters of the stage), each
+    in megatron-core's registration order (named_parameters).
 
     The checkpoint stacks every layer's tensor under one `decoder.layers.` key ([layers,
-    ...]; experts [layers, experts, ...]) in the order the modules hold them; a model
-    chunk registers layer after layer, each layer's parameters in that order and its
-    SequentialMLP experts one after another (linear_fc1, linear_fc2 each). Expert rank r
-    holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in the dense
-    buffer."""
+    ...]; experts [layers, experts, ...]) in the order the modules hold them; a stage
+    registers the embedding (first stage), its layers one after another, each layer's
+    parameters in that order with its SequentialMLP experts one after another
+    (linear_fc1, linear_fc2 each), then the final norm and the output layer (last
+    stage; with tied embeddings and PP > 1 its own copy of the word embeddings). Expert
+    rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in the
+    dense buffer."""
     keys = [k for k in weights if "_extra_state" not in k and not k.endswith("expert_bias")]
     stacked = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
     if not stacked or stacked != list(range(stacked[0], stacked[-1] + 1)):
@@ -102,51 +144,93 @@ def parameter_order(weights: dict[str, torch.Tensor], layers: int, experts: int,
         raise NotModelled("parameters outside embedding / decoder / output_layer (MTP?)")
     block = [keys[i] for i in stacked]
     expert_keys = [k for k in block if ".mlp.experts.experts." in k]
-    if any(weights[k].dim() < 2 or weights[k].shape[0] != layers for k in block) or any(
-            weights[k].dim() < 3 or weights[k].shape[1] != experts for k in expert_keys):
+    experts = max(layout.num_experts, 1)
+    if any(weights[k].dim() < 2 or weights[k].shape[0] != layout.num_layers for k in block
+           ) or any(weights[k].dim() < 3 or weights[k].shape[1] != experts
+                    for k in expert_keys):
         raise NotModelled("stacked layer tensors of another shape (heterogeneous layers?)")
     if any(".experts." in k for k in block if k not in expert_keys):
         raise NotModelled("expert parameters not saved as `.mlp.experts.experts.`")
-    local = experts // ep
-
-    def expert_entries(i: int, rank: int) -> list[Entry]:
-        return [(k, (i, rank * local + e)) for e in range(local) for k in expert_keys]
-
-    dense: list[Entry] = [(k, ()) for k in keys[:stacked[0]]]
-    for i in range(layers):
+    local_e, per = experts // layout.ep, layout.layers_per_chunk
+    dense: list[Param] = []
+    if pp_rank == 0:
+        dense += [(k, k, (), k) for k in keys[:stacked[0]]]
+    ranks: list[list[Param]] = [[] for _ in range(layout.ep)]
+    for li in range(per):
+        i = pp_rank * per + li
         for k in block:
+            rest = k[len("decoder.layers."):]
             if k not in expert_keys:
-                dense.append((k, (i,)))
-            elif ep == 1 and k == expert_keys[0]:
-                dense += expert_entries(i, 0)
-    dense += [(k, ()) for k in keys[stacked[-1] + 1:]]
-    ranks = [[e for i in range(layers) for e in expert_entries(i, r)] for r in range(ep)]
-    return dense, ranks if ep > 1 else []
+                dense.append((f"decoder.layers.{li}.{rest}", k, (i,), rest))
+            elif k == expert_keys[0]:
+                for r in range(layout.ep):
+                    into = dense if layout.ep == 1 else ranks[r]
+                    into += [(f"decoder.layers.{li}.mlp.experts.local_experts.{e}.{fc}.weight",
+                              ek, (i, r * local_e + e), f"mlp.{fc}.weight")
+                             for e in range(local_e) for ek in expert_keys
+                             for fc in [ek.split(".")[-2]]]
+    if pp_rank == layout.pp - 1:
+        dense += [(k, k, (), k) for k in keys[stacked[-1] + 1:]]
+        if layout.tied and layout.pp > 1:
+            emb = "embedding.word_embeddings.weight"
+            dense.append(("output_layer.weight", emb, (), "output_layer.weight"))
+    return dense, ranks if layout.ep > 1 else []
 
 
-def expected_buffers(args, weights: dict[str, torch.Tensor]
-                     ) -> dict[tuple[str, int], list[Bucket]]:
-    """(key prefix, dp_group_idx) -> the buckets of that optimizer's one buffer."""
-    dp, ep = _sizes(args)
-    experts = _int(args, "num_experts", 1) if getattr(args, "num_experts", None) else 1
-    if dp % ep or experts % ep:
-        raise NotModelled(f"DP {dp} / EP {ep} / {experts} experts do not divide")
-    dense, per_rank = parameter_order(weights, _int(args, "num_layers", 1), experts, ep)
+def _on_rank(params: list[Param], weights: dict[str, torch.Tensor], tp: int) -> list[Entry]:
+    """The parameters with the shapes one of `tp` ranks holds (megatron_shards' rules)."""
+    try:
+        return [(local, key, at, tp_shard_shape(name, tuple(weights[key][at].shape), tp))
+                for local, key, at, name in params]
+    except ValueError as e:
+        raise NotModelled(str(e)) from None
+
+
+@dataclass
+class RankBuffer:
+    """One distributed optimizer's buffer: its buckets, and the (tp, pp, ep) legacy-file
+    ranks its local tensors belong to."""
+
+    buckets: list[Bucket]
+    files: list[tuple[int, int, int]]
+
+
+def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, int],
+                                                                       RankBuffer]:
+    """(key prefix, dp_group_idx) -> that optimizer's buffer, for every (TP, PP[, EP])
+    rank."""
+    layout, dp = _layout(args)
     disable = _flag(args, "overlap_param_gather_with_optimizer_step")
     overlap, pad = _flag(args, "overlap_grad_reduce"), _flag(
         args, "ddp_pad_buckets_for_high_nccl_busbw")
     size = getattr(args, "ddp_bucket_size", None)
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ConvertError(f"args.ddp_bucket_size = {size!r} is not a positive integer")
-    bucket_size = bucket_size_of(overlap, size, dp, disable)
+    tp, ep, etp = layout.tp, layout.ep, layout.etp
+    out: dict[tuple[str, int], RankBuffer] = {}
+    for p in range(layout.pp):
+        dense, per_rank = stage_parameters(weights, layout, p)
+        # (megatron-core's DDP: one bucket on every stage but the first)
+        bucket_size = bucket_size_of(overlap, size, dp, disable) if p == 0 else None
+        tied = frozenset()
+        if layout.tied and layout.pp > 1:  # `shared_embedding`: a bucket of its own
+            tied = frozenset(e for e in _on_rank(dense, weights, tp) if e[0] in (
+                "embedding.word_embeddings.weight", "output_layer.weight"))
 
-    def layout(entries: list[Entry], dp_size: int) -> list[Bucket]:
-        return bucket_layout([(e, weights[e[0]][e[1]].numel()) for e in entries],
-                             bucket_size, dp_size, pad)
-    if ep == 1:
-        return {("", 0): layout(dense, dp)}
-    out = {("chained_0.", 0): layout(dense, dp)}
-    out.update({("chained_1.", r): layout(names, dp // ep) for r, names in enumerate(per_rank)})
+        def buckets(params: list[Param], ranks: int, dp_size: int, new=frozenset(),
+                    bucket_size=bucket_size) -> list[Bucket]:
+            entries = _on_rank(params, weights, ranks)
+            return bucket_layout([(e, math.prod(e[3])) for e in entries], bucket_size,
+                                 dp_size, pad, new)
+        for t in range(tp):
+            files = [(t, p, e) for e in range(ep)]
+            key = ("chained_0." if ep > 1 else "", t + tp * p)
+            out[key] = RankBuffer(buckets(dense, tp, dp, tied), files)
+        for e, params in enumerate(per_rank):
+            for et in range(etp):
+                files = [(t, p, e) for t in range(tp) if etp == 1 or t == et]
+                key = ("chained_1.", et + etp * (e + ep * p))
+                out[key] = RankBuffer(buckets(params, etp, tp * dp // (etp * ep)), files)
     return out
 
 
@@ -195,34 +279,46 @@ def _check_keys(found: dict[str, Any], want: dict[tuple[str, int], list[Bucket]]
     return dtypes.pop()
 
 
-def parameter_entries(want: dict[tuple[str, int], list[Bucket]]) -> list[Entry]:
-    return [e for buckets in want.values() for b in buckets for e in b.params]
-
-
 def read_flat_states(it_dir: str, common: dict, metadata, weights: dict[str, torch.Tensor],
                      load) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """({param, exp_avg, exp_avg_sq}: {Megatron model key: tensor shaped as the weight}, the
-    optimizers' common part for megatron_optim's step check). `load(tensors)` fills the
-    requested DCP tensors. NotModelled where the args do not rebuild the saved layout."""
+    """({param, exp_avg, exp_avg_sq}: {megatron-core key (per layer, per expert): tensor
+    shaped as the weight}, the optimizers' common part for megatron_optim's step check).
+    `load(tensors)` fills the requested DCP tensors. NotModelled where the args do not
+    rebuild the saved layout."""
     want = expected_buffers(common["args"], weights)
-    dtype = _check_keys(metadata.state_dict_metadata, want)
-    flat = {}
-    for (prefix, idx), buckets in want.items():
-        for b, bucket in enumerate(buckets):
-            for state in STATES:
-                key = (f"{prefix}optimizer.distributed.dp_group_idx_{idx}.gbuf_idx_0.dtype_"
-                       f"{dtype}.bucket_idx_{b}.{state}")
-                meta = metadata.state_dict_metadata[key]
-                flat[key] = torch.empty(bucket.numel_unpadded, dtype=meta.properties.dtype)
+    layout, _ = _layout(common["args"])
+    dtype = _check_keys(metadata.state_dict_metadata, {k: b.buckets for k, b in want.items()})
+
+    def fqn(prefix: str, idx: int, b: int, state: str) -> str:
+        return (f"{prefix}optimizer.distributed.dp_group_idx_{idx}.gbuf_idx_0.dtype_{dtype}"
+                f".bucket_idx_{b}.{state}")
+    flat = {fqn(p, i, b, s): torch.empty(bucket.numel_unpadded, dtype=metadata
+                                         .state_dict_metadata[fqn(p, i, b, s)].properties.dtype)
+            for (p, i), buf in want.items() for b, bucket in enumerate(buf.buckets)
+            for s in STATES}
     load(flat)
-    out: dict[str, dict[str, torch.Tensor]] = {
-        s: {k: torch.empty(weights[k].shape) for k, _ in parameter_entries(want)}
-        for s in STATES}
-    for (prefix, idx), buckets in want.items():
-        for b, bucket in enumerate(buckets):
-            for state in STATES:
-                t = flat[f"{prefix}optimizer.distributed.dp_group_idx_{idx}.gbuf_idx_0.dtype_"
-                         f"{dtype}.bucket_idx_{b}.{state}"]
-                for (key, at), (start, end) in bucket.params.items():
-                    out[state][key][at] = t[start:end].view(weights[key][at].shape)
-    return out, _step_of(it_dir, metadata, list(want))
+    pieces = [(bucket, buf.files, {s: flat[fqn(p, i, b, s)] for s in STATES})
+              for (p, i), buf in want.items() for b, bucket in enumerate(buf.buckets)]
+    return merge_buckets(pieces, layout, it_dir), _step_of(it_dir, metadata, list(want))
+
+
+def merge_buckets(pieces: list[tuple[Bucket, list[tuple[int, int, int]],
+                                     dict[str, torch.Tensor]]],
+                  layout: LegacyLayout, where: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Every bucket's states (bucket, the (tp, pp, ep) ranks it belongs to, {state: its
+    flat tensor}) cut into each rank's local tensors, named as its legacy rank file
+    names them (bucket_layout's entries: (local name, ..., local shape)), then merged
+    into whole megatron-core tensors by the legacy weights' own merge."""
+    files: dict[str, dict[tuple[int, int, int], dict[str, torch.Tensor]]] = {
+        s: {} for s in STATES}
+    for bucket, ranks, flat in pieces:
+        for state, t in flat.items():
+            for entry, (start, end) in bucket.params.items():
+                for rank in ranks:
+                    files[state].setdefault(rank, {})[entry[0]] = t[start:end].view(entry[-1])
+    try:
+        return {s: merge_legacy({r: [sd] for r, sd in by_rank.items()}, layout)
+                for s, by_rank in files.items()}
+    except (ValueError, RuntimeError) as e:
+        raise ConvertError(f"{where}: the optimizer's rank buffers do not merge "
+                           f"({e.args[0] if e.args else e})") from None

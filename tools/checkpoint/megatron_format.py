@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoint
 from megatron_dp_reshard import NotModelled, read_flat_states
 from megatron_legacy import is_legacy, read_megatron_legacy
+from megatron_legacy_optim import read_legacy_optimizer
 from megatron_optim import NAMES, find_optimizer, is_flat, read_states, step_of, to_megamoe_states
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -202,7 +203,8 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
     """Convert; returns (the published directory, what travelled)."""
     it_dir = find_iteration_dir(path)
     legacy = not os.path.isfile(os.path.join(it_dir, ".metadata"))
-    common, tensors = read_megatron_legacy(it_dir) if legacy else read_megatron(it_dir)
+    common, tensors, ranks = (read_megatron_legacy(it_dir) if legacy
+                              else (*read_megatron(it_dir), None))
     where = f"{it_dir} (args)"
     try:
         ns = common["args"]
@@ -232,14 +234,12 @@ def megatron_to_megamoe(path: str, out_dir: str, overrides: list[str]) -> tuple[
     with torch.device("meta"):
         model = GPTModel(config)
     model.load_state_dict(sd, strict=True, assign=True)
-    optimizer, optim_note = None, ("the legacy format's optimizer (model_optim_rng.pt, "
-                                   "distrib_optim.pt) is not read" if legacy else "")
-    if not legacy:
-        params = dict(model.named_parameters())
-        states, step, optim_note = read_megatron_optimizer(it_dir, common, tensors, config,
-                                                           params)
-        if states is not None:
-            optimizer = _optimizer_with(model, run.optim, states, step)
+    optimizer, params = None, dict(model.named_parameters())
+    states, step, optim_note = (
+        read_legacy_optimizer(it_dir, common, ranks, config, params) if legacy
+        else read_megatron_optimizer(it_dir, common, tensors, config, params))
+    if states is not None:
+        optimizer = _optimizer_with(model, run.optim, states, step)
     final = save_dist_checkpoint(out_dir, iteration, model, optimizer, _Schedule(steps),
                                  None, consumed, saved_args, model_config=to_dict(config),
                                  save_optim=optimizer is not None, save_rng=False,

@@ -12,7 +12,9 @@ optimizer. Each file is a torch.save'd dict: `args` (argparse.Namespace), `itera
 
 Every file is unpickled by megatron_common's restricted unpickler; the layout comes from
 rank 0's args and every other file must agree with it; a missing, stray or truncated rank
-file is one error naming it. The weights are merged by megamoe/model/megatron_shards.py.
+file is one error naming it. The weights are merged by megamoe/model/megatron_shards.py;
+the optimizer state (each rank's `optimizer` entry, `distrib_optim.pt`) is read by
+megatron_legacy_optim.py with the same merge.
 """
 
 from __future__ import annotations
@@ -175,13 +177,14 @@ def _expected(it_dir: str, layout: LegacyLayout) -> dict[tuple[int, int, int], s
     return found
 
 
-def read_megatron_legacy(it_dir: str) -> tuple[dict, dict]:
-    """(rank 0's state without its weights, the whole model's megatron-core tensors)."""
+def read_megatron_legacy(it_dir: str) -> tuple[dict, dict, dict]:
+    """(rank 0's state without its weights, the whole model's megatron-core tensors,
+    (tp, pp, ep) -> (the rank file's path, its model chunks, its `optimizer` entry))."""
     first = _rank0(it_dir)
     state = _check_state(load_megatron_torch_file(first), first)
     layout = layout_of(state["args"], f"{first} (args)")
     paths = _expected(it_dir, layout)
-    files = {}
+    files, ranks = {}, {}
     for rank, path in sorted(paths.items()):
         other = state if path == first else _check_state(load_megatron_torch_file(path), path)
         for field in _LAYOUT_FIELDS + ("num_layers", "num_experts"):
@@ -192,6 +195,7 @@ def read_megatron_legacy(it_dir: str) -> tuple[dict, dict]:
             raise ConvertError(f"{path}: iteration {other.get('iteration')} differs from "
                                f"{first}'s {state.get('iteration')}")
         files[rank] = _chunks(other, layout, path)
+        ranks[rank] = (path, files[rank], other.get("optimizer"))
     try:
         tensors = merge_legacy(files, layout)
     except (ValueError, RuntimeError) as e:
@@ -199,4 +203,4 @@ def read_megatron_legacy(it_dir: str) -> tuple[dict, dict]:
                            f"({e.args[0] if e.args else e})") from None
     common = {k: v for k, v in state.items()
               if k not in ("optimizer", "rng_state") and not k.startswith("model")}
-    return common, tensors
+    return common, tensors, ranks

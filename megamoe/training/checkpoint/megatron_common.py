@@ -64,7 +64,29 @@ class ForeignValue:
         return f"<{self.qualname}{self.args!r}>"
 
 
+class _TensorType(ForeignValue):
+    """torch.Tensor named as the type argument of a tensor saved with Python attributes
+    (an inert record: never called to build anything)."""
+
+    qualname = "torch.Tensor"
+
+
+def _rebuild_tensor_with_attributes(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """torch._tensor._rebuild_from_type_v2, restricted: megatron-core's tensors that carry
+    Python attributes (`tensor_model_parallel`, ... copied onto Float16's fp32 main
+    parameters) pickle through it. Only the plain tensor rebuild is called; the type
+    must be the Tensor record and the attributes are dropped (bookkeeping
+    megamoe never reads), so nothing from the file is set on an object."""
+    if func is not torch._utils._rebuild_tensor_v2 or not (
+            isinstance(new_type, type) and issubclass(new_type, _TensorType)):
+        raise pickle.UnpicklingError("torch._tensor._rebuild_from_type_v2 of "
+                                     f"{getattr(func, '__qualname__', type(func).__name__)}")
+    return func(*args)
+
+
 _ALLOWED = {
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_tensor_with_attributes,
+    ("torch", "Tensor"): _TensorType,
     ("argparse", "Namespace"): argparse.Namespace,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,

@@ -75,7 +75,7 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
 def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
-          layout: dict | None = None, ddp: dict | None = None):
+          layout: dict | None = None, ddp: dict | None = None, stage: dict | None = None):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -83,7 +83,11 @@ def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
-    model = peer.build_model(variant, vocab, layout={**(layout or {}), **dtype}).train()
+    model = peer.build_model(variant, vocab, layout={**(layout or {}), **dtype}, stage=stage)
+    # TP > 1 runs in eval mode: megatron-core's MoE layer refuses to train with TP but
+    # without sequence parallelism, which its torch norms refuse; eval mode changes
+    # nothing else here (no dropout, no aux loss) and the gradients are the loss's own
+    model.train((layout or {}).get("tensor_model_parallel_size", 1) == 1)
     if bf16:  # Megatron-LM's Float16Module: every parameter bf16
         model = model.to(torch.bfloat16)
     ddp = DistributedDataParallel(
@@ -116,10 +120,49 @@ def dump_layout(optimizer, model, path: str) -> None:
                 buckets[bucket]["params"][names[p]] = [start - off, end - off]
             bufs.append({"dtype": str((buf.param_dtype, buf.grad_dtype)),
                          "dp_size": buf.data_parallel_group.size(), "buckets": buckets})
-        out.append({"dp_group_idx": opt.data_parallel_group_idx, "buffers": bufs})
+        out.append({"dp_group_idx": opt.data_parallel_group_idx, "buffers": bufs,
+                    "ranks": _ranks()})
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(f"{path}.rank{torch.distributed.get_rank()}.json", "w") as f:
         json.dump(out, f, indent=1)
+
+
+def _ranks() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_rank(),
+            "etp": ps.get_expert_tensor_parallel_rank(),
+            "dp": ps.get_data_parallel_rank()}
+
+
+def _forward_backward(model, ddp, tokens, pos, mask) -> None:
+    """One micro-batch through the pipeline, by hand (no megatron-core schedule on gloo):
+    a stage receives its input activations from the previous stage, sends its output to
+    the next and gets that output's gradient back, then sends its input's gradient
+    back; the last stage's loss is the mean token loss. One stage: plain backward."""
+    from megatron.core import parallel_state as ps
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    x = None
+    if not first:
+        x = torch.empty(peer.SEQ, tokens.shape[0], model.config.hidden_size,
+                        dtype=next(model.parameters()).dtype)
+        torch.distributed.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
+        x.requires_grad_()
+        model.set_input_tensor(x)
+    out = ddp(tokens, pos, mask, labels=torch.tensor(peer.LABELS) if last else None)
+    if last:
+        out.float().mean().backward()
+    else:
+        torch.distributed.send(out.detach().contiguous(),
+                               dst=ps.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty_like(out)
+        torch.distributed.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        out.backward(grad)
+    if x is not None:
+        torch.distributed.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
 
 
 def train(model, ddp, optimizer, steps: int) -> None:
@@ -129,8 +172,7 @@ def train(model, ddp, optimizer, steps: int) -> None:
     for _ in range(steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss_BS = ddp(tokens, pos, mask, labels=torch.tensor(peer.LABELS))
-        loss_BS.float().mean().backward()
+        _forward_backward(model, ddp, tokens, pos, mask)
         ok, _, _ = optimizer.step()
         assert ok, "the peer's optimizer step was skipped"
 
@@ -138,15 +180,21 @@ def train(model, ddp, optimizer, steps: int) -> None:
 def save(a) -> None:
     """One rank's part (all of it with one process): train, then the collective save."""
 
-    sharded = a.tp * a.ep * a.dp > 1
-    # (MoE with TP trains only with sequence parallelism in megatron-core)
-    layout = {**peer_legacy._layout(a), "sequence_parallel": a.tp > 1} if sharded else None
+    sharded = a.tp * a.pp * a.ep * a.dp > 1
+    layout = peer_legacy._layout(a) if sharded else None
     vocab = peer_legacy.padded_vocab(a.tp)
     ddp_args = {"overlap_grad_reduce": a.overlap_grad_reduce, "bucket_size": a.bucket_size,
                 "pad_buckets_for_high_nccl_busbw": a.pad_buckets}
+    stage = None
+    if a.pp > 1:
+        from megatron.core import parallel_state as ps
+
+        stage = dict(pp_rank=ps.get_pipeline_model_parallel_rank(),
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
     model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout,
-                                  ddp_args)
-    if a.layout_json:
+                                  ddp_args, stage)
+    if a.layout_json and a.optimizer == "distrib":  # (flat buffers only there)
         dump_layout(optimizer, model, a.layout_json)
     if a.layout_only:
         return
@@ -155,7 +203,7 @@ def save(a) -> None:
     train(model, ddp, optimizer, a.steps)
     args = peer_legacy._args(a) if sharded else peer.megatron_args(a.variant, a.steps)
     args.ckpt_format, args.iteration = "torch_dist", a.steps
-    args.sequence_parallel = a.tp > 1
+    args.sequence_parallel = False
     args.consumed_train_samples = a.steps * args.global_batch_size
     args.use_distributed_optimizer = a.optimizer == "distrib"
     args.optimizer, args.adam_beta1, args.adam_beta2, args.adam_eps = "adam", *BETAS, EPS
@@ -164,12 +212,15 @@ def save(a) -> None:
     # Megatron-LM's DDP flags (their argparse defaults unless given)
     args.overlap_grad_reduce, args.ddp_bucket_size = a.overlap_grad_reduce, a.bucket_size
     args.ddp_pad_buckets_for_high_nccl_busbw = a.pad_buckets
-    args.data_parallel_size = torch.distributed.get_world_size() // a.tp
+    args.data_parallel_size = torch.distributed.get_world_size() // (a.tp * a.pp)
     args.overlap_param_gather_with_optimizer_step = False
     args.num_distributed_optimizer_instances = 1
     if a.bf16:
         args.bf16, args.params_dtype = True, torch.bfloat16
-    _save_as(a.sharding, a.out, args, model, optimizer)
+    if a.format == "torch":
+        _save_legacy(a, args, model, optimizer)
+    else:
+        _save_as(a.sharding, a.out, args, model, optimizer)
     if a.reference_out:  # the same state in megatron-core's own model-shaped layout
         _save_as("fully_reshardable", a.reference_out, args, model, optimizer)
 
@@ -197,13 +248,42 @@ def _save_as(sharding: str, out: str, args, model, optimizer) -> None:
             f.write(str(args.iteration))
 
 
+def _save_legacy(a, args, model, optimizer) -> None:
+    """What Megatron-LM's save_checkpoint writes for `--ckpt-format torch`
+    (megatron/training/checkpointing.py): on every rank whose data-parallel or
+    expert-data-parallel rank is 0, `mp_rank_*/model_optim_rng.pt` (args, the chunk's
+    state_dict_for_save_checkpoint, `optimizer.state_dict()`, scheduler, RNG); with the
+    distributed optimizer, every rank calls `optimizer.save_parameter_state` on
+    `distrib_optim.pt` beside it (megatron-core gathers each buffer on its DP rank 0,
+    which writes it)."""
+    from megatron.core import parallel_state as ps
+
+    args.ckpt_format, args.use_dist_ckpt = "torch", False
+    it_dir = os.path.join(a.out, f"iter_{args.iteration:07d}")
+    path = peer_legacy._checkpoint_name(a, it_dir)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
+                    "model": model.state_dict_for_save_checkpoint(),
+                    "optimizer": optimizer.state_dict(),
+                    "opt_param_scheduler": peer.scheduler_state(args),
+                    "rng_state": [peer_legacy._rng_state()],
+                    "num_floating_point_operations_so_far": 1.5e12}, path)
+    if args.use_distributed_optimizer:
+        optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(a.out, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(args.iteration))
+
+
 def worker(rank: int, a) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.distributed.init_process_group("gloo", rank=rank, world_size=a.world)
-    ps.initialize_model_parallel(a.tp, 1, expert_model_parallel_size=a.ep,
+    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep,
                                  expert_tensor_parallel_size=a.etp)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     # (peer_legacy.py: a forked results-queue Manager instead of a spawned interpreter)
@@ -218,10 +298,15 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["fp32", "distrib"], default="fp32")
     p.add_argument("--sharding", default="fully_reshardable")
     p.add_argument("--out", required=True)
+    p.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="--ckpt-format of the save (--reference-out is torch_dist)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--bf16", action="store_true", help="bf16 weights, fp32 main params")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1, help="expert parallel (expert TP 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel")
+    p.add_argument("--etp", type=int, default=None, help="expert TP (default: 1 with EP > 1, "
+                   "else TP: Megatron-LM's default)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (at least)")
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--bucket-size", type=int, default=None)
@@ -233,16 +318,17 @@ def main() -> None:
                    help="also save the same state as fully_reshardable here")
     a = p.parse_args()
     torch.manual_seed(0)
-    if a.tp * a.ep * a.dp == 1:
+    if a.tp * a.pp * a.ep * a.dp == 1:
         peer.init_process_group()
         save(a)
         torch.distributed.destroy_process_group()
         return
-    # TP x EP ranks, expert TP 1, the smallest data-parallel size that holds them; every
-    # rank trains on the same tokens (data-parallel replicas stay equal without a sync)
-    a.pp, a.vpp, a.etp, a.iteration = 1, None, 1, a.steps
-    dp = max(a.ep // math.gcd(a.tp, a.ep), a.dp)
-    a.world = a.tp * dp
+    # TP x PP x EP ranks, the smallest data-parallel size that holds them; every rank
+    # trains on the same tokens (data-parallel replicas stay equal without a sync)
+    a.vpp, a.iteration = None, a.steps
+    a.etp = a.etp or (1 if a.ep > 1 else a.tp)
+    dp = max(a.etp * a.ep // math.gcd(a.tp, a.etp * a.ep), a.dp)
+    a.world = a.tp * a.pp * dp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(peer_legacy._free_port())
     import megatron.core.dist_checkpointing  # noqa: F401  (once, before the fork)
