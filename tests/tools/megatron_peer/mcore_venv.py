@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Optional
@@ -74,11 +75,20 @@ def run_peer(args: list[str], timeout: float = 600, python: Optional[str] = None
     with its output's tail if it fails."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    done = subprocess.run([python or peer_python(), script, *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
+    # its own process group: on a timeout the ranks it forked end with it (a bare
+    # subprocess.run kills only the launcher and leaves the ranks holding the cores)
+    proc = subprocess.Popen([python or peer_python(), script, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{os.path.basename(script)} {' '.join(args)} did not finish "
+                             f"in {timeout:.0f} s (its process group was killed)") from None
+    if proc.returncode != 0:
         raise AssertionError(f"{os.path.basename(script)} {' '.join(args)} failed:\n"
-                             f"{done.stderr[-3000:]}")
+                             f"{stderr[-3000:]}")
 
 
 if __name__ == "__main__":  # python -m tests.tools.megatron_peer.mcore_venv: build or find it
