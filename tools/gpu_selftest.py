@@ -6,9 +6,16 @@
     python tools/gpu_selftest.py history OUT -- FLAGS  run pretrain_gpt.py FLAGS (under
                                                      torchrun too); rank 0 writes the
                                                      per-iteration metrics and log to OUT
-    python tools/gpu_selftest.py compare REF RUN [--rtol-loss R --rtol-grad R]
+    python tools/gpu_selftest.py compare REF RUN [--rtol-loss R --rtol-grad R | --bf16]
                                              [--resumed-at N]  RUN started at iteration N
+                                             (--bf16: the tolerance bf16_rtol gives)
+    python tools/gpu_selftest.py syncs OUT FILE=N[,FILE=N] -- FLAGS
+                                             whole training steps under CUDA's sync debug
+                                             mode "error" (tools/selftest_syncs.py)
     python tools/gpu_selftest.py learns RUN [--ratio R]  the loss fell; tokens/s, MFU
+    python tools/gpu_selftest.py dryrun --gpus N --work DIR  every run of an N-GPU machine
+                                             (tools/selftest_layouts.py) through the
+                                             rules and --dry-run, without training
 
 Every command prints one JSON line and exits 0 (pass), 1 (fail) or 2 (no CUDA GPU where one
 is needed). The CPU runs of the test suite prove the same parities on gloo; this proves
@@ -18,7 +25,9 @@ them under NCCL, CUDA kernels and their real synchronisation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -27,17 +36,25 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/selftest_*.py
 
+import selftest_layouts  # noqa: E402
 import torch  # noqa: E402
+from selftest_syncs import SANCTIONED, SanctionedReads, verdict  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from megamoe.cli.arguments import parse_args  # noqa: E402
 from megamoe.cli.main import pretrain  # noqa: E402
 from megamoe.config import ModelConfig, MoEConfig, OptimizerConfig  # noqa: E402
+from megamoe.model.apex_kernels import apex_kernels  # noqa: E402
 from megamoe.model.attention import SelfAttention  # noqa: E402
 from megamoe.model.norms import RMSNorm  # noqa: E402
 from megamoe.model.rope import rotary_cos_sin  # noqa: E402
-from megamoe.moe.grouped_gemm import available_backends, grouped_mm  # noqa: E402
+from megamoe.moe.grouped_gemm import (  # noqa: E402
+    available_backends,
+    grouped_mm,
+    resolve_backend,
+)
 from megamoe.moe.layer import MoELayer  # noqa: E402
 from megamoe.training.metrics import peak_tflops  # noqa: E402
 from megamoe.training.optim.common import build_inner_optimizer  # noqa: E402
@@ -45,7 +62,8 @@ from megamoe.training.optim.common import build_inner_optimizer  # noqa: E402
 KEYS = ("lm loss", "grad norm", "load_balancing_loss")
 # Host syncs of one MoE layer forward + backward on one GPU (tests/moe/test_host_syncs.py
 # counts the same on the CPU): the permutation's nonzero, plus one host copy of the group
-# sizes for the backends that take them on the host.
+# sizes for the backends that take them on the host. At least one: a count of zero means
+# the counter saw nothing (the nonzero always syncs), not a sync-free layer.
 EXPECTED_SYNCS = {"torch": 1, "loop": 2, "grouped_gemm": 2}
 
 
@@ -69,6 +87,14 @@ def cmd_env(_: argparse.Namespace) -> int:
               "optional": {m: importlib.util.find_spec(m) is not None
                            for m in ("apex", "grouped_gemm", "transformer_engine")},
               "grouped_backends": available_backends()}
+    if torch.cuda.is_available():  # what a bf16 --moe-grouped-gemm run gets on this GPU
+        x = torch.zeros(64, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.zeros(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+        report["grouped_backend_bf16"] = resolve_backend(x, w)
+        kernels = apex_kernels()
+        report["apex"] = {"fused_adam": kernels.fused_adam is not None,
+                          "fused_norms": kernels.fused_rms_norm_affine is not None,
+                          "problems": list(kernels.problems)}
     return _emit(report, True)
 
 
@@ -174,7 +200,7 @@ def cmd_kernels(_: argparse.Namespace) -> int:
               "flash_attention_vs_sdpa": _flash_attention(device),
               "fused_adam_vs_adamw": _fused_optimizer(device)}
     ok = (all(v < 2e-2 for r in gg.values() for v in r.values())
-          and all(syncs[b] <= EXPECTED_SYNCS[b] for b in syncs)
+          and all(1 <= syncs[b] <= EXPECTED_SYNCS[b] for b in syncs)
           and report["rmsnorm_vs_portable"] < 1e-5
           and report["flash_attention_vs_sdpa"] < 2e-2
           and report["fused_adam_vs_adamw"] < 1e-5)
@@ -190,29 +216,125 @@ def cmd_history(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _per_step(words: list[str]) -> dict[str, int]:
+    """FILE=N words; FILE may be a sanctioned file's last part (permute.py)."""
+    out = {}
+    for word in words:
+        name, _, n = word.partition("=")
+        sites = [s for s in SANCTIONED if s == name or s.endswith("/" + name)]
+        if len(sites) != 1 or not n.isdigit():
+            raise SystemExit(f"syncs: {word!r}: expected FILE=N, FILE one of "
+                             f"{', '.join(SANCTIONED)}")
+        out[sites[0]] = int(n)
+    return out
+
+
+def cmd_syncs(opts: argparse.Namespace) -> int:
+    """Train under the sync debug mode "error" from the second step on; the sanctioned
+    reads are let through and counted (tools/selftest_syncs.py)."""
+    per_step = _per_step(opts.per_step.split(","))
+    lines: list[str] = []
+    with SanctionedReads() as reads:
+        state = pretrain(parse_args(opts.flags), print_fn=lines.append)
+    problems = verdict(dict(reads.counts), reads.steps, per_step)
+    report = {"counts": dict(reads.counts), "steps": reads.steps, "per_step": per_step,
+              "sync_debug_mode": "error" if reads.cuda else "off (no CUDA: counted only)",
+              "problems": problems}
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(opts.out, "w") as f:
+            json.dump({"history": state.history, "log": lines, "syncs": report}, f)
+    return _emit(report, not problems)
+
+
+def dry_run_row(row: selftest_layouts.Row, work: str) -> str:
+    """The row's flags through pretrain_gpt.py's parser, rules and --dry-run at its
+    world size, in this process: "" when they pass, else the one line they print."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args(selftest_layouts.argv(row, work, dry_run=True),
+                              world_size=row.gpus)
+            pretrain(args, print_fn=lambda _: None)
+    except SystemExit as e:
+        return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() \
+            else f"exit {e.code}"
+    return ""
+
+
+def cmd_dryrun(opts: argparse.Namespace) -> int:
+    """Every run of a machine with --gpus GPUs, dry (no process group, no training): one
+    PASS/FAIL line each, the way the script prints its checks."""
+    failed = 0
+    for row in selftest_layouts.rows_for(opts.gpus):
+        problem = dry_run_row(row, opts.work)
+        print(f"{'FAIL' if problem else 'PASS'} dry_{row.name} ({row.gpus} GPU(s))"
+              + (f": {problem}" if problem else ""))
+        failed |= bool(problem)
+    return int(failed)
+
+
 def _load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
 
 
+# bf16 keeps 8 significant bits: round-to-nearest changes a value by at most u = 2**-8
+# of itself (the unit roundoff).
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+# Per metric, the multiple of u one iteration may add (bf16_rtol).
+BF16_GROWTH = {"lm loss": 1.0, "grad norm": 4.0, "load_balancing_loss": 4.0}
+
+
+def bf16_rtol(key: str, k: int) -> float:
+    """Relative tolerance between two bf16 runs of one model whose reductions differ in
+    order (another layout, another kernel's tiling), k iterations after they last had
+    equal weights (k = 1 at the first iteration compared):
+
+        rtol(k) = c * u * k,   u = 2**-8,   c = 1 (lm loss), 4 (grad norm, aux losses)
+
+    At k = 1 both runs start from the same fp32 weights; every bf16 tensor either run
+    makes is the exact value rounded once more, by at most u of itself, and the loss (a
+    mean over the batch's tokens) moves by at most about u. Each optimizer step then
+    turns that gradient difference into a weight difference of the same relative order
+    (Adam's update is normalised; --clip-grad bounds it), so the bound grows linearly
+    with k. The gradient norm carries the backward's roundings (twice the forward's) and
+    is dominated by few large terms: c = 4. The load-balancing loss moves by 1/(T topk)
+    for each token whose top-k flips on a near-tie (T = 128 tokens a micro-batch, top-2:
+    1/256 = u), so c = 4 allows four such flips a layer and iteration. An fp32 bound
+    (1e-4) would fail on rounding alone; a wrong reduction (a missed all-reduce, a
+    doubled gradient, a misrouted expert) moves these metrics by tens of percent."""
+    if k < 1:
+        raise ValueError(f"k counts from 1, got {k}")
+    return BF16_GROWTH[key] * BF16_UNIT_ROUNDOFF * k
+
+
+def _over(diff: float, tolerance: float) -> float:
+    """diff / tolerance; a zero tolerance (bitwise) passes zero only."""
+    return diff / tolerance if tolerance else (0.0 if diff == 0 else math.inf)
+
+
 def cmd_compare(opts: argparse.Namespace) -> int:
-    """Largest relative difference of each metric, iteration by iteration."""
+    """Largest relative difference of each metric, iteration by iteration; with --bf16
+    each iteration against its own bf16_rtol (the report gives the largest ratio)."""
     ref, run = _load(opts.ref)["history"], _load(opts.run)["history"]
     start = opts.resumed_at or 1
     ref = {h["iteration"]: h for h in ref if h["iteration"] >= start}
     run = {h["iteration"]: h for h in run}  # a resumed run must not redo earlier ones
-    worst = {}
+    fixed = {"lm loss": opts.rtol_loss, "grad norm": opts.rtol_grad,
+             "load_balancing_loss": opts.rtol_grad}
+    worst, ratio = {}, {}
     for key in KEYS:
-        diffs = [abs(ref[i][key] - run[i][key]) / max(abs(ref[i][key]), 1e-12)
+        diffs = [(abs(ref[i][key] - run[i][key]) / max(abs(ref[i][key]), 1e-12),
+                  bf16_rtol(key, i - start + 1) if opts.bf16 else fixed[key])
                  for i in ref if i in run and key in ref[i]]
-        worst[key] = max(diffs) if diffs else None
-    tolerance = {"lm loss": opts.rtol_loss, "grad norm": opts.rtol_grad,
-                 "load_balancing_loss": opts.rtol_grad}
+        worst[key] = max(d for d, _ in diffs) if diffs else None
+        ratio[key] = max(_over(d, t) for d, t in diffs) if diffs else None
     ok = (set(ref) == set(run) and len(ref) > 0
-          and all(v is not None and v <= tolerance[k] for k, v in worst.items()
+          and all(ratio[k] is not None and ratio[k] <= 1.0 for k in KEYS
                   if k in ref[min(ref)]))
     return _emit({"ref": opts.ref, "run": opts.run, "iterations": sorted(run),
-                  "max_rel_diff": worst}, ok)
+                  "max_rel_diff": worst, "max_diff_over_tolerance": ratio,
+                  "tolerance": "bf16_rtol" if opts.bf16 else fixed}, ok)
 
 
 def cmd_learns(opts: argparse.Namespace) -> int:
@@ -246,14 +368,24 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--rtol-loss", type=float, default=1e-4)
     c.add_argument("--rtol-grad", type=float, default=1e-3)
     c.add_argument("--resumed-at", type=int, default=None)
+    c.add_argument("--bf16", action="store_true",
+                   help="tolerance bf16_rtol(metric, iterations since equal weights)")
+    y = sub.add_parser("syncs")
+    y.add_argument("out")
+    y.add_argument("per_step", metavar="FILE=N[,FILE=N...]")
+    y.add_argument("flags", nargs=argparse.REMAINDER)
+    d = sub.add_parser("dryrun")
+    d.add_argument("--gpus", type=int, required=True)
+    d.add_argument("--work", required=True)
     learns = sub.add_parser("learns")
     learns.add_argument("run")
     learns.add_argument("--ratio", type=float, default=0.5)
     opts = p.parse_args(argv)
-    if opts.cmd == "history" and opts.flags[:1] == ["--"]:
+    if opts.cmd in ("history", "syncs") and opts.flags[:1] == ["--"]:
         opts.flags = opts.flags[1:]
     return {"env": cmd_env, "kernels": cmd_kernels, "history": cmd_history,
-            "compare": cmd_compare, "learns": cmd_learns}[opts.cmd](opts)
+            "compare": cmd_compare, "learns": cmd_learns, "syncs": cmd_syncs,
+            "dryrun": cmd_dryrun}[opts.cmd](opts)
 
 
 if __name__ == "__main__":
