@@ -258,6 +258,8 @@ def dry_run_row(row: selftest_layouts.Row, work: str) -> str:
     except SystemExit as e:
         return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() \
             else f"exit {e.code}"
+    except Exception as e:  # a rule raised past the parser: still one line, the row's
+        return f"{type(e).__name__}: {e}".splitlines()[0]
     return ""
 
 

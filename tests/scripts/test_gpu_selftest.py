@@ -99,7 +99,7 @@ def test_bf16_tolerance_is_the_rounding_bound_growing_with_the_steps(tmp_path, c
         return code, json.loads(capsys.readouterr().out)
     inside = _bf16_history(tmp_path / "in.json", range(1, 7), lambda i: 0.9 * u * i)
     code, report = compare(inside)
-    assert code == 0 and 0.85 < report["max_diff_over_tolerance"]["lm loss"] <= 0.9
+    assert code == 0 and 0.85 < report["max_diff_over_tolerance"]["lm loss"] < 0.91
     late = _bf16_history(tmp_path / "late.json", range(1, 7), lambda i: 1.5 * u * i)
     assert compare(late)[0] == 1
     early = _bf16_history(tmp_path / "early.json", range(1, 7), lambda i: 2 * u * (i == 1))
