@@ -106,6 +106,8 @@ def test_bf16_tolerance_is_the_rounding_bound_growing_with_the_steps(tmp_path, c
     assert compare(early)[0] == 1
     resumed = _bf16_history(tmp_path / "res.json", range(4, 7), lambda i: 0.9 * u * (i - 3))
     assert compare(resumed, "--resumed-at", "4")[0] == 0
+    resumed_off = _bf16_history(tmp_path / "off.json", range(4, 7), lambda i: 1.5 * u)
+    assert compare(resumed_off, "--resumed-at", "4")[0] == 1  # k = 1 at iteration 4
     assert gpu_selftest.main(["compare", ref, late]) == 1  # fp32's 1e-4 without --bf16
     capsys.readouterr()
 
