@@ -47,6 +47,7 @@ case "$SUBSET" in all|one_gpu) ;; *)
 for v in REHEARSAL DRYRUN DETERMINISTIC DIST_TIMEOUT; do
   [[ ${!v} =~ ^[0-9]+$ ]] || { echo "gpu_selftest.sh: $v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
+[ "$DIST_TIMEOUT" -ge 1 ] || { echo "gpu_selftest.sh: DIST_TIMEOUT must be at least 1 (minutes)" >&2; exit 2; }
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 [ "$REHEARSAL" != 0 ] && NGPU=$REHEARSAL
 if [ "$NGPU" = "0" ]; then
