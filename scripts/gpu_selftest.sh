@@ -10,7 +10,7 @@
 # with its tokens/s and MFU, the MoE layer benchmark in bf16, the shared-expert overlap.
 # Two or more: every layout of tools/selftest_layouts.py under NCCL, in bf16 with the
 # grouped GEMM and flash attention, against the one-GPU bf16 run of the same model within
-# bf16_rtol (tools/gpu_selftest.py: c * 2**-8 * k at iteration k); 2: TP2+SP (and its
+# bf16_rtol (tools/selftest_compare.py: c * 2**-8 * k at iteration k); 2: TP2+SP (and its
 # comm overlap), EP2 all-to-all / all-gather, PP2 1F1B and interleaved, DP2 distributed
 # optimizer (overlapped), CP2 p2p and a2a, EP2 shared-expert overlap, a TP2 checkpoint
 # resumed on one GPU, sync-debug steps at EP2 all-to-all and PP2; 4: TP2xEP2, TP2xPP2;
@@ -140,7 +140,7 @@ echo "== one GPU"
 [ "$REHEARSAL" = 0 ] && check kernels $PY tools/gpu_selftest.py kernels
 check fp32_gpu_run history "$WORK/ref.json" 1 "${TINY[@]}" "${ITERS[@]}"
 check fp32_cpu_run env CUDA_VISIBLE_DEVICES= $PY tools/gpu_selftest.py history "$WORK/cpu.json" -- "${TINY[@]}" "${ITERS[@]}"
-check gpu_equals_cpu_fp32 $PY tools/gpu_selftest.py compare "$WORK/cpu.json" "$WORK/ref.json"
+check gpu_equals_cpu_fp32 $PY tools/selftest_compare.py compare "$WORK/cpu.json" "$WORK/ref.json"
 # --moe-shared-expert-overlap: the shared expert on its side CUDA stream gives the plain
 # layer's losses (docs/shared-expert-overlap.md)
 SHARED=(--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate
@@ -148,14 +148,14 @@ SHARED=(--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate
 check shared_run history "$WORK/shared.json" 1 "${TINY[@]}" "${ITERS[@]}" "${SHARED[@]}"
 check shared_overlap_run history "$WORK/shared_overlap.json" 1 "${TINY[@]}" "${ITERS[@]}" \
   "${SHARED[@]}" --moe-shared-expert-overlap
-check shared_overlap_equals_plain $PY tools/gpu_selftest.py compare "$WORK/shared.json" \
+check shared_overlap_equals_plain $PY tools/selftest_compare.py compare "$WORK/shared.json" \
   "$WORK/shared_overlap.json"
 # Steps 2..6 under the sync debug mode "error": 4 MoE layers x 4 micro-batches of dropless
 # dispatch counts and the verdict a step; the logging iterations' batched read
 check syncs_1gpu launch 1 syncs "$WORK/syncs_1gpu.json" permute.py=16,nonfinite.py=1 -- \
   "${TINY_BF16[@]}"
 check bf16_run history "$WORK/bf16.json" 1 "${BF16[@]}"
-check bf16_learns $PY tools/gpu_selftest.py learns "$WORK/bf16.json" --ratio $RATIO
+check bf16_learns $PY tools/selftest_compare.py learns "$WORK/bf16.json" --ratio $RATIO
 [ "$REHEARSAL" = 0 ] && check moe_layer_bench_bf16 $PY tools/bench_moe_layer.py --device cuda --dtypes bf16 --json --repeats 10
 if [ "$DETERMINISTIC" != 0 ]; then
   # Megatron's --deterministic-mode (no flash attention there): two runs, the same bits
@@ -166,7 +166,7 @@ if [ "$DETERMINISTIC" != 0 ]; then
     check "deterministic_run$i" env NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8 \
       $PY tools/gpu_selftest.py history "$WORK/det$i.json" -- "${DET[@]}"
   done
-  check deterministic_same_bits $PY tools/gpu_selftest.py compare "$WORK/det1.json" \
+  check deterministic_same_bits $PY tools/selftest_compare.py compare "$WORK/det1.json" \
     "$WORK/det2.json" --rtol-loss 0 --rtol-grad 0
 fi
 
@@ -180,10 +180,10 @@ if [ "$NGPU" -ge 2 ]; then
     RUN_ENV=""
     [ "$ref" = - ] && continue
     if [ "$resumed" != 0 ]; then
-      check "${name}_equals_${ref}" $PY tools/gpu_selftest.py compare "$WORK/$ref.json" \
+      check "${name}_equals_${ref}" $PY tools/selftest_compare.py compare "$WORK/$ref.json" \
         "$WORK/$name.json" --bf16 --resumed-at "$resumed"
     else
-      check "${name}_equals_${ref}" $PY tools/gpu_selftest.py compare "$WORK/$ref.json" \
+      check "${name}_equals_${ref}" $PY tools/selftest_compare.py compare "$WORK/$ref.json" \
         "$WORK/$name.json" --bf16
     fi
   done 3< <(rows)
@@ -202,7 +202,7 @@ if [ "$NGPU" -ge 2 ]; then
         $PY -m torch.distributed.run --standalone --nproc-per-node 2 tools/gpu_selftest.py \
         history "$WORK/det_ep2_$i.json" -- "${DET2[@]}"
     done
-    check deterministic_ep2_same_bits $PY tools/gpu_selftest.py compare \
+    check deterministic_ep2_same_bits $PY tools/selftest_compare.py compare \
       "$WORK/det_ep2_1.json" "$WORK/det_ep2_2.json" --rtol-loss 0 --rtol-grad 0
   fi
 fi

@@ -6,7 +6,7 @@ sees them.
 Every multi-GPU run trains in bf16 with the grouped GEMM (--moe-grouped-gemm: the torch
 grouped-mm kernel on sm90) and flash attention (--use-flash-attn: SDPA's flash kernel)
 under NCCL, and is compared with a ONE-GPU bf16 run of the same model (its `ref`) within
-the bf16 tolerance of tools/gpu_selftest.py (`bf16_rtol`). The router runs in fp32
+the bf16 tolerance of tools/selftest_compare.py (`bf16_rtol`). The router runs in fp32
 (--moe-router-dtype fp32, Megatron's flag) so that the only routing differences between
 layouts are true near-ties of the bf16 hidden states; the tolerance allows a few of them
 (see bf16_rtol).
