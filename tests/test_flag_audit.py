@@ -112,6 +112,8 @@ CLI_READ = {
     "--use-checkpoint-args":
         "tests/tools/test_convert_megatron.py::test_use_checkpoint_args_takes_the_saved_shape",
     "--json": "tests/training/test_console.py::test_dry_run_prints_a_table_or_json",
+    "--deterministic-mode":
+        "tests/test_deterministic_mode.py::test_training_runs_with_deterministic_algorithms",
     # Megatron's second spelling of the --disable-tp-comm-* fields (the same dest)
     **{f"--no-tp-comm-{name}": "tests/training/test_tp_comm_overlap.py::"
                                "test_flags_map_to_the_overlap_and_bad_combinations_are_one_line"

@@ -7,9 +7,14 @@
     python tools/gpu_selftest.py history OUT -- FLAGS  run pretrain_gpt.py FLAGS (under
                                                      torchrun too); rank 0 writes the
                                                      per-iteration metrics and log to OUT
-    python tools/gpu_selftest.py compare REF RUN [--rtol-loss R --rtol-grad R]
-                                             [--resumed-at N]  RUN started at iteration N
-    python tools/gpu_selftest.py learns RUN [--ratio R]  the loss fell; tokens/s, MFU
+    python tools/gpu_selftest.py compare REF RUN ...   tools/selftest_compare.py's (the
+    python tools/gpu_selftest.py learns RUN ...        script calls that one: no torch)
+    python tools/gpu_selftest.py syncs OUT FILE=N[,FILE=N] -- FLAGS
+                                             whole training steps under CUDA's sync debug
+                                             mode "error" (tools/selftest_syncs.py)
+    python tools/gpu_selftest.py dryrun --gpus N --work DIR  every run of an N-GPU machine
+                                             (tools/selftest_layouts.py) through the
+                                             rules and --dry-run, without training
 
 Every command prints one JSON line and exits 0 (pass), 1 (fail) or 2 (no CUDA GPU where one
 is needed). The CPU runs of the test suite prove the same parities on gloo; this proves
@@ -19,34 +24,42 @@ them under NCCL, CUDA kernels and their real synchronisation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
-import math
 import os
-import re
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/selftest_*.py
 
+import selftest_layouts  # noqa: E402
 import torch  # noqa: E402
+from selftest_compare import COMMANDS, add_commands, bf16_rtol  # noqa: E402,F401 (tests)
+from selftest_syncs import SANCTIONED, SanctionedReads, verdict  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from megamoe.cli.arguments import parse_args  # noqa: E402
 from megamoe.cli.main import pretrain  # noqa: E402
 from megamoe.config import ModelConfig, MoEConfig, OptimizerConfig  # noqa: E402
+from megamoe.model.apex_kernels import apex_kernels  # noqa: E402
 from megamoe.model.attention import SelfAttention  # noqa: E402
 from megamoe.model.norms import RMSNorm  # noqa: E402
 from megamoe.model.rope import rotary_cos_sin  # noqa: E402
-from megamoe.moe.grouped_gemm import available_backends, grouped_mm  # noqa: E402
+from megamoe.moe.grouped_gemm import (  # noqa: E402
+    available_backends,
+    grouped_mm,
+    resolve_backend,
+)
 from megamoe.moe.layer import MoELayer  # noqa: E402
-from megamoe.training.metrics import peak_tflops  # noqa: E402
 from megamoe.training.optim.common import build_inner_optimizer  # noqa: E402
 
-KEYS = ("lm loss", "grad norm", "load_balancing_loss")
 # Host syncs of one MoE layer forward + backward on one GPU (tests/moe/test_host_syncs.py
 # counts the same on the CPU): the permutation's nonzero, plus one host copy of the group
-# sizes for the backends that take them on the host.
+# sizes for the backends that take them on the host. At least one: a count of zero means
+# the counter saw nothing (the nonzero always syncs), not a sync-free layer.
 EXPECTED_SYNCS = {"torch": 1, "loop": 2, "grouped_gemm": 2}
 
 
@@ -70,6 +83,14 @@ def cmd_env(_: argparse.Namespace) -> int:
               "optional": {m: importlib.util.find_spec(m) is not None
                            for m in ("apex", "grouped_gemm", "transformer_engine")},
               "grouped_backends": available_backends()}
+    if torch.cuda.is_available():  # what a bf16 --moe-grouped-gemm run gets on this GPU
+        x = torch.zeros(64, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.zeros(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+        report["grouped_backend_bf16"] = resolve_backend(x, w)
+        kernels = apex_kernels()
+        report["apex"] = {"fused_adam": kernels.fused_adam is not None,
+                          "fused_norms": kernels.fused_rms_norm_affine is not None,
+                          "problems": list(kernels.problems)}
     return _emit(report, True)
 
 
@@ -175,7 +196,7 @@ def cmd_kernels(_: argparse.Namespace) -> int:
               "flash_attention_vs_sdpa": _flash_attention(device),
               "fused_adam_vs_adamw": _fused_optimizer(device)}
     ok = (all(v < 2e-2 for r in gg.values() for v in r.values())
-          and all(syncs[b] <= EXPECTED_SYNCS[b] for b in syncs)
+          and all(1 <= syncs[b] <= EXPECTED_SYNCS[b] for b in syncs)
           and report["rmsnorm_vs_portable"] < 1e-5
           and report["flash_attention_vs_sdpa"] < 2e-2
           and report["fused_adam_vs_adamw"] < 1e-5)
@@ -252,46 +273,63 @@ def cmd_history(opts: argparse.Namespace) -> int:
     return 0
 
 
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def _per_step(words: list[str]) -> dict[str, int]:
+    """FILE=N words; FILE may be a sanctioned file's last part (permute.py)."""
+    out = {}
+    for word in words:
+        name, _, n = word.partition("=")
+        sites = [s for s in SANCTIONED if s == name or s.endswith("/" + name)]
+        if len(sites) != 1 or not n.isdigit():
+            raise SystemExit(f"syncs: {word!r}: expected FILE=N, FILE one of "
+                             f"{', '.join(SANCTIONED)}")
+        out[sites[0]] = int(n)
+    return out
 
 
-def cmd_compare(opts: argparse.Namespace) -> int:
-    """Largest relative difference of each metric, iteration by iteration."""
-    ref, run = _load(opts.ref)["history"], _load(opts.run)["history"]
-    start = opts.resumed_at or 1
-    ref = {h["iteration"]: h for h in ref if h["iteration"] >= start}
-    run = {h["iteration"]: h for h in run}  # a resumed run must not redo earlier ones
-    worst = {}
-    for key in KEYS:
-        diffs = [abs(ref[i][key] - run[i][key]) / max(abs(ref[i][key]), 1e-12)
-                 for i in ref if i in run and key in ref[i]]
-        worst[key] = max(diffs) if diffs else None
-    tolerance = {"lm loss": opts.rtol_loss, "grad norm": opts.rtol_grad,
-                 "load_balancing_loss": opts.rtol_grad}
-    ok = (set(ref) == set(run) and len(ref) > 0
-          and all(v is not None and v <= tolerance[k] for k, v in worst.items()
-                  if k in ref[min(ref)]))
-    return _emit({"ref": opts.ref, "run": opts.run, "iterations": sorted(run),
-                  "max_rel_diff": worst}, ok)
+def cmd_syncs(opts: argparse.Namespace) -> int:
+    """Train under the sync debug mode "error" from the second step on; the sanctioned
+    reads are let through and counted (tools/selftest_syncs.py)."""
+    per_step = _per_step(opts.per_step.split(","))
+    lines: list[str] = []
+    with SanctionedReads() as reads:
+        state = pretrain(parse_args(opts.flags), print_fn=lines.append)
+    problems = verdict(dict(reads.counts), reads.steps, per_step)
+    report = {"counts": dict(reads.counts), "steps": reads.steps, "per_step": per_step,
+              "sync_debug_mode": "error" if reads.cuda else "off (no CUDA: counted only)",
+              "problems": problems}
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(opts.out, "w") as f:
+            json.dump({"history": state.history, "log": lines, "syncs": report}, f)
+    return _emit(report, not problems)
 
 
-def cmd_learns(opts: argparse.Namespace) -> int:
-    data = _load(opts.run)
-    losses = [h["lm loss"] for h in data["history"]]
-    first, last = losses[0], sum(losses[-5:]) / len(losses[-5:])
-    throughput = [float(m.group(1)) for line in data["log"]
-                  if (m := re.search(r"throughput \(tokens/s\): ([0-9.]+)", line))]
-    tflops = [float(m.group(1)) for line in data["log"]
-              if (m := re.search(r"TFLOP/s/GPU\): ([0-9.]+)", line))]
-    report = {"first_loss": first, "last_loss": last,
-              "tokens_per_sec": throughput[-1] if throughput else None,
-              "tflops_per_gpu": tflops[-1] if tflops else None}
-    if tflops and torch.cuda.is_available():
-        peak = peak_tflops(torch.device("cuda"), None)
-        report["mfu"] = tflops[-1] / peak if peak else None
-    return _emit(report, math.isfinite(last) and last < opts.ratio * first)
+def dry_run_row(row: selftest_layouts.Row, work: str) -> str:
+    """The row's flags through pretrain_gpt.py's parser, rules and --dry-run at its
+    world size, in this process: "" when they pass, else the one line they print."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args(selftest_layouts.argv(row, work, dry_run=True),
+                              world_size=row.gpus)
+            pretrain(args, print_fn=lambda _: None)
+    except SystemExit as e:
+        return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() \
+            else f"exit {e.code}"
+    except Exception as e:  # a rule raised past the parser: still one line, the row's
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return ""
+
+
+def cmd_dryrun(opts: argparse.Namespace) -> int:
+    """Every run of a machine with --gpus GPUs, dry (no process group, no training): one
+    PASS/FAIL line each, the way the script prints its checks."""
+    failed = 0
+    for row in selftest_layouts.rows_for(opts.gpus):
+        problem = dry_run_row(row, opts.work)
+        print(f"{'FAIL' if problem else 'PASS'} dry_{row.name} ({row.gpus} GPU(s))"
+              + (f": {problem}" if problem else ""))
+        failed |= bool(problem)
+    return int(failed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,20 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("history")
     h.add_argument("out")
     h.add_argument("flags", nargs=argparse.REMAINDER)
-    c = sub.add_parser("compare")
-    c.add_argument("ref")
-    c.add_argument("run")
-    c.add_argument("--rtol-loss", type=float, default=1e-4)
-    c.add_argument("--rtol-grad", type=float, default=1e-3)
-    c.add_argument("--resumed-at", type=int, default=None)
-    learns = sub.add_parser("learns")
-    learns.add_argument("run")
-    learns.add_argument("--ratio", type=float, default=0.5)
+    add_commands(sub)
+    y = sub.add_parser("syncs")
+    y.add_argument("out")
+    y.add_argument("per_step", metavar="FILE=N[,FILE=N...]")
+    y.add_argument("flags", nargs=argparse.REMAINDER)
+    d = sub.add_parser("dryrun")
+    d.add_argument("--gpus", type=int, required=True)
+    d.add_argument("--work", required=True)
     opts = p.parse_args(argv)
-    if opts.cmd == "history" and opts.flags[:1] == ["--"]:
+    if opts.cmd in ("history", "syncs") and opts.flags[:1] == ["--"]:
         opts.flags = opts.flags[1:]
-    return {"env": cmd_env, "kernels": cmd_kernels, "te": cmd_te, "history": cmd_history,
-            "compare": cmd_compare, "learns": cmd_learns}[opts.cmd](opts)
+    return {**COMMANDS, "env": cmd_env, "kernels": cmd_kernels, "te": cmd_te,
+            "history": cmd_history, "syncs": cmd_syncs, "dryrun": cmd_dryrun}[opts.cmd](opts)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import yaml
 from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.console_args import add_console_args, check_console_args
+from megamoe.cli.determinism_args import add_determinism_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.fp8_args import add_fp8_args
 from megamoe.cli.loss_scale_args import add_loss_scale_args
@@ -279,7 +280,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="validate flags, print model size, and exit before training")
 
 
-
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("optimizer and learning rate")
     o.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
@@ -398,6 +398,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     add_pipeline_split_args(parser)
     _add_checkpoint_and_logging_args(parser)
     add_runtime_args(parser)
+    add_determinism_args(parser)
     add_precision_args(parser)
     add_fp8_args(parser)
     add_tp_comm_args(parser)
@@ -405,9 +406,8 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     add_refused_args(parser)
     add_runhealth_args(parser)
     add_console_args(parser)
-    parser.add_argument("--config", metavar="FILE",
-                        help="YAML preset of flags (configs/); command-line flags override it "
-                             "(--no-X undoes a preset's X: true)")
+    parser.add_argument("--config", metavar="FILE", help="YAML preset of flags (configs/); "
+                        "command-line flags override it (--no-X undoes a preset's X: true)")
     add_negations(parser, skip=NOT_NEGATED)
     mark_extensions(parser)
     return parser

@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from megamoe.cli.arguments import build_parser, parse_args
+from megamoe.cli.determinism_args import apply_deterministic_mode
 from megamoe.cli.mapping import config_from_args, run_config_from_args
 from megamoe.cli.resolved_config import report_resolved_config
 from megamoe.cli.rules import ArgumentError
@@ -69,6 +70,7 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
         dry_run(run_config_from_args(args, _dry_run_vocab_size(data)), print_fn,
                 as_json=args.json)
         return TrainState()
+    apply_deterministic_mode(args.deterministic_mode)
     tokenizer = tokenizer_for(data)
     run = run_config_from_args(args, tokenizer.vocab_size)
     if run.model.transformer_impl == "transformer_engine":

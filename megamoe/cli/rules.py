@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from megamoe.cli.compat_args import derive_compat
+from megamoe.cli.determinism_args import check_deterministic_mode
 from megamoe.cli.fp8_args import check_fp8_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.precision_args import check_precision_args
@@ -330,6 +331,7 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     check_fp8_args(args)
     check_tp_comm_args(args)
     check_rerun_mode(args)
+    check_deterministic_mode(args)
     _check_fsdp(args)  # (before the configs, which know no fsdp_dtensor format)
     # No rule depends on the vocabulary, which is known once the tokenizer loads.
     run_config_from_args(args, vocab_size=args.vocab_size or 1)
