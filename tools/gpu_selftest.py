@@ -4,6 +4,9 @@
     python tools/gpu_selftest.py env                 versions, GPUs, optional kernels (JSON)
     python tools/gpu_selftest.py kernels             GPU kernels against the portable math
     python tools/gpu_selftest.py te                  Transformer Engine's path against local
+    python tools/gpu_selftest.py fp8                 each FP8 recipe's kernel this GPU has
+                                                     against the reference (selftest_fp8.py)
+    python tools/gpu_selftest.py fp8-recipes         those recipes' names, one line
     python tools/gpu_selftest.py history OUT -- FLAGS  run pretrain_gpt.py FLAGS (under
                                                      torchrun too); rank 0 writes the
                                                      per-iteration metrics and log to OUT
@@ -35,6 +38,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/selftest_*.py
 
+import selftest_fp8  # noqa: E402
 import selftest_layouts  # noqa: E402
 import torch  # noqa: E402
 from selftest_compare import COMMANDS, add_commands, bf16_rtol  # noqa: E402,F401 (tests)
@@ -332,12 +336,34 @@ def cmd_dryrun(opts: argparse.Namespace) -> int:
     return int(failed)
 
 
+def cmd_fp8(_: argparse.Namespace) -> int:
+    """Every FP8 recipe this GPU supports: its kernel chosen (no fallback to the
+    reference) and equal to the reference GEMM to bf16 rounding (tools/selftest_fp8.py)."""
+    _need_gpu()
+    device = torch.device("cuda", torch.cuda.current_device())
+    recipes = selftest_fp8.supported_recipes(torch.cuda.get_device_capability(device))
+    if not recipes:
+        return _emit({"skipped": "no FP8 tensor cores before sm89"}, True)
+    report, ok = selftest_fp8.fp8_kernel_report(device, recipes)
+    return _emit(report, ok)
+
+
+def cmd_fp8_recipes(_: argparse.Namespace) -> int:
+    """The recipes for the script's FP8 training runs (none without a GPU)."""
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(torch.cuda.current_device())
+        print(" ".join(selftest_fp8.supported_recipes(cap)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("env")
     sub.add_parser("kernels")
     sub.add_parser("te")
+    sub.add_parser("fp8")
+    sub.add_parser("fp8-recipes")
     h = sub.add_parser("history")
     h.add_argument("out")
     h.add_argument("flags", nargs=argparse.REMAINDER)
@@ -353,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.cmd in ("history", "syncs") and opts.flags[:1] == ["--"]:
         opts.flags = opts.flags[1:]
     return {**COMMANDS, "env": cmd_env, "kernels": cmd_kernels, "te": cmd_te,
-            "history": cmd_history, "syncs": cmd_syncs, "dryrun": cmd_dryrun}[opts.cmd](opts)
+            "fp8": cmd_fp8, "fp8-recipes": cmd_fp8_recipes, "history": cmd_history,
+            "syncs": cmd_syncs, "dryrun": cmd_dryrun}[opts.cmd](opts)
 
 
 if __name__ == "__main__":

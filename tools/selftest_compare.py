@@ -6,6 +6,8 @@ under a second; the script makes a dozen):
                                           [--resumed-at N]  RUN started at iteration N
                                           (--bf16: the tolerance bf16_rtol gives)
     python tools/selftest_compare.py learns RUN [--ratio R]  the loss fell; tokens/s, MFU
+    python tools/selftest_compare.py near REF RUN [--rel R]  RUN's final loss within R of
+                                          REF's (an FP8 run against bf16); tokens/s ratio
 
 Each prints one JSON line and exits 0 (pass) or 1 (fail). REF and RUN are the files
 `tools/gpu_selftest.py history` writes.
@@ -19,6 +21,7 @@ import math
 import os
 import re
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,6 +117,28 @@ def cmd_learns(opts: argparse.Namespace) -> int:
     return _emit(report, math.isfinite(last) and last < opts.ratio * first)
 
 
+def _tail_loss(data: dict) -> float:
+    losses = [h["lm loss"] for h in data["history"]]
+    return sum(losses[-5:]) / len(losses[-5:])
+
+
+def _throughput(data: dict) -> Optional[float]:
+    rates = [float(m.group(1)) for line in data["log"]
+             if (m := re.search(r"throughput \(tokens/s\): ([0-9.]+)", line))]
+    return rates[-1] if rates else None
+
+
+def cmd_near(opts: argparse.Namespace) -> int:
+    """RUN's final loss (mean of its last 5 logged) within `--rel` of REF's: an FP8 run
+    against the same run in bf16 (issue 32's bound: 2%); tokens/s of both, as a ratio."""
+    ref, run = _load(opts.ref), _load(opts.run)
+    a, b = _tail_loss(ref), _tail_loss(run)
+    speed = (_throughput(ref), _throughput(run))
+    report = {"ref_loss": a, "loss": b, "rel": abs(b - a) / abs(a),
+              "tokens_per_sec_ratio": speed[1] / speed[0] if all(speed) else None}
+    return _emit(report, math.isfinite(b) and report["rel"] <= opts.rel)
+
+
 def add_commands(sub) -> None:
     """The compare and learns subcommands (tools/gpu_selftest.py offers them too)."""
     c = sub.add_parser("compare")
@@ -124,12 +149,16 @@ def add_commands(sub) -> None:
     c.add_argument("--resumed-at", type=int, default=None)
     c.add_argument("--bf16", action="store_true",
                    help="tolerance bf16_rtol(metric, iterations since equal weights)")
+    near = sub.add_parser("near")
+    near.add_argument("ref")
+    near.add_argument("run")
+    near.add_argument("--rel", type=float, default=0.02)
     learns = sub.add_parser("learns")
     learns.add_argument("run")
     learns.add_argument("--ratio", type=float, default=0.5)
 
 
-COMMANDS = {"compare": cmd_compare, "learns": cmd_learns}
+COMMANDS = {"compare": cmd_compare, "learns": cmd_learns, "near": cmd_near}
 
 
 def main(argv: list[str] | None = None) -> int:

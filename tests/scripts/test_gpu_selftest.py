@@ -20,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_selftest.sh")
 TOOL = os.path.join(ROOT, "tools", "gpu_selftest.py")
+COMPARE = os.path.join(ROOT, "tools", "selftest_compare.py")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import gpu_selftest  # noqa: E402
@@ -78,6 +79,46 @@ def test_te_check_runs_on_the_stand_in():
     with installed():
         report = gpu_selftest.te_parity(torch.device("cpu"), "")
     assert report["logits"] < 1e-5 and report["grads"] < 1e-4, report
+
+
+def test_fp8_check_passes_on_the_cpu_and_fails_on_a_fallback_or_a_wrong_gemm(monkeypatch):
+    """The FP8 check's recipes per capability, and its verdict: tensor-wise and row-wise
+    run on the CPU's _scaled_mm and pass; a kernel that failed its probe (the reference
+    ran instead) fails, and so does a kernel whose output is off by one E4M3 step."""
+    import selftest_fp8
+
+    from megamoe.model.fp8 import block_gemm
+
+    assert selftest_fp8.supported_recipes((8, 0)) == []
+    assert selftest_fp8.supported_recipes((8, 9)) == ["tensorwise", "rowwise"]
+    assert selftest_fp8.supported_recipes((9, 0)) == ["tensorwise", "rowwise", "blockwise"]
+    assert selftest_fp8.supported_recipes((10, 0)) == ["tensorwise", "rowwise", "mxfp8"]
+    cpu = torch.device("cpu")
+    report, ok = selftest_fp8.fp8_kernel_report(cpu, ["tensorwise", "rowwise"])
+    assert ok and all(r["kernel"] and r["error_over_bound"] < 1 for r in report.values())
+    monkeypatch.setitem(block_gemm.KERNEL_STATUS, ("rowwise", (1, 512), (1, 512), cpu), False)
+    assert not selftest_fp8.fp8_kernel_report(cpu, ["rowwise"])[1]  # the fallback ran
+    monkeypatch.delitem(block_gemm.KERNEL_STATUS, ("rowwise", (1, 512), (1, 512), cpu))
+    kernel = block_gemm._rowwise_kernel
+    monkeypatch.setattr(block_gemm, "_rowwise_kernel", lambda a, b, o: kernel(a, b, o) * 1.0625)
+    assert not selftest_fp8.fp8_kernel_report(cpu, ["rowwise"])[1]
+
+
+def test_near_compares_final_losses_and_reports_the_speed_ratio(tmp_path):
+    def run(name, loss, rate):
+        hist = [{"iteration": i, "lm loss": loss} for i in range(1, 11)]
+        path = tmp_path / name
+        path.write_text(json.dumps({"history": hist,
+                                    "log": [f"throughput (tokens/s): {rate}"]}))
+        return str(path)
+
+    ref = run("bf16.json", 2.0, 1000.0)
+    for loss, code in ((2.039, 0), (1.961, 0), (2.041, 1), (float("nan"), 1)):
+        out = subprocess.run([sys.executable, COMPARE, "near", ref,
+                              run("fp8.json", loss, 1500.0)],  # (the script's way: no torch)
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == code, (loss, out.stdout, out.stderr)
+    assert json.loads(out.stdout.splitlines()[-1])["tokens_per_sec_ratio"] == 1.5
 
 
 @pytest.mark.slow
