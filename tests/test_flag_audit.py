@@ -43,6 +43,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
 MLA = "--multi-latent-attention"  # (TINY_MOE's --group-query-attention is dropped with it)
 AWARE = "--use-precision-aware-optimizer --use-distributed-optimizer"
 TPO = "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
+FP8_TW = "--fp8-format e4m3 --fp8-recipe tensorwise"  # --first-last-layers-bf16 refuses delayed
 CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
@@ -456,6 +457,11 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--fp8-amax-history-len": ("--fp8-format e4m3 --fp8-amax-history-len 8", 1, 8),
     "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),
     "--tp-only-amax-red": ("--fp8-format e4m3 --tp-only-amax-red", 1, True),
+    "--first-last-layers-bf16": (f"{FP8_TW} --first-last-layers-bf16", 1, True),
+    "--num-layers-at-start-in-bf16": (f"{FP8_TW} --first-last-layers-bf16 "
+                                      "--num-layers-at-start-in-bf16 2", 1, 2),
+    "--num-layers-at-end-in-bf16": (f"{FP8_TW} --first-last-layers-bf16 "
+                                    "--num-layers-at-end-in-bf16 0", 1, 0),
     "--tp-comm-overlap": (f"{TPO}", 2, True),
     "--disable-tp-comm-overlap-ag": (f"{TPO} --disable-tp-comm-overlap-ag", 2, False),
     "--disable-tp-comm-overlap-rs": (f"{TPO} --disable-tp-comm-overlap-rs", 2, False),
