@@ -19,6 +19,10 @@ is_first_last_bf16_layer (fp8_utils.py), so pipeline stages agree; MTP layers st
 (Megatron runs them under the global FP8 context). Megatron refuses it with delayed scaling
 (a per-layer autocast breaks TE's amax reduction) and bounds each N by num_layers // PP
 (config/run.py checks that bound: it needs the model and parallel sizes).
+
+`fp8_wgrad` False (--no-fp8-wgrad / --disable-fp8-wgrad) runs the weight-gradient GEMMs in
+high precision while forward and dgrad stay FP8 (TE's override_linear_precision (False,
+False, True)); Megatron gives it to DelayedScaling only, so another recipe refuses it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Fp8Config:
     amax_history_len: int = flag("--fp8-amax-history-len", 1)
     amax_compute_algo: str = flag("--fp8-amax-compute-algo", "most_recent")
     tp_only_amax_red: bool = flag("--tp-only-amax-red", False)
+    fp8_wgrad: bool = flag("--no-fp8-wgrad", True, dest="fp8_wgrad")
     first_last_layers_bf16: bool = flag("--first-last-layers-bf16", False)
     num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", 1)
     num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", 1)
@@ -75,6 +80,9 @@ class Fp8Config:
                     f"{name} must be an integer >= 0, got {value!r}")
         if self.format is None:
             return
+        require(self.fp8_wgrad or self.recipe == "delayed",
+                f"--no-fp8-wgrad applies to --fp8-recipe delayed only (Megatron passes it "
+                f"to Transformer Engine's DelayedScaling only), got {self.recipe}")
         require(not (self.first_last_layers_bf16 and self.recipe == "delayed"),
                 "--first-last-layers-bf16: delayed scaling does not support first / last "
                 "layer in BF16 (Megatron-LM; use --fp8-recipe tensorwise, blockwise or mxfp8)")

@@ -95,7 +95,8 @@ class Fp8State:
         def meta(dtype):
             return Fp8Meta(c.recipe, dtype, n, history_len=c.amax_history_len,
                            compute_algo=c.amax_compute_algo, margin=c.margin, device=device)
-        self.scalings[name] = LinearScaling(meta(fwd), meta(fwd), meta(bwd))
+        self.scalings[name] = LinearScaling(meta(fwd), meta(fwd), meta(bwd),
+                                            fp8_wgrad=c.fp8_wgrad)
         return self.scalings[name]
 
     def _metas(self) -> list[tuple[str, Fp8Meta]]:
