@@ -113,6 +113,9 @@ CLI_READ = {
     "--use-checkpoint-args":
         "tests/tools/test_convert_megatron.py::test_use_checkpoint_args_takes_the_saved_shape",
     "--json": "tests/training/test_console.py::test_dry_run_prints_a_table_or_json",
+    "--moe-router-padding-for-fp8":  # Megatron's older name of the same setting
+        "tests/moe/test_router_padding.py::"
+        "test_both_names_set_the_recipes_alignment_on_every_moe_layer",
     "--disable-fp8-wgrad":  # Megatron's second spelling of --no-fp8-wgrad (the same dest)
         "tests/model/test_fp8_wgrad.py::test_both_names_reach_every_gemm_of_the_policy",
     # Megatron's second spelling of the --disable-tp-comm-* fields (the same dest)
@@ -460,6 +463,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),
     "--tp-only-amax-red": ("--fp8-format e4m3 --tp-only-amax-red", 1, True),
     "--no-fp8-wgrad": ("--fp8-format hybrid --no-fp8-wgrad", 1, False),
+    "--moe-router-padding-for-quantization": (
+        "--fp8-format e4m3 --moe-router-padding-for-quantization", 1, True),
     "--first-last-layers-bf16": (f"{FP8_TW} --first-last-layers-bf16", 1, True),
     "--num-layers-at-start-in-bf16": (f"{FP8_TW} --first-last-layers-bf16 "
                                       "--num-layers-at-start-in-bf16 2", 1, 2),

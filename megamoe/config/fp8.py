@@ -23,6 +23,8 @@ is_first_last_bf16_layer (fp8_utils.py), so pipeline stages agree; MTP layers st
 `fp8_wgrad` False (--no-fp8-wgrad / --disable-fp8-wgrad) runs the weight-gradient GEMMs in
 high precision while forward and dgrad stay FP8 (TE's override_linear_precision (False,
 False, True)); Megatron gives it to DelayedScaling only, so another recipe refuses it.
+`router_padding` (--moe-router-padding-for-quantization, alias --moe-router-padding-for-fp8):
+moe/quantization_padding.py.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Fp8Config:
     amax_compute_algo: str = flag("--fp8-amax-compute-algo", "most_recent")
     tp_only_amax_red: bool = flag("--tp-only-amax-red", False)
     fp8_wgrad: bool = flag("--no-fp8-wgrad", True, dest="fp8_wgrad")
+    router_padding: bool = flag("--moe-router-padding-for-quantization", False,
+                                dest="moe_router_padding_for_quantization")
     first_last_layers_bf16: bool = flag("--first-last-layers-bf16", False)
     num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", 1)
     num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", 1)
@@ -78,6 +82,9 @@ class Fp8Config:
                             ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16)):
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                     f"{name} must be an integer >= 0, got {value!r}")
+        require(not (self.router_padding and self.format is None),
+                "--moe-router-padding-for-quantization needs --fp8-format (Megatron-LM: "
+                "fp8/fp4 must be specified)")
         if self.format is None:
             return
         require(self.fp8_wgrad or self.recipe == "delayed",

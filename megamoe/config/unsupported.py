@@ -30,8 +30,7 @@ NOT_SUPPORTED_YET = (
     # FP8 features beyond the recipes (issue 32; cli/fp8_args.py)
     "--fp8-param-gather", "--fp8-output-proj", "--fp8-quantizer-factory",
     "--keep-fp8-transpose-cache",
-    "--reuse-grad-buf-for-mxfp8-param-ag", "--moe-router-padding-for-quantization",
-    "--moe-router-padding-for-fp8",
+    "--reuse-grad-buf-for-mxfp8-param-ag",
 )
 
 

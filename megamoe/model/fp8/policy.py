@@ -32,6 +32,8 @@ from megamoe.model.mtp import MTPLayer
 from megamoe.model.transformer_block import TransformerLayer
 from megamoe.moe.experts import GroupedExperts
 from megamoe.moe.grouped_gemm import as_group_sizes
+from megamoe.moe.layer import MoELayer
+from megamoe.moe.quantization_padding import quantization_alignment
 from megamoe.parallel.linear import Linear
 from megamoe.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -140,6 +142,16 @@ class Fp8State:
             mine[key].load_state(state[key], f"{where}[{key}]")
 
 
+def set_router_padding(model: nn.Module, config: Fp8Config) -> None:
+    """--moe-router-padding-for-quantization: every MoE layer (those kept out of FP8 too,
+    as Megatron's dispatcher pads whatever the layer's precision) pads its routing map to
+    the recipe's alignment (moe/quantization_padding.py)."""
+    if config.enabled and config.router_padding:
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.quantization_alignment = quantization_alignment(config.recipe)
+
+
 def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
               group: Optional[dist.ProcessGroup] = None,
               num_layers: Optional[int] = None) -> Optional[Fp8State]:
@@ -150,6 +162,7 @@ def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
         return None
     if config.first_last_layers_bf16 and num_layers is None:
         raise ValueError("--first-last-layers-bf16 needs the decoder's num_layers")
+    set_router_padding(model, config)
     state = Fp8State(config, group)
     for name, m in fp8_gemm_modules(model, config, num_layers or 0):
         if isinstance(m, GroupedExperts):

@@ -35,7 +35,11 @@ from torch import nn
 
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.attention import SelfAttention
-from megamoe.model.fp8.policy import fp8_gemm_modules, high_precision_layer
+from megamoe.model.fp8.policy import (
+    fp8_gemm_modules,
+    high_precision_layer,
+    set_router_padding,
+)
 from megamoe.model.mlp import MLP
 from megamoe.model.mtp import MTPLayer
 from megamoe.model.te.attention import TeCoreAttention, set_backend_environment
@@ -124,6 +128,7 @@ def apply_transformer_engine(model: nn.Module, fp8: Fp8Config,
     if fp8.enabled and fp8.first_last_layers_bf16 and num_layers <= 0:
         raise ValueError("--first-last-layers-bf16 needs the decoder's num_layers")
     te = te or load_transformer_engine()
+    set_router_padding(model, fp8)
     _check_model(model)
     set_backend_environment(attention_backend, use_flash_attn)
     autocast = autocast_factory(te, fp8, amax_group)
