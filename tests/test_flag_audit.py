@@ -43,6 +43,7 @@ SECTION = {C.ModelConfig: "model", C.MoEConfig: "model.moe", C.ParallelConfig: "
 MLA = "--multi-latent-attention"  # (TINY_MOE's --group-query-attention is dropped with it)
 AWARE = "--use-precision-aware-optimizer --use-distributed-optimizer"
 TPO = "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
+FP8_TW = "--fp8-format e4m3 --fp8-recipe tensorwise"  # --first-last-layers-bf16 refuses delayed
 CP_OK = "--moe-router-load-balancing-type global_aux_loss"  # aux_loss is refused with CP
 FUSION = "selects a fused kernel megamoe does not have; the unfused path always runs"
 NO_OP = {
@@ -114,6 +115,11 @@ CLI_READ = {
     "--json": "tests/training/test_console.py::test_dry_run_prints_a_table_or_json",
     "--deterministic-mode":
         "tests/test_deterministic_mode.py::test_training_runs_with_deterministic_algorithms",
+    "--moe-router-padding-for-fp8":  # Megatron's older name of the same setting
+        "tests/moe/test_router_padding.py::"
+        "test_both_names_set_the_recipes_alignment_on_every_moe_layer",
+    "--disable-fp8-wgrad":  # Megatron's second spelling of --no-fp8-wgrad (the same dest)
+        "tests/model/test_fp8_wgrad.py::test_both_names_reach_every_gemm_of_the_policy",
     # Megatron's second spelling of the --disable-tp-comm-* fields (the same dest)
     **{f"--no-tp-comm-{name}": "tests/training/test_tp_comm_overlap.py::"
                                "test_flags_map_to_the_overlap_and_bad_combinations_are_one_line"
@@ -458,6 +464,14 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--fp8-amax-history-len": ("--fp8-format e4m3 --fp8-amax-history-len 8", 1, 8),
     "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),
     "--tp-only-amax-red": ("--fp8-format e4m3 --tp-only-amax-red", 1, True),
+    "--no-fp8-wgrad": ("--fp8-format hybrid --no-fp8-wgrad", 1, False),
+    "--moe-router-padding-for-quantization": (
+        "--fp8-format e4m3 --moe-router-padding-for-quantization", 1, True),
+    "--first-last-layers-bf16": (f"{FP8_TW} --first-last-layers-bf16", 1, True),
+    "--num-layers-at-start-in-bf16": (f"{FP8_TW} --first-last-layers-bf16 "
+                                      "--num-layers-at-start-in-bf16 2", 1, 2),
+    "--num-layers-at-end-in-bf16": (f"{FP8_TW} --first-last-layers-bf16 "
+                                    "--num-layers-at-end-in-bf16 0", 1, 0),
     "--tp-comm-overlap": (f"{TPO}", 2, True),
     "--disable-tp-comm-overlap-ag": (f"{TPO} --disable-tp-comm-overlap-ag", 2, False),
     "--disable-tp-comm-overlap-rs": (f"{TPO} --disable-tp-comm-overlap-rs", 2, False),

@@ -170,6 +170,14 @@ BAD = [
     ("--fp8-amax-history-len", "65537", "--fp8-format hybrid", 1,
      "must be an integer in [1, 65536]"),
     ("--fp8-interval", "0", "", 1, "megamoe accepts only 1"),
+    ("--num-layers-at-start-in-bf16", "-1", "", 1, "must be an integer >= 0"),
+    ("--num-layers-at-end-in-bf16", "-1", "", 1, "must be an integer >= 0"),
+    ("--num-layers-at-start-in-bf16", "5",
+     "--fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16", 1,
+     "number of layers per pipeline stage (4)"),
+    ("--num-layers-at-end-in-bf16", "3",
+     f"{PP2} --fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16", 2,
+     "number of layers per pipeline stage (2)"),
     # run health (Megatron takes the iteration modulo it)
     ("--check-weight-hash-across-dp-replicas-interval", "0", "", 1, "must be positive"),
     ("--check-weight-hash-across-dp-replicas-interval", "-2", "", 1, "must be positive"),
@@ -181,7 +189,6 @@ COVERED_ELSEWHERE = {
     # refused with "not supported yet" for any value (config/unsupported.py)
     "--error-injection-rate",
     "--rotary-seq-len-interpolation-factor", "--null-tokenizer-pad-id",
-    "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16",
     # sample-based training: its own rules (tests/training/test_train_samples.py::
     # test_refused_in_one_line)
     "--train-samples", "--rampup-batch-size", "--lr-decay-samples", "--lr-warmup-samples",

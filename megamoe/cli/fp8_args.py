@@ -4,7 +4,10 @@ FSDP buffer flags; Megatron-LM d98e8a64). What they do: config/fp8.py and model/
 
 Built: --fp8-format, --fp8-recipe tensorwise / delayed / blockwise / mxfp8 (and rowwise, a
 megamoe extension that is not one of Megatron's choices), --fp8-margin,
---fp8-amax-history-len, --fp8-amax-compute-algo, and --tp-only-amax-red (megatron-core's
+--fp8-amax-history-len, --fp8-amax-compute-algo, --first-last-layers-bf16 with
+--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16, --no-fp8-wgrad (alias
+--disable-fp8-wgrad), --moe-router-padding-for-quantization (alias
+--moe-router-padding-for-fp8), and --tp-only-amax-red (megatron-core's
 TransformerConfig.tp_only_amax_red, which Megatron-LM's parser does not expose: a megamoe
 extension). Every other FP8 flag of Megatron's parser is parsed so that a Megatron script
 gets "not supported yet: --flag" (config/unsupported.py), not "unrecognized arguments".
@@ -41,15 +44,24 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-only-amax-red", action="store_true",
                    help="reduce delayed scaling's amaxes over TP x CP only (default: "
                         "TP x DP x CP, as Megatron)")
-    for flag in ("--fp8-param-gather", "--first-last-layers-bf16", "--fp8-output-proj",
-                 "--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-transpose-cache",
-                 "--reuse-grad-buf-for-mxfp8-param-ag",
-                 "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8"):
-        g.add_argument(flag, action="store_true", help="not supported yet")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="run the first and last decoder layers (by global layer number) "
+                        "without FP8; not with --fp8-recipe delayed")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
-                   help="not supported yet")
+                   help="with --first-last-layers-bf16: how many first layers")
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
-                   help="not supported yet")
+                   help="with --first-last-layers-bf16: how many last layers")
+    g.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", dest="fp8_wgrad",
+                   action="store_false",
+                   help="delayed scaling: the weight-gradient GEMMs in high precision "
+                        "(forward and dgrad stay FP8)")
+    g.add_argument("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",
+                   dest="moe_router_padding_for_quantization", action="store_true",
+                   help="pad each expert's token count to a multiple of 16 (32 under "
+                        "mxfp8) with probability-0 assignments")
+    for flag in ("--fp8-param-gather", "--fp8-output-proj", "--keep-fp8-transpose-cache",
+                 "--reuse-grad-buf-for-mxfp8-param-ag"):
+        g.add_argument(flag, action="store_true", help="not supported yet")
     g.add_argument("--fp8-quantizer-factory", default=None, help="not supported yet")
 
 

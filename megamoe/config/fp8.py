@@ -11,6 +11,20 @@ scale per row along the contraction dimension, torchao's row-wise recipe; not a 
 choice). The GEMMs: megamoe/model/fp8/. Megatron passes the margin, history length and
 compute algorithm only to DelayedScaling; under another recipe they would be ignored, so a
 non-default value there is refused.
+
+`first_last_layers_bf16` (Megatron's --first-last-layers-bf16, with
+--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16, defaults 1 / 1) keeps the first
+and last N decoder layers out of FP8, counted by global layer number as Megatron's
+is_first_last_bf16_layer (fp8_utils.py), so pipeline stages agree; MTP layers stay in FP8
+(Megatron runs them under the global FP8 context). Megatron refuses it with delayed scaling
+(a per-layer autocast breaks TE's amax reduction) and bounds each N by num_layers // PP
+(config/run.py checks that bound: it needs the model and parallel sizes).
+
+`fp8_wgrad` False (--no-fp8-wgrad / --disable-fp8-wgrad) runs the weight-gradient GEMMs in
+high precision while forward and dgrad stay FP8 (TE's override_linear_precision (False,
+False, True)); Megatron gives it to DelayedScaling only, so another recipe refuses it.
+`router_padding` (--moe-router-padding-for-quantization, alias --moe-router-padding-for-fp8):
+moe/quantization_padding.py.
 """
 
 from __future__ import annotations
@@ -36,6 +50,12 @@ class Fp8Config:
     amax_history_len: int = flag("--fp8-amax-history-len", 1)
     amax_compute_algo: str = flag("--fp8-amax-compute-algo", "most_recent")
     tp_only_amax_red: bool = flag("--tp-only-amax-red", False)
+    fp8_wgrad: bool = flag("--no-fp8-wgrad", True, dest="fp8_wgrad")
+    router_padding: bool = flag("--moe-router-padding-for-quantization", False,
+                                dest="moe_router_padding_for_quantization")
+    first_last_layers_bf16: bool = flag("--first-last-layers-bf16", False)
+    num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", 1)
+    num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", 1)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,8 +78,21 @@ class Fp8Config:
                 and 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN,
                 f"--fp8-amax-history-len must be an integer in [1, {MAX_AMAX_HISTORY_LEN}], "
                 f"got {self.amax_history_len!r}")
+        for name, value in (("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+                            ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16)):
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                    f"{name} must be an integer >= 0, got {value!r}")
+        require(not (self.router_padding and self.format is None),
+                "--moe-router-padding-for-quantization needs --fp8-format (Megatron-LM: "
+                "fp8/fp4 must be specified)")
         if self.format is None:
             return
+        require(self.fp8_wgrad or self.recipe == "delayed",
+                f"--no-fp8-wgrad applies to --fp8-recipe delayed only (Megatron passes it "
+                f"to Transformer Engine's DelayedScaling only), got {self.recipe}")
+        require(not (self.first_last_layers_bf16 and self.recipe == "delayed"),
+                "--first-last-layers-bf16: delayed scaling does not support first / last "
+                "layer in BF16 (Megatron-LM; use --fp8-recipe tensorwise, blockwise or mxfp8)")
         require(self.recipe in BUILT_RECIPES,
                 f"not supported yet: --fp8-recipe {self.recipe} (built: "
                 f"{', '.join(BUILT_RECIPES)})")
@@ -71,3 +104,4 @@ class Fp8Config:
                 require(value == default,
                         f"{name} applies to --fp8-recipe delayed only (Transformer Engine's "
                         f"{self.recipe} scaling has no such setting), got {value}")
+

@@ -269,3 +269,19 @@ class RunConfig:
                 "histories are saved in torch_dist checkpoints only)")
         require(not (self.model.moe is not None and self.moe_execution.adaptive_parallelism),
                 "not supported yet: --fp8-format with --moe-adaptive-parallelism")
+        if self.fp8.router_padding:
+            moe = self.model.moe
+            require(moe is not None, "--moe-router-padding-for-quantization needs an MoE "
+                    "model (--num-experts)")
+            require(moe.capacity_factor is None, "not supported yet: "
+                    "--moe-router-padding-for-quantization with --moe-expert-capacity-factor")
+            require(self.parallel.tensor_model_parallel_size == 1, "not supported yet: "
+                    "--moe-router-padding-for-quantization with --tensor-model-parallel-size "
+                    "> 1")
+        if self.fp8.first_last_layers_bf16:  # Megatron's TransformerConfig bound
+            per_stage = self.model.num_layers // self.parallel.pipeline_model_parallel_size
+            for name in ("start", "end"):
+                value = getattr(self.fp8, f"num_layers_at_{name}_in_bf16")
+                require(value <= per_stage,
+                        f"--num-layers-at-{name}-in-bf16 ({value}) must be between 0 and the "
+                        f"number of layers per pipeline stage ({per_stage})")

@@ -28,11 +28,9 @@ NOT_SUPPORTED_YET = (
     # not built: cli/runhealth_args.py)
     "--error-injection-rate", "--error-injection-type",
     # FP8 features beyond the recipes (issue 32; cli/fp8_args.py)
-    "--fp8-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
-    "--num-layers-at-end-in-bf16", "--fp8-output-proj", "--fp8-quantizer-factory",
-    "--no-fp8-wgrad", "--disable-fp8-wgrad", "--keep-fp8-transpose-cache",
-    "--reuse-grad-buf-for-mxfp8-param-ag", "--moe-router-padding-for-quantization",
-    "--moe-router-padding-for-fp8",
+    "--fp8-param-gather", "--fp8-output-proj", "--fp8-quantizer-factory",
+    "--keep-fp8-transpose-cache",
+    "--reuse-grad-buf-for-mxfp8-param-ag",
 )
 
 

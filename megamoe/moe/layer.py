@@ -23,6 +23,7 @@ from megamoe.moe.capacity import apply_capacity, expert_capacity
 from megamoe.moe.dispatchers import LocalDispatcher, TokenDispatcher
 from megamoe.moe.experts import GroupedExperts, SequentialExperts, SharedExpertMLP
 from megamoe.moe.losses import attach_aux_loss
+from megamoe.moe.quantization_padding import pad_routing_map
 from megamoe.moe.router import TopKRouter
 from megamoe.moe.shared_overlap import SharedExpertOverlap
 from megamoe.parallel.checkpointing import is_recomputing, maybe_checkpoint
@@ -76,6 +77,9 @@ class MoELayer(nn.Module):
         # --moe-shared-expert-overlap (parallelize; moe/shared_overlap.py): the shared
         # expert runs inside the dispatcher, while its exchanges are in flight.
         self.shared_expert_overlap = False
+        # --moe-router-padding-for-quantization (the FP8 policy sets it; 0: off): each
+        # expert's token count padded to a multiple of it (moe/quantization_padding.py)
+        self.quantization_alignment = 0
         self._register_statistics(config.num_experts)
 
     def _register_statistics(self, num_experts: int) -> None:
@@ -146,6 +150,8 @@ class MoELayer(nn.Module):
         # Expert bias: Megatron counts the kept assignments (after the drops).
         before = self.config.expert_bias_counts_before_capacity
         self.router.count_for_expert_bias(routed_E if before else kept_E)
+        if self.quantization_alignment:  # --moe-router-padding-for-quantization
+            routing_map_TE = pad_routing_map(routing_map_TE, self.quantization_alignment)
         mine_TH = x_TH if full is hidden else hidden.reshape(-1, self.hidden_size)
         if self.shared_expert_overlap and self.shared_experts is not None:
             shared = SharedExpertOverlap(self.shared_experts, mine_TH)

@@ -62,9 +62,10 @@ def _with_precision(model: torch.nn.Module, run: RunConfig, mesh: Mesh) -> torch
     if run.model.transformer_impl == "transformer_engine":
         apply_transformer_engine(model, run.fp8, group,
                                  attention_backend=run.model.attention_backend,
-                                 use_flash_attn=run.model.use_flash_attn)
+                                 use_flash_attn=run.model.use_flash_attn,
+                                 num_layers=run.model.num_layers)
     else:
-        apply_fp8(model, run.fp8, mesh.device, group)
+        apply_fp8(model, run.fp8, mesh.device, group, num_layers=run.model.num_layers)
     return model
 
 

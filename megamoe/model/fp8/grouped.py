@@ -118,7 +118,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         amax_w = w_EKM.detach().abs().amax(dim=(1, 2)).float()
         sw = scaling.w.scale_for(amax_w)
         qw = quantize(w_EKM, sw.view(-1, 1, 1), scaling.w.dtype)
-        ctx.save_for_backward(qx, sx, qw, sw)
+        # --no-fp8-wgrad: wgrad needs the high-precision rows, not the FP8 ones
+        ctx.save_for_backward(qx if scaling.fp8_wgrad else x_NK.detach(), sx, qw, sw)
         ctx.sizes, ctx.scaling = sizes, scaling
         ctx.x_dtype, ctx.w_dtype = x_NK.dtype, w_EKM.dtype
         E, K, M = w_EKM.shape
@@ -145,8 +146,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
             parts = [scaled_mm(q, sg[e], qw[e].t(), sw[e], ctx.x_dtype)
                      for e, q in enumerate(qg.split(sizes)) if sizes[e]]
             dx = torch.cat(parts) if parts else g_NM.new_zeros(0, qw.shape[1], dtype=ctx.x_dtype)
-        if ctx.needs_input_grad[1] and grouped_kernel_ok(dev, qx.dtype, qg.dtype, ctx.w_dtype,
-                                                         K, M):
+        if ctx.needs_input_grad[1] and not ctx.scaling.fp8_wgrad:
+            dw = _high_precision_wgrad(qx, g_NM, sizes, E, ctx.w_dtype)
+        elif ctx.needs_input_grad[1] and grouped_kernel_ok(dev, qx.dtype, qg.dtype,
+                                                           ctx.w_dtype, K, M):
             dw = _kernel_wgrad(qx, sx, qg, sg, sizes, ctx.w_dtype)
         elif ctx.needs_input_grad[1]:
             dw = torch.zeros(E, K, M, dtype=ctx.w_dtype, device=qw.device)
@@ -156,10 +159,24 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _high_precision_wgrad(x_NK: torch.Tensor, g_NM: torch.Tensor, sizes: list[int],
+                          num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """dW_e = x_e^T @ g_e in the operands' precision (--no-fp8-wgrad), zero for an expert
+    without rows."""
+    dw = torch.zeros(num_experts, x_NK.shape[1], g_NM.shape[1], dtype=dtype,
+                     device=x_NK.device)
+    for e, (x_e, g_e) in enumerate(zip(x_NK.split(sizes), g_NM.split(sizes))):
+        if sizes[e]:
+            dw[e] = (x_e.t() @ g_e).to(dtype)
+    return dw
+
+
 def fp8_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int],
                    scaling: LinearScaling) -> torch.Tensor:
     """Rows grouped by expert (sizes[e] rows of expert e, in order) @ that expert's
     [K, M] weight, in FP8."""
     if scaling.x.recipe in BLOCK_RECIPES:
+        if not scaling.fp8_wgrad:
+            raise ValueError(f"--no-fp8-wgrad is not built for --fp8-recipe {scaling.x.recipe}")
         return block_fp8_grouped_mm(x_NK, w_EKM, sizes, scaling)
     return _Fp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling)

@@ -24,10 +24,14 @@ from megamoe.model.fp8.scaling import Fp8Meta
 
 @dataclass
 class LinearScaling:
-    """The scaling of one FP8 GEMM's three operands: input, weight, output gradient."""
+    """The scaling of one FP8 GEMM's three operands: input, weight, output gradient.
+    `fp8_wgrad` False (--no-fp8-wgrad, TE's override_linear_precision (False, False,
+    True)): the weight-gradient GEMM runs in the input's precision on the unquantised
+    input and output gradient; forward and dgrad stay FP8."""
     x: Fp8Meta
     w: Fp8Meta
     g: Fp8Meta
+    fp8_wgrad: bool = True
 
     def metas(self) -> list[Fp8Meta]:
         return [self.x, self.w, self.g]
@@ -65,19 +69,22 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x_TK: torch.Tensor, w_NK: torch.Tensor, scaling: LinearScaling):
         qx, sx = quantize_with(scaling.x, x_TK)
         qw, sw = quantize_with(scaling.w, w_NK)
-        ctx.save_for_backward(qx, sx, qw, sw)
+        # --no-fp8-wgrad: wgrad needs the high-precision input, not the FP8 one
+        ctx.save_for_backward(qx if scaling.fp8_wgrad else x_TK.detach(), sx, qw, sw)
         ctx.scaling, ctx.x_dtype, ctx.w_dtype = scaling, x_TK.dtype, w_NK.dtype
         return scaled_mm(qx, sx, qw.t(), sw, x_TK.dtype)
 
     @staticmethod
     def backward(ctx, g_TN: torch.Tensor):
-        qx, sx, qw, sw = ctx.saved_tensors
+        saved_x, sx, qw, sw = ctx.saved_tensors
         qg, sg = quantize_with(ctx.scaling.g, g_TN)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = scaled_mm(qg, sg, qw, sw, ctx.x_dtype)  # [T, N] @ [N, K]
-        if ctx.needs_input_grad[1]:
-            dw = scaled_mm(qg.t(), sg, qx, sx, ctx.w_dtype)  # [N, T] @ [T, K]
+        if ctx.needs_input_grad[1] and ctx.scaling.fp8_wgrad:
+            dw = scaled_mm(qg.t(), sg, saved_x, sx, ctx.w_dtype)  # [N, T] @ [T, K]
+        elif ctx.needs_input_grad[1]:
+            dw = (g_TN.t() @ saved_x).to(ctx.w_dtype)
         return dx, dw, None
 
 
@@ -87,6 +94,8 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, bias: Optional[torch.Te
     lead = x.shape[:-1]
     x_TK = x.reshape(-1, x.shape[-1])
     if scaling.x.recipe in BLOCK_RECIPES:
+        if not scaling.fp8_wgrad:
+            raise ValueError(f"--no-fp8-wgrad is not built for --fp8-recipe {scaling.x.recipe}")
         y = block_fp8_linear(x_TK, weight_NK, scaling)
     else:
         y = _Fp8Linear.apply(x_TK, weight_NK, scaling)

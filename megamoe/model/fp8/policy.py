@@ -32,6 +32,8 @@ from megamoe.model.mtp import MTPLayer
 from megamoe.model.transformer_block import TransformerLayer
 from megamoe.moe.experts import GroupedExperts
 from megamoe.moe.grouped_gemm import as_group_sizes
+from megamoe.moe.layer import MoELayer
+from megamoe.moe.quantization_padding import quantization_alignment
 from megamoe.parallel.linear import Linear
 from megamoe.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -49,12 +51,29 @@ class Fp8Gemm:
         return fp8_linear(x, weight, bias, self.scaling)
 
 
-def fp8_gemm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def high_precision_layer(config: Fp8Config, layer_index: int, num_layers: int) -> bool:
+    """Whether decoder layer `layer_index` (0-based, global over pipeline stages) of a
+    decoder of `num_layers` runs without FP8 under --first-last-layers-bf16 (Megatron's
+    is_first_last_bf16_layer: global numbers, so every stage agrees; MTP layers, numbered
+    from num_layers on here, stay in FP8 as Megatron's global FP8 context runs them)."""
+    if not config.first_last_layers_bf16 or not 0 <= layer_index < num_layers:
+        return False
+    return (layer_index < config.num_layers_at_start_in_bf16
+            or layer_index >= num_layers - config.num_layers_at_end_in_bf16)
+
+
+def fp8_gemm_modules(model: nn.Module, config: Optional[Fp8Config] = None,
+                     num_layers: int = 0) -> list[tuple[str, nn.Module]]:
     """(name, module) of every GEMM the policy runs in FP8, in module order (the order of
-    the amax buffer: the same on every rank of an amax group)."""
+    the amax buffer: the same on every rank of an amax group). With `config`, the decoder
+    layers `high_precision_layer` keeps out of FP8 (--first-last-layers-bf16, of
+    a decoder of `num_layers`) are left out; MTP layers never are (as Megatron)."""
     out, seen = [], set()
     for name, m in model.named_modules():
         if not isinstance(m, (TransformerLayer, MTPLayer)):
+            continue
+        if (config is not None and isinstance(m, TransformerLayer)
+                and high_precision_layer(config, m.layer_index, num_layers)):
             continue
         for sub_name, sub in m.named_modules(prefix=name):
             if isinstance(sub, (*DENSE_LINEARS, GroupedExperts)) and id(sub) not in seen:
@@ -78,7 +97,8 @@ class Fp8State:
         def meta(dtype):
             return Fp8Meta(c.recipe, dtype, n, history_len=c.amax_history_len,
                            compute_algo=c.amax_compute_algo, margin=c.margin, device=device)
-        self.scalings[name] = LinearScaling(meta(fwd), meta(fwd), meta(bwd))
+        self.scalings[name] = LinearScaling(meta(fwd), meta(fwd), meta(bwd),
+                                            fp8_wgrad=c.fp8_wgrad)
         return self.scalings[name]
 
     def _metas(self) -> list[tuple[str, Fp8Meta]]:
@@ -122,14 +142,29 @@ class Fp8State:
             mine[key].load_state(state[key], f"{where}[{key}]")
 
 
+def set_router_padding(model: nn.Module, config: Fp8Config) -> None:
+    """--moe-router-padding-for-quantization: every MoE layer (those kept out of FP8 too,
+    as Megatron's dispatcher pads whatever the layer's precision) pads its routing map to
+    the recipe's alignment (moe/quantization_padding.py)."""
+    if config.enabled and config.router_padding:
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.quantization_alignment = quantization_alignment(config.recipe)
+
+
 def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
-              group: Optional[dist.ProcessGroup] = None) -> Optional[Fp8State]:
+              group: Optional[dist.ProcessGroup] = None,
+              num_layers: Optional[int] = None) -> Optional[Fp8State]:
     """Give every GEMM of `fp8_gemm_modules(model)` its FP8 GEMM under `config` (None and
-    nothing changed when FP8 is off). `group`: the amax reduction group."""
+    nothing changed when FP8 is off). `group`: the amax reduction group; `num_layers`: the
+    whole decoder's layer count (all pipeline stages), needed by --first-last-layers-bf16."""
     if not config.enabled:
         return None
+    if config.first_last_layers_bf16 and num_layers is None:
+        raise ValueError("--first-last-layers-bf16 needs the decoder's num_layers")
+    set_router_padding(model, config)
     state = Fp8State(config, group)
-    for name, m in fp8_gemm_modules(model):
+    for name, m in fp8_gemm_modules(model, config, num_layers or 0):
         if isinstance(m, GroupedExperts):
             for w in ("fc1", "fc2"):
                 m_scaling = state.new_scaling(f"{name}.{w}", m.num_local_experts, device)

@@ -27,6 +27,7 @@ state a second time; TE's own checkpoint is not wired).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, ContextManager, Optional
 
 import torch.distributed as dist
@@ -34,7 +35,11 @@ from torch import nn
 
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.attention import SelfAttention
-from megamoe.model.fp8.policy import fp8_gemm_modules
+from megamoe.model.fp8.policy import (
+    fp8_gemm_modules,
+    high_precision_layer,
+    set_router_padding,
+)
 from megamoe.model.mlp import MLP
 from megamoe.model.mtp import MTPLayer
 from megamoe.model.te.attention import TeCoreAttention, set_backend_environment
@@ -114,19 +119,26 @@ def _convert_layer(te: TransformerEngine, name: str, layer: TransformerLayer,
 def apply_transformer_engine(model: nn.Module, fp8: Fp8Config,
                              amax_group: Optional[dist.ProcessGroup] = None, *,
                              attention_backend: str = "auto", use_flash_attn: bool = False,
-                             te: Optional[TransformerEngine] = None) -> TeExtraState:
+                             te: Optional[TransformerEngine] = None,
+                             num_layers: int = 0) -> TeExtraState:
     """Install TE's modules on every transformer layer and MTP layer of `model` (in
     place); `model.te_state` (returned) holds their checkpoint extra state. `amax_group`:
     delayed scaling's amax reduction group. TransformerEngineMissing (loader.py) when TE
     cannot be imported."""
+    if fp8.enabled and fp8.first_last_layers_bf16 and num_layers <= 0:
+        raise ValueError("--first-last-layers-bf16 needs the decoder's num_layers")
     te = te or load_transformer_engine()
+    set_router_padding(model, fp8)
     _check_model(model)
     set_backend_environment(attention_backend, use_flash_attn)
     autocast = autocast_factory(te, fp8, amax_group)
     state = TeExtraState()
     for name, m in model.named_modules():
         if isinstance(m, TransformerLayer):
-            _convert_layer(te, name, m, autocast, state)
+            # --first-last-layers-bf16: TE's modules without the FP8 autocast (Megatron's
+            # get_fp8_context gives those layers a null context)
+            high = fp8.enabled and high_precision_layer(fp8, m.layer_index, num_layers)
+            _convert_layer(te, name, m, contextlib.nullcontext if high else autocast, state)
         elif isinstance(m, MTPLayer):
             m.eh_proj.fp8 = TeLinearGemm(te, m.eh_proj, bias=False,
                                          autocast=autocast if fp8.enabled else None)

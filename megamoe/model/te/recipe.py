@@ -14,10 +14,12 @@ deprecated). Which recipes a run may choose is config/fp8.py's decision, not thi
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, ContextManager, Optional
 
 import torch.distributed as dist
 
+from megamoe.config import ConfigError
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.te.loader import TransformerEngine
 
@@ -34,10 +36,26 @@ def fp8_recipe(te: TransformerEngine, config: Fp8Config):
     fmt = getattr(te.recipe.Format, _FORMATS[config.format])
     cls = getattr(te.recipe, RECIPE_CLASSES[config.recipe])
     if config.recipe == "delayed":
+        extra = {}
+        if not config.fp8_wgrad:  # Megatron: override_linear_precision=(False, False, True)
+            if "override_linear_precision" not in _init_parameters(cls):
+                raise ConfigError("not supported yet: --no-fp8-wgrad with --transformer-impl "
+                                 "transformer_engine: this Transformer Engine's "
+                                 "DelayedScaling has no override_linear_precision (v2.18's "
+                                 "has none)")
+            extra["override_linear_precision"] = (False, False, True)
         return cls(margin=config.margin, fp8_format=fmt,
                    amax_history_len=config.amax_history_len,
-                   amax_compute_algo=config.amax_compute_algo)
+                   amax_compute_algo=config.amax_compute_algo, **extra)
     return cls(fp8_format=fmt)
+
+
+def _init_parameters(cls) -> set[str]:
+    """The keyword names a recipe class's constructor takes (a dataclass: its fields)."""
+    try:
+        return set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def autocast_factory(te: TransformerEngine, config: Fp8Config,
