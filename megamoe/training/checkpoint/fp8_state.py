@@ -50,11 +50,18 @@ def restore_fp8_state(model: nn.Module, common: dict, rank: int, same_layout: bo
     if not same_layout:
         return ("> checkpoint saved under another layout: FP8 amax histories start empty "
                 "(the resume is not exact)")
+    load_rank_entry(state, saved, rank, path, "fp8")
+    return None
+
+
+def load_rank_entry(state, saved: object, rank: int, path: str, key: str) -> None:
+    """`state.load_state_dict(saved[rank])` where `saved` is common.pt's per-rank list
+    under `key` (untrusted: its type and length are checked; a bad entry is a
+    CheckpointError naming the file and the field, as load_state_dict reports it)."""
     if not isinstance(saved, list) or rank >= len(saved):
-        raise CheckpointError(f"{path}: field 'fp8' must hold one FP8 state per saved rank")
+        raise CheckpointError(f"{path}: field '{key}' must hold one state per saved rank")
     try:
-        state.load_state_dict(saved[rank], where=f"fp8[{rank}]")
+        state.load_state_dict(saved[rank], where=f"{key}[{rank}]")
     except ValueError as e:
         raise CheckpointError(f"{path}: field {e}") from None
-    return None
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
-from megamoe.training.checkpoint.safe_load import CheckpointError
+from megamoe.training.checkpoint.fp8_state import load_rank_entry
 
 KEY = "te_extra_state"
 
@@ -48,10 +48,5 @@ def restore_te_state(model: nn.Module, common: dict, rank: int, same_layout: boo
     if not same_layout:
         return ("> checkpoint saved under another layout: Transformer Engine's extra state "
                 "starts fresh (the resume is not exact)")
-    if not isinstance(saved, list) or rank >= len(saved):
-        raise CheckpointError(f"{path}: field '{KEY}' must hold one state per saved rank")
-    try:
-        state.load_state_dict(saved[rank], where=f"{KEY}[{rank}]")
-    except ValueError as e:
-        raise CheckpointError(f"{path}: field {e}") from None
+    load_rank_entry(state, saved, rank, path, KEY)
     return None
