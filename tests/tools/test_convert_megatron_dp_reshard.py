@@ -181,7 +181,9 @@ TP_PP = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_dp2": ("--tp", "2", "--dp",
          "tp2_ep2_etp2": ("--tp", "2", "--ep", "2", "--etp", "2"),
          "tp2_ep2_etp1": ("--tp", "2", "--ep", "2", "--etp", "1"),
          # tied embeddings: each stage's copy in a bucket of its own (shared_embedding)
-         "tied_pp2_dp2": ("--variant", "qk_norm", "--pp", "2", "--dp", "2")}
+         "tied_pp2_dp2": ("--variant", "qk_norm", "--pp", "2", "--dp", "2"),
+         # CP 2 x DP 2: the buffers sharded over the DP x CP group (4 ranks, dumped)
+         "cp2_dp2": ("--cp", "2", "--dp", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +215,9 @@ def test_tp2_pp2_dp_reshardable_imports_megatron_cores_state(tp2_pp2, tmp_path, 
 def test_tp_pp_ep_dp_reshardable_resumes_with_the_adamw_step(case, tmp_path, mcore_python,
                                                             capsys):
     """TP 2 x PP 2, TP 2 x DP 2, PP 2 x DP 2, TP 2 x EP 2 with expert TP 2 (expert
-    dp_group_idx = etp + 2 ep) and 1: the imported state is megatron-core's own
-    model-shaped one and megamoe's first update from it is AdamW by hand."""
+    dp_group_idx = etp + 2 ep) and 1, CP 2 x DP 2 (the optimizer's group DP x CP, as
+    megatron-core dumps it): the imported state is megatron-core's own model-shaped one
+    and megamoe's first update from it is AdamW by hand."""
     save, ref, dump = _save(tmp_path, mcore_python, *TP_PP[case])
     _layouts_are_megatron_cores(save, dump)
     _convert_and_resume(tmp_path, save, ref, capsys)
@@ -232,6 +235,7 @@ def _layouts_are_megatron_cores(save: str, dump: str) -> int:
             prefix = f"chained_{k}." if len(opts) > 1 else ""
             _same_as_dump(ours[(prefix, opt["dp_group_idx"])].buckets,
                           _facts_of(opt["buffers"][0]))
+            assert ours[(prefix, opt["dp_group_idx"])].dp_size == opt["buffers"][0]["dp_size"]
             seen += 1
     assert seen >= 2
     return seen
@@ -345,7 +349,7 @@ def test_args_the_layout_does_not_model():
         "output_layer.weight", (4, 4))  # (column-parallel)
     for bad in (dict(virtual_pipeline_model_parallel_size=2), dict(data_parallel_size=3),
                 dict(moe_grouped_gemm=True), dict(data_parallel_size=None),
-                dict(ddp_num_buckets=4), dict(context_parallel_size=2),
+                dict(ddp_num_buckets=4), dict(num_distributed_optimizer_instances=2),
                 dict(expert_tensor_parallel_size=2), dict(pipeline_model_parallel_size=3),
                 dict(decoder_first_pipeline_num_layers=1, pipeline_model_parallel_size=2),
                 dict(multi_latent_attention=True, tensor_model_parallel_size=2)):
@@ -353,6 +357,6 @@ def test_args_the_layout_does_not_model():
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
     for bad in (dict(ddp_bucket_size="40000"), dict(data_parallel_size=0),
                 dict(overlap_grad_reduce="yes"), dict(tensor_model_parallel_size=2**40),
-                dict(pipeline_model_parallel_size=True)):
+                dict(pipeline_model_parallel_size=True), dict(context_parallel_size=0)):
         with pytest.raises(reshard.ConvertError, match="args."):
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)

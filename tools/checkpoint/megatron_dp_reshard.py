@@ -23,7 +23,7 @@ numbered in the stage, experts in the EP rank), and merged by megatron_shards.me
 the legacy weights' own merge (column / row splits, SwiGLU's per-rank [gate; up]
 halves, the qkv groups, stages renumbered).
 
-Modelled: any TP, PP (even split), DP and EP with expert TP = TP or 1 (EP > 1), CP 1,
+Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
 one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), all
 layers alike (one stacked block), no MTP, no MLA with TP > 1, fp32 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
@@ -78,10 +78,15 @@ _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layer
 
 
 def _layout(args) -> tuple[LegacyLayout, int]:
-    """(the parallel layout, the data-parallel size), after refusing what is not modelled."""
-    for name in ("context_parallel_size", "num_distributed_optimizer_instances"):
-        if _int(args, name, 1) != 1:
-            raise NotModelled(f"args.{name} = {getattr(args, name)} (only 1 is modelled)")
+    """(the parallel layout, the distributed optimizer's data-parallel size), after refusing
+    what is not modelled. That size is DP x CP: megatron-core's DDP and optimizer shard
+    over the intra_dp_cp group (context-parallel ranks hold the same parameters), so CP
+    changes the bucket-end padding and default bucket size, not which parameters a
+    buffer holds."""
+    if _int(args, "num_distributed_optimizer_instances", 1) != 1:
+        raise NotModelled(f"args.num_distributed_optimizer_instances = "
+                          f"{args.num_distributed_optimizer_instances} (only 1 is modelled)")
+    cp = _int(args, "context_parallel_size", 1, high=2**16)
     if getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
         raise NotModelled("virtual pipeline stages are not modelled")
     for name in ("use_megatron_fsdp", "fp8_param_gather", "use_precision_aware_optimizer",
@@ -103,10 +108,11 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         raise NotModelled(f"expert TP {etp} with TP {tp}, EP {ep} is not modelled")
     experts = _int(args, "num_experts", 1) if getattr(args, "num_experts", None) else 0
     layers = _int(args, "num_layers", 1)
-    dp = _int(args, "data_parallel_size", 1)
+    dp = _int(args, "data_parallel_size", 1) * cp
     if layers % pp or (experts or ep) % ep or (tp * dp) % (etp * ep):
         raise NotModelled(f"{layers} layers / PP {pp}, {experts} experts / EP {ep}, "
-                          f"TP {tp} x DP {dp} / (expert TP {etp} x EP {ep}) do not divide")
+                          f"TP {tp} x DP x CP {dp} / (expert TP {etp} x EP {ep}) do not "
+                          "divide")
     mla = _flag(args, "multi_latent_attention")
     if mla and tp > 1:
         raise NotModelled("MLA with TP > 1 is not modelled (its down projections' split "
@@ -193,6 +199,7 @@ class RankBuffer:
 
     buckets: list[Bucket]
     files: list[tuple[int, int, int]]
+    dp_size: int
 
 
 def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, int],
@@ -225,12 +232,13 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, 
         for t in range(tp):
             files = [(t, p, e) for e in range(ep)]
             key = ("chained_0." if ep > 1 else "", t + tp * p)
-            out[key] = RankBuffer(buckets(dense, tp, dp, tied), files)
+            out[key] = RankBuffer(buckets(dense, tp, dp, tied), files, dp)
         for e, params in enumerate(per_rank):
             for et in range(etp):
                 files = [(t, p, e) for t in range(tp) if etp == 1 or t == et]
                 key = ("chained_1.", et + etp * (e + ep * p))
-                out[key] = RankBuffer(buckets(params, etp, tp * dp // (etp * ep)), files)
+                edp = tp * dp // (etp * ep)
+                out[key] = RankBuffer(buckets(params, etp, edp), files, edp)
     return out
 
 
