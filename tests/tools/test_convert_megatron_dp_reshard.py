@@ -183,7 +183,12 @@ TP_PP = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_dp2": ("--tp", "2", "--dp",
          # tied embeddings: each stage's copy in a bucket of its own (shared_embedding)
          "tied_pp2_dp2": ("--variant", "qk_norm", "--pp", "2", "--dp", "2"),
          # CP 2 x DP 2: the buffers sharded over the DP x CP group (4 ranks, dumped)
-         "cp2_dp2": ("--cp", "2", "--dp", "2")}
+         "cp2_dp2": ("--cp", "2", "--dp", "2"),
+         # a dense first layer (--moe-layer-freq [0,1,1]), gated shared experts, expert
+         # bias: the layers saved one key per layer
+         "dense_first_dp2": ("--variant", "shared_dense", "--dp", "2"),
+         "dense_first_tp2_dp2": ("--variant", "shared_dense", "--tp", "2", "--dp", "2"),
+         "dense_first_ep2": ("--variant", "shared_dense", "--ep", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +221,9 @@ def test_tp_pp_ep_dp_reshardable_resumes_with_the_adamw_step(case, tmp_path, mco
                                                             capsys):
     """TP 2 x PP 2, TP 2 x DP 2, PP 2 x DP 2, TP 2 x EP 2 with expert TP 2 (expert
     dp_group_idx = etp + 2 ep) and 1, CP 2 x DP 2 (the optimizer's group DP x CP, as
-    megatron-core dumps it): the imported state is megatron-core's own model-shaped one
-    and megamoe's first update from it is AdamW by hand."""
+    megatron-core dumps it), a dense first layer at DP 2, TP 2 x DP 2 and EP 2: the
+    imported state is megatron-core's own model-shaped one and megamoe's first update
+    from it is AdamW by hand."""
     save, ref, dump = _save(tmp_path, mcore_python, *TP_PP[case])
     _layouts_are_megatron_cores(save, dump)
     _convert_and_resume(tmp_path, save, ref, capsys)
@@ -239,6 +245,22 @@ def _layouts_are_megatron_cores(save: str, dump: str) -> int:
             seen += 1
     assert seen >= 2
     return seen
+
+
+@pytest.mark.slow
+def test_shared_experts_gate_after_its_linears_fails_the_check(tmp_path, mcore_python,
+                                                              capsys, monkeypatch):
+    """The breakage: a layer's keys taken in their saved order, SharedExpertMLP's
+    gate_weight after its linear_fc1 / linear_fc2 (named_parameters puts a module's own
+    parameters first): megatron-core's dump and its model-shaped save both disagree."""
+    save, ref, dump = _save(tmp_path, mcore_python, *TP_PP["dense_first_dp2"])
+    monkeypatch.setattr(reshard, "registration_order", lambda rests: rests)
+    with pytest.raises(AssertionError):
+        _layouts_are_megatron_cores(save, dump)
+    conv = _convert(tmp_path, save, capsys)
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="shared_experts"):
+        _imported_equal_reference(conv, ref)
 
 
 def _glu_merged_as_columns(monkeypatch) -> None:

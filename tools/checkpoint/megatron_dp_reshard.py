@@ -24,8 +24,9 @@ the legacy weights' own merge (column / row splits, SwiGLU's per-rank [gate; up]
 halves, the qkv groups, stages renumbered).
 
 Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
-one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), all
-layers alike (one stacked block), no MTP, no MLA with TP > 1, fp32 or bf16 parameters.
+one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), the
+layers stacked (all alike) or one key per layer (dense and MoE layers mixed), no MTP, no
+MLA with TP > 1, fp32 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """
@@ -129,54 +130,102 @@ Param = tuple[str, str, tuple[int, ...], str]
 Entry = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 
 
+_PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# the local spec's fused-norm keys, by the module megatron-core registers them as
+_NORM_MODULE = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def registration_order(rests: list[str]) -> list[str]:
+    """A layer's keys (without the layer prefix) in megatron-core's named_parameters order:
+    the saved order, except that a module's own parameters come before its submodules'
+    (SharedExpertMLP's gate_weight before its linear_fc1 / linear_fc2, which its
+    sharded_state_dict writes first); submodules in the order they first appear."""
+    def order(names: list[tuple[list[str], str]]) -> list[str]:
+        own = [rest for path, rest in names if len(path) == 1]
+        groups: dict[str, list[tuple[list[str], str]]] = {}
+        for path, rest in names:
+            if len(path) > 1:
+                groups.setdefault(path[0], []).append((path[1:], rest))
+        return own + [r for g in groups.values() for r in order(g)]
+    return order([(_NORM_MODULE.get(r, r).split("."), r) for r in rests])
+
+
+Layer = list[tuple[str, tuple[int, ...], str]]
+
+
+def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: LegacyLayout
+                ) -> list[Layer]:
+    """Every layer's [(key, index into its tensor, key without the layer prefix)]: the
+    layers stacked under one `decoder.layers.` key ([layers, ...]; all
+    layers alike) or one key per layer (`decoder.layers.{i}.`: layers of different kinds,
+    such as a dense first layer)."""
+    stacked = [k for k in keys if k.startswith("decoder.layers.")
+               and not _PER_LAYER.fullmatch(k)]
+    per_layer = [k for k in keys if _PER_LAYER.fullmatch(k)]
+    if stacked and per_layer:
+        raise NotModelled("layers saved both stacked and one key per layer")
+    if stacked:
+        if any(weights[k].dim() < 2 or weights[k].shape[0] != layout.num_layers
+               for k in stacked):
+            raise NotModelled("stacked layer tensors of another shape")
+        rests = registration_order([k[len("decoder.layers."):] for k in stacked])
+        return [[(f"decoder.layers.{r}", (i,), r) for r in rests]
+                for i in range(layout.num_layers)]
+    by_layer: dict[int, list[str]] = {}
+    for k in per_layer:
+        m = _PER_LAYER.fullmatch(k)
+        by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
+    if sorted(by_layer) != list(range(layout.num_layers)):
+        raise NotModelled(f"layers {sorted(by_layer)[:4]}.. saved, not 0..{layout.num_layers - 1}")
+    return [[(f"decoder.layers.{i}.{r}", (), r) for r in registration_order(by_layer[i])]
+            for i in range(layout.num_layers)]
+
+
 def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int
                      ) -> tuple[list[Param], list[list[Param]]]:
     """(a stage's dense parameters, each EP rank's expert parameters of the stage), each
     in megatron-core's registration order (named_parameters).
 
-    The checkpoint stacks every layer's tensor under one `decoder.layers.` key ([layers,
-    ...]; experts [layers, experts, ...]) in the order the modules hold them; a stage
-    registers the embedding (first stage), its layers one after another, each layer's
-    parameters in that order with its SequentialMLP experts one after another
-    (linear_fc1, linear_fc2 each), then the final norm and the output layer (last
-    stage; with tied embeddings and PP > 1 its own copy of the word embeddings). Expert
-    rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in the
-    dense buffer."""
+    A stage registers the embedding (first stage), its layers one after another (each
+    layer's parameters in registration_order, its SequentialMLP experts one after
+    another, linear_fc1, linear_fc2 each), then the final norm and the output layer
+    (last stage; with tied embeddings and PP > 1 its own copy of the word embeddings).
+    Expert rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in
+    the dense buffer."""
     keys = [k for k in weights if "_extra_state" not in k and not k.endswith("expert_bias")]
-    stacked = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
-    if not stacked or stacked != list(range(stacked[0], stacked[-1] + 1)):
-        raise NotModelled("the layers are not saved as one stacked block")
     if any(not k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys):
         raise NotModelled("parameters outside embedding / decoder / output_layer (MTP?)")
-    block = [keys[i] for i in stacked]
-    expert_keys = [k for k in block if ".mlp.experts.experts." in k]
+    layer_at = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
+    if not layer_at or layer_at != list(range(layer_at[0], layer_at[-1] + 1)):
+        raise NotModelled("the layers are not saved as one block")
+    layers = _layer_keys(weights, [keys[i] for i in layer_at], layout)
     experts = max(layout.num_experts, 1)
-    if any(weights[k].dim() < 2 or weights[k].shape[0] != layout.num_layers for k in block
-           ) or any(weights[k].dim() < 3 or weights[k].shape[1] != experts
-                    for k in expert_keys):
-        raise NotModelled("stacked layer tensors of another shape (heterogeneous layers?)")
-    if any(".experts." in k for k in block if k not in expert_keys):
-        raise NotModelled("expert parameters not saved as `.mlp.experts.experts.`")
+    for key, at, rest in (x for layer in layers for x in layer):
+        if ".experts." in rest and not rest.startswith("mlp.experts.experts."):
+            raise NotModelled("expert parameters not saved as `.mlp.experts.experts.`")
+        if rest.startswith("mlp.experts.experts.") and (
+                weights[key].dim() < 2 + len(at) or weights[key].shape[len(at)] != experts):
+            raise NotModelled(f"{key}: not {experts} experts")
     local_e, per = experts // layout.ep, layout.layers_per_chunk
     dense: list[Param] = []
     if pp_rank == 0:
-        dense += [(k, k, (), k) for k in keys[:stacked[0]]]
+        dense += [(k, k, (), k) for k in keys[:layer_at[0]]]
     ranks: list[list[Param]] = [[] for _ in range(layout.ep)]
-    for li in range(per):
-        i = pp_rank * per + li
-        for k in block:
-            rest = k[len("decoder.layers."):]
-            if k not in expert_keys:
-                dense.append((f"decoder.layers.{li}.{rest}", k, (i,), rest))
-            elif k == expert_keys[0]:
+    for li, layer in enumerate(layers[pp_rank * per:(pp_rank + 1) * per]):
+        expert_keys = [(k, at) for k, at, rest in layer if rest.startswith("mlp.experts.")]
+        for key, at, rest in layer:
+            if not rest.startswith("mlp.experts."):
+                dense.append((f"decoder.layers.{li}.{rest}", key, at, rest))
+            elif key == expert_keys[0][0]:  # (the experts where the first expert key is)
                 for r in range(layout.ep):
                     into = dense if layout.ep == 1 else ranks[r]
                     into += [(f"decoder.layers.{li}.mlp.experts.local_experts.{e}.{fc}.weight",
-                              ek, (i, r * local_e + e), f"mlp.{fc}.weight")
-                             for e in range(local_e) for ek in expert_keys
+                              ek, (*eat, r * local_e + e), f"mlp.{fc}.weight")
+                             for e in range(local_e) for ek, eat in expert_keys
                              for fc in [ek.split(".")[-2]]]
     if pp_rank == layout.pp - 1:
-        dense += [(k, k, (), k) for k in keys[stacked[-1] + 1:]]
+        dense += [(k, k, (), k) for k in keys[layer_at[-1] + 1:]]
         if layout.tied and layout.pp > 1:
             emb = "embedding.word_embeddings.weight"
             dense.append(("output_layer.weight", emb, (), "output_layer.weight"))
