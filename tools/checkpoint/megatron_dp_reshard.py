@@ -25,8 +25,8 @@ halves, the qkv groups, stages renumbered).
 
 Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
 one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), the
-layers stacked (all alike) or one key per layer (dense and MoE layers mixed), no MTP, no
-MLA with TP > 1, fp32 or bf16 parameters.
+layers stacked (all alike) or one key per layer (dense and MoE layers mixed), MTP on the
+last stage with PP 1, no MLA with TP > 1, fp32 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """
@@ -182,6 +182,52 @@ def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: Legac
             for i in range(layout.num_layers)]
 
 
+def _mtp_depths(weights: dict[str, torch.Tensor], keys: list[str], experts: int
+                ) -> list[Layer]:
+    """Each MTP depth's [(key, (), key without `mtp.layers.{k}.`)] in registration order
+    (enorm, hnorm, eh_proj, its transformer layer, final_layernorm: the saved order)."""
+    by_depth: dict[int, list[str]] = {}
+    for k in keys:
+        m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", k)
+        if m is None:
+            raise NotModelled(f"{k}: not an MTP depth's key")
+        by_depth.setdefault(int(m.group(1)), []).append(m.group(2))
+    if sorted(by_depth) != list(range(len(by_depth))):
+        raise NotModelled(f"MTP depths {sorted(by_depth)} saved")
+    for depth, rests in by_depth.items():
+        for r in rests:
+            key = f"mtp.layers.{depth}.{r}"
+            if ".experts." in r and not r.startswith("transformer_layer.mlp.experts.experts."):
+                raise NotModelled("MTP expert parameters not saved as `.mlp.experts.experts.`")
+            if r.startswith("transformer_layer.mlp.experts.") and (
+                    weights[key].dim() < 2 or weights[key].shape[0] != experts):
+                raise NotModelled(f"{key}: not {experts} experts")
+    return [[(f"mtp.layers.{d}.{r}", (), r) for r in registration_order(by_depth[d])]
+            for d in range(len(by_depth))]
+
+
+def _add_layer(dense: list[Param], ranks: list[list[Param]], local: str, layer: Layer,
+               inner: str, local_e: int) -> None:
+    """One layer's parameters (`local`: its prefix in the rank's chunk; `inner`: the
+    prefix of its transformer layer inside it, MTP's `transformer_layer.`) appended in
+    registration order, its experts expanded where the first expert key is: to the dense
+    buffer with EP 1, else each EP rank's experts to that rank's."""
+    ep = len(ranks)
+    head = f"{inner}mlp.experts."
+    expert_keys = [(k, at) for k, at, rest in layer if rest.startswith(head)]
+    for key, at, rest in layer:
+        if not rest.startswith(head):
+            dense.append((f"{local}{rest}", key, at, rest[len(inner):]
+                          if rest.startswith(inner) else rest))
+        elif key == expert_keys[0][0]:
+            for r in range(ep):
+                into = dense if ep == 1 else ranks[r]
+                into += [(f"{local}{inner}mlp.experts.local_experts.{e}.{fc}.weight", ek,
+                          (*eat, r * local_e + e), f"mlp.{fc}.weight")
+                         for e in range(local_e) for ek, eat in expert_keys
+                         for fc in [ek.split(".")[-2]]]
+
+
 def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int
                      ) -> tuple[list[Param], list[list[Param]]]:
     """(a stage's dense parameters, each EP rank's expert parameters of the stage), each
@@ -194,8 +240,9 @@ def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_
     Expert rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in
     the dense buffer."""
     keys = [k for k in weights if "_extra_state" not in k and not k.endswith("expert_bias")]
-    if any(not k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys):
-        raise NotModelled("parameters outside embedding / decoder / output_layer (MTP?)")
+    if any(not k.startswith(("embedding.", "decoder.", "output_layer.", "mtp.layers."))
+           for k in keys):
+        raise NotModelled("parameters outside embedding / decoder / mtp / output_layer")
     layer_at = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
     if not layer_at or layer_at != list(range(layer_at[0], layer_at[-1] + 1)):
         raise NotModelled("the layers are not saved as one block")
@@ -213,19 +260,21 @@ def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_
         dense += [(k, k, (), k) for k in keys[:layer_at[0]]]
     ranks: list[list[Param]] = [[] for _ in range(layout.ep)]
     for li, layer in enumerate(layers[pp_rank * per:(pp_rank + 1) * per]):
-        expert_keys = [(k, at) for k, at, rest in layer if rest.startswith("mlp.experts.")]
-        for key, at, rest in layer:
-            if not rest.startswith("mlp.experts."):
-                dense.append((f"decoder.layers.{li}.{rest}", key, at, rest))
-            elif key == expert_keys[0][0]:  # (the experts where the first expert key is)
-                for r in range(layout.ep):
-                    into = dense if layout.ep == 1 else ranks[r]
-                    into += [(f"decoder.layers.{li}.mlp.experts.local_experts.{e}.{fc}.weight",
-                              ek, (*eat, r * local_e + e), f"mlp.{fc}.weight")
-                             for e in range(local_e) for ek, eat in expert_keys
-                             for fc in [ek.split(".")[-2]]]
+        _add_layer(dense, ranks, f"decoder.layers.{li}.", layer, "", local_e)
     if pp_rank == layout.pp - 1:
-        dense += [(k, k, (), k) for k in keys[layer_at[-1] + 1:]]
+        tail = keys[layer_at[-1] + 1:]
+        mtp = [k for k in tail if k.startswith("mtp.layers.")]
+        if mtp and layout.pp > 1:
+            raise NotModelled("MTP with PP > 1 is not modelled")
+        final = [k for k in tail if k.startswith("decoder.")]
+        output = [k for k in tail if k.startswith("output_layer.")]
+        if tail != final + mtp + output:  # (GPTModel registers them in this order)
+            raise NotModelled("the final norm, MTP and output layer saved in another order")
+        dense += [(k, k, (), k) for k in final]
+        for depth, layer in enumerate(_mtp_depths(weights, mtp, experts)):
+            _add_layer(dense, ranks, f"mtp.layers.{depth}.", layer, "transformer_layer.",
+                       local_e)
+        dense += [(k, k, (), k) for k in output]
         if layout.tied and layout.pp > 1:
             emb = "embedding.word_embeddings.weight"
             dense.append(("output_layer.weight", emb, (), "output_layer.weight"))
