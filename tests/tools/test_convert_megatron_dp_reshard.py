@@ -194,7 +194,9 @@ TP_PP = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_dp2": ("--tp", "2", "--dp",
          # MLA + two MTP depths (each an MoE layer) after the final norm, before the
          # output layer; with EP 2 the MTP experts in the expert buffers
          "mtp_dp2": ("--variant", "mla_mtp", "--dp", "2"),
-         "mtp_ep2": ("--variant", "mla_mtp", "--ep", "2")}
+         "mtp_ep2": ("--variant", "mla_mtp", "--ep", "2"),
+         # MLA at TP 2 (--transformer-impl local: column-parallel down projections)
+         "mla_mtp_tp2_dp2": ("--variant", "mla_mtp", "--tp", "2", "--dp", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +230,7 @@ def test_tp_pp_ep_dp_reshardable_resumes_with_the_adamw_step(case, tmp_path, mco
     """TP 2 x PP 2, TP 2 x DP 2, PP 2 x DP 2, TP 2 x EP 2 with expert TP 2 (expert
     dp_group_idx = etp + 2 ep) and 1, CP 2 x DP 2 (the optimizer's group DP x CP, as
     megatron-core dumps it), a dense first layer at DP 2, TP 2 x DP 2 and EP 2, MLA with
-    two MTP depths at DP 2 and EP 2: the
+    two MTP depths at DP 2, EP 2 and TP 2 x DP 2: the
     imported state is megatron-core's own model-shaped one and megamoe's first update
     from it is AdamW by hand."""
     save, ref, dump = _save(tmp_path, mcore_python, *TP_PP[case])

@@ -43,7 +43,8 @@ CASES = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_ep2_dp2": ("--tp", "2", "--
          "cp2_dp2": ("--cp", "2", "--dp", "2"),
          # a dense first layer, gated shared experts (each rank file's own parameter list)
          "dense_first_dp2": ("--variant", "shared_dense", "--dp", "2"),
-         "mtp_dp2": ("--variant", "mla_mtp", "--dp", "2")}
+         "mtp_dp2": ("--variant", "mla_mtp", "--dp", "2"),
+         "mla_mtp_tp2": ("--variant", "mla_mtp", "--tp", "2")}
 LINE = "Adam state of the distributed optimizer (distrib_optim.pt) at step 2"
 
 

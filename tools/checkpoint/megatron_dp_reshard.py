@@ -26,7 +26,8 @@ halves, the qkv groups, stages renumbered).
 Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
 one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), the
 layers stacked (all alike) or one key per layer (dense and MoE layers mixed), MTP on the
-last stage with PP 1, no MLA with TP > 1, fp32 or bf16 parameters.
+last stage with PP 1, MLA (at TP > 1 the local spec's column-parallel down projections,
+--transformer-impl local), fp32 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """
@@ -43,7 +44,7 @@ from checks import ConvertError
 from megatron_dp_layout import Bucket, bucket_layout, bucket_size_of
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megamoe.model.megatron_shards import LegacyLayout, merge_legacy, tp_shard_shape
+from megamoe.model.megatron_shards import MLA_DOWN, LegacyLayout, merge_legacy, tp_shard_shape
 from megamoe.training.checkpoint.megatron_common import load_megatron_pickle, read_byte_item
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -114,13 +115,20 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         raise NotModelled(f"{layers} layers / PP {pp}, {experts} experts / EP {ep}, "
                           f"TP {tp} x DP x CP {dp} / (expert TP {etp} x EP {ep}) do not "
                           "divide")
-    mla = _flag(args, "multi_latent_attention")
-    if mla and tp > 1:
-        raise NotModelled("MLA with TP > 1 is not modelled (its down projections' split "
-                          "depends on the spec)")
+    down = None
+    if _flag(args, "multi_latent_attention"):
+        impl = getattr(args, "transformer_impl", "transformer_engine")
+        if tp > 1 and impl != "local":
+            raise NotModelled(f"MLA with TP > 1 and --transformer-impl {impl!r} is not "
+                              "modelled (only the local spec's column-parallel down "
+                              "projections are checked against megatron-core)")
+        q_rank = getattr(args, "q_lora_rank", None)
+        down = (None if q_rank is None else _int(args, "q_lora_rank", 1),
+                _int(args, "kv_lora_rank", 1) + _int(args, "qk_pos_emb_head_dim", 1))
     return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=None, num_layers=layers,
                         num_experts=experts, swiglu=_flag(args, "swiglu"),
-                        tied=not _flag(args, "untie_embeddings_and_output_weights")), dp
+                        tied=not _flag(args, "untie_embeddings_and_output_weights"),
+                        mla_down_rows=down), dp
 
 
 # (local name as a rank's state_dict names it, DCP key, index into its stacked dims,
@@ -281,10 +289,20 @@ def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_
     return dense, ranks if layout.ep > 1 else []
 
 
+def _shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """megatron_shards' rules, and MLA's down projections column-parallel: the local spec's
+    (the only one _layout lets through at TP > 1)."""
+    if tp > 1 and name in MLA_DOWN:
+        if shape[0] % tp:
+            raise ValueError(f"{name}: {shape[0]} rows do not split over TP {tp}")
+        return (shape[0] // tp, *shape[1:])
+    return tp_shard_shape(name, shape, tp)
+
+
 def _on_rank(params: list[Param], weights: dict[str, torch.Tensor], tp: int) -> list[Entry]:
-    """The parameters with the shapes one of `tp` ranks holds (megatron_shards' rules)."""
+    """The parameters with the shapes one of `tp` ranks holds."""
     try:
-        return [(local, key, at, tp_shard_shape(name, tuple(weights[key][at].shape), tp))
+        return [(local, key, at, _shard_shape(name, tuple(weights[key][at].shape), tp))
                 for local, key, at, name in params]
     except ValueError as e:
         raise NotModelled(str(e)) from None
