@@ -414,6 +414,7 @@ def test_args_the_layout_does_not_model():
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
     for bad in (dict(ddp_bucket_size="40000"), dict(data_parallel_size=0),
                 dict(overlap_grad_reduce="yes"), dict(tensor_model_parallel_size=2**40),
-                dict(pipeline_model_parallel_size=True), dict(context_parallel_size=0)):
+                dict(pipeline_model_parallel_size=True), dict(context_parallel_size=0),
+                dict(multi_latent_attention=True, kv_lora_rank="16")):
         with pytest.raises(reshard.ConvertError, match="args."):
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)
