@@ -8,7 +8,7 @@ megatron-core's own `save_parameter_state`):
 - the imported moments and fp32 main parameters equal megatron-core's own model-shaped
   (fully_reshardable torch_dist) save of the same state, exactly, and megamoe's first
   update from them is AdamW by hand (slow: TP 2 x PP 2, TP 2 x EP 2 x DP 2 with its
-  folded rank files and a ChainedOptimizer's two-entry files, PP 2 x DP 2);
+  folded rank files and a ChainedOptimizer's two-entry files, PP 2 x DP 2, CP 2 x DP 2);
 - parameters laid out in forward order (same lengths) fail that comparison;
 - a missing or crafted distrib_optim.pt: one line, exit 1, nothing written (the crafted
   fields without the peer, in the default set).
@@ -38,7 +38,13 @@ checks = importlib.import_module("checks")
 CASES = {"tp2_pp2": ("--tp", "2", "--pp", "2"), "tp2_ep2_dp2": ("--tp", "2", "--ep", "2",
                                                                 "--dp", "2"),
          "pp2_dp2": ("--pp", "2", "--dp", "2"),
-         "tied_pp2": ("--variant", "qk_norm", "--pp", "2")}
+         "tied_pp2": ("--variant", "qk_norm", "--pp", "2"),
+         # the buffers gathered over the DP x CP group (megatron-core's intra_dp_cp)
+         "cp2_dp2": ("--cp", "2", "--dp", "2"),
+         # a dense first layer, gated shared experts (each rank file's own parameter list)
+         "dense_first_dp2": ("--variant", "shared_dense", "--dp", "2"),
+         "mtp_dp2": ("--variant", "mla_mtp", "--dp", "2"),
+         "mla_mtp_tp2": ("--variant", "mla_mtp", "--tp", "2")}
 LINE = "Adam state of the distributed optimizer (distrib_optim.pt) at step 2"
 
 
@@ -66,7 +72,7 @@ def test_legacy_distrib_optim_resumes_with_the_adamw_step(case, tmp_path, mcore_
 
 NONDIST = {"fp32_tp2_pp2": ("--tp", "2", "--pp", "2"),
            "fp32_tp2_ep2_dp2": ("--tp", "2", "--ep", "2", "--dp", "2"),
-           "bf16_pp2": ("--pp", "2", "--bf16")}
+           "bf16_pp2": ("--pp", "2", "--bf16"), "fp32_cp2_dp2": ("--cp", "2", "--dp", "2")}
 NONDIST_LINE = "Adam state of the non-distributed optimizer (model_optim_rng.pt) at step 2"
 
 

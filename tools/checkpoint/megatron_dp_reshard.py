@@ -23,9 +23,11 @@ numbered in the stage, experts in the EP rank), and merged by megatron_shards.me
 the legacy weights' own merge (column / row splits, SwiGLU's per-rank [gate; up]
 halves, the qkv groups, stages renumbered).
 
-Modelled: any TP, PP (even split), DP and EP with expert TP = TP or 1 (EP > 1), CP 1,
-one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), all
-layers alike (one stacked block), no MTP, no MLA with TP > 1, fp32 or bf16 parameters.
+Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
+one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), the
+layers stacked (all alike) or one key per layer (dense and MoE layers mixed), MTP on the
+last stage with PP 1, MLA (at TP > 1 the local spec's column-parallel down projections,
+--transformer-impl local), fp32 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """
@@ -42,7 +44,7 @@ from checks import ConvertError
 from megatron_dp_layout import Bucket, bucket_layout, bucket_size_of
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megamoe.model.megatron_shards import LegacyLayout, merge_legacy, tp_shard_shape
+from megamoe.model.megatron_shards import MLA_DOWN, LegacyLayout, merge_legacy, tp_shard_shape
 from megamoe.training.checkpoint.megatron_common import load_megatron_pickle, read_byte_item
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -78,10 +80,15 @@ _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layer
 
 
 def _layout(args) -> tuple[LegacyLayout, int]:
-    """(the parallel layout, the data-parallel size), after refusing what is not modelled."""
-    for name in ("context_parallel_size", "num_distributed_optimizer_instances"):
-        if _int(args, name, 1) != 1:
-            raise NotModelled(f"args.{name} = {getattr(args, name)} (only 1 is modelled)")
+    """(the parallel layout, the distributed optimizer's data-parallel size), after refusing
+    what is not modelled. That size is DP x CP: megatron-core's DDP and optimizer shard
+    over the intra_dp_cp group (context-parallel ranks hold the same parameters), so CP
+    changes the bucket-end padding and default bucket size, not which parameters a
+    buffer holds."""
+    if _int(args, "num_distributed_optimizer_instances", 1) != 1:
+        raise NotModelled(f"args.num_distributed_optimizer_instances = "
+                          f"{args.num_distributed_optimizer_instances} (only 1 is modelled)")
+    cp = _int(args, "context_parallel_size", 1, high=2**16)
     if getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
         raise NotModelled("virtual pipeline stages are not modelled")
     for name in ("use_megatron_fsdp", "fp8_param_gather", "use_precision_aware_optimizer",
@@ -103,17 +110,25 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         raise NotModelled(f"expert TP {etp} with TP {tp}, EP {ep} is not modelled")
     experts = _int(args, "num_experts", 1) if getattr(args, "num_experts", None) else 0
     layers = _int(args, "num_layers", 1)
-    dp = _int(args, "data_parallel_size", 1)
+    dp = _int(args, "data_parallel_size", 1) * cp
     if layers % pp or (experts or ep) % ep or (tp * dp) % (etp * ep):
         raise NotModelled(f"{layers} layers / PP {pp}, {experts} experts / EP {ep}, "
-                          f"TP {tp} x DP {dp} / (expert TP {etp} x EP {ep}) do not divide")
-    mla = _flag(args, "multi_latent_attention")
-    if mla and tp > 1:
-        raise NotModelled("MLA with TP > 1 is not modelled (its down projections' split "
-                          "depends on the spec)")
+                          f"TP {tp} x DP x CP {dp} / (expert TP {etp} x EP {ep}) do not "
+                          "divide")
+    down = None
+    if _flag(args, "multi_latent_attention"):
+        impl = getattr(args, "transformer_impl", "transformer_engine")
+        if tp > 1 and impl != "local":
+            raise NotModelled(f"MLA with TP > 1 and --transformer-impl {impl!r} is not "
+                              "modelled (only the local spec's column-parallel down "
+                              "projections are checked against megatron-core)")
+        q_rank = getattr(args, "q_lora_rank", None)
+        down = (None if q_rank is None else _int(args, "q_lora_rank", 1),
+                _int(args, "kv_lora_rank", 1) + _int(args, "qk_pos_emb_head_dim", 1))
     return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=None, num_layers=layers,
                         num_experts=experts, swiglu=_flag(args, "swiglu"),
-                        tied=not _flag(args, "untie_embeddings_and_output_weights")), dp
+                        tied=not _flag(args, "untie_embeddings_and_output_weights"),
+                        mla_down_rows=down), dp
 
 
 # (local name as a rank's state_dict names it, DCP key, index into its stacked dims,
@@ -123,64 +138,171 @@ Param = tuple[str, str, tuple[int, ...], str]
 Entry = tuple[str, str, tuple[int, ...], tuple[int, ...]]
 
 
+_PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# the local spec's fused-norm keys, by the module megatron-core registers them as
+_NORM_MODULE = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def registration_order(rests: list[str]) -> list[str]:
+    """A layer's keys (without the layer prefix) in megatron-core's named_parameters order:
+    the saved order, except that a module's own parameters come before its submodules'
+    (SharedExpertMLP's gate_weight before its linear_fc1 / linear_fc2, which its
+    sharded_state_dict writes first); submodules in the order they first appear."""
+    def order(names: list[tuple[list[str], str]]) -> list[str]:
+        own = [rest for path, rest in names if len(path) == 1]
+        groups: dict[str, list[tuple[list[str], str]]] = {}
+        for path, rest in names:
+            if len(path) > 1:
+                groups.setdefault(path[0], []).append((path[1:], rest))
+        return own + [r for g in groups.values() for r in order(g)]
+    return order([(_NORM_MODULE.get(r, r).split("."), r) for r in rests])
+
+
+Layer = list[tuple[str, tuple[int, ...], str]]
+
+
+def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: LegacyLayout
+                ) -> list[Layer]:
+    """Every layer's [(key, index into its tensor, key without the layer prefix)]: the
+    layers stacked under one `decoder.layers.` key ([layers, ...]; all
+    layers alike) or one key per layer (`decoder.layers.{i}.`: layers of different kinds,
+    such as a dense first layer)."""
+    stacked = [k for k in keys if k.startswith("decoder.layers.")
+               and not _PER_LAYER.fullmatch(k)]
+    per_layer = [k for k in keys if _PER_LAYER.fullmatch(k)]
+    if stacked and per_layer:
+        raise NotModelled("layers saved both stacked and one key per layer")
+    if stacked:
+        if any(weights[k].dim() < 2 or weights[k].shape[0] != layout.num_layers
+               for k in stacked):
+            raise NotModelled("stacked layer tensors of another shape")
+        rests = registration_order([k[len("decoder.layers."):] for k in stacked])
+        return [[(f"decoder.layers.{r}", (i,), r) for r in rests]
+                for i in range(layout.num_layers)]
+    by_layer: dict[int, list[str]] = {}
+    for k in per_layer:
+        m = _PER_LAYER.fullmatch(k)
+        by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
+    if sorted(by_layer) != list(range(layout.num_layers)):
+        raise NotModelled(f"layers {sorted(by_layer)[:4]}.. saved, not 0..{layout.num_layers - 1}")
+    return [[(f"decoder.layers.{i}.{r}", (), r) for r in registration_order(by_layer[i])]
+            for i in range(layout.num_layers)]
+
+
+def _mtp_depths(weights: dict[str, torch.Tensor], keys: list[str], experts: int
+                ) -> list[Layer]:
+    """Each MTP depth's [(key, (), key without `mtp.layers.{k}.`)] in registration order
+    (enorm, hnorm, eh_proj, its transformer layer, final_layernorm: the saved order)."""
+    by_depth: dict[int, list[str]] = {}
+    for k in keys:
+        m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", k)
+        if m is None:
+            raise NotModelled(f"{k}: not an MTP depth's key")
+        by_depth.setdefault(int(m.group(1)), []).append(m.group(2))
+    if sorted(by_depth) != list(range(len(by_depth))):
+        raise NotModelled(f"MTP depths {sorted(by_depth)} saved")
+    for depth, rests in by_depth.items():
+        for r in rests:
+            key = f"mtp.layers.{depth}.{r}"
+            if ".experts." in r and not r.startswith("transformer_layer.mlp.experts.experts."):
+                raise NotModelled("MTP expert parameters not saved as `.mlp.experts.experts.`")
+            if r.startswith("transformer_layer.mlp.experts.") and (
+                    weights[key].dim() < 2 or weights[key].shape[0] != experts):
+                raise NotModelled(f"{key}: not {experts} experts")
+    return [[(f"mtp.layers.{d}.{r}", (), r) for r in registration_order(by_depth[d])]
+            for d in range(len(by_depth))]
+
+
+def _add_layer(dense: list[Param], ranks: list[list[Param]], local: str, layer: Layer,
+               inner: str, local_e: int) -> None:
+    """One layer's parameters (`local`: its prefix in the rank's chunk; `inner`: the
+    prefix of its transformer layer inside it, MTP's `transformer_layer.`) appended in
+    registration order, its experts expanded where the first expert key is: to the dense
+    buffer with EP 1, else each EP rank's experts to that rank's."""
+    ep = len(ranks)
+    head = f"{inner}mlp.experts."
+    expert_keys = [(k, at) for k, at, rest in layer if rest.startswith(head)]
+    for key, at, rest in layer:
+        if not rest.startswith(head):
+            dense.append((f"{local}{rest}", key, at, rest[len(inner):]
+                          if rest.startswith(inner) else rest))
+        elif key == expert_keys[0][0]:
+            for r in range(ep):
+                into = dense if ep == 1 else ranks[r]
+                into += [(f"{local}{inner}mlp.experts.local_experts.{e}.{fc}.weight", ek,
+                          (*eat, r * local_e + e), f"mlp.{fc}.weight")
+                         for e in range(local_e) for ek, eat in expert_keys
+                         for fc in [ek.split(".")[-2]]]
+
+
 def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int
                      ) -> tuple[list[Param], list[list[Param]]]:
     """(a stage's dense parameters, each EP rank's expert parameters of the stage), each
     in megatron-core's registration order (named_parameters).
 
-    The checkpoint stacks every layer's tensor under one `decoder.layers.` key ([layers,
-    ...]; experts [layers, experts, ...]) in the order the modules hold them; a stage
-    registers the embedding (first stage), its layers one after another, each layer's
-    parameters in that order with its SequentialMLP experts one after another
-    (linear_fc1, linear_fc2 each), then the final norm and the output layer (last
-    stage; with tied embeddings and PP > 1 its own copy of the word embeddings). Expert
-    rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in the
-    dense buffer."""
+    A stage registers the embedding (first stage), its layers one after another (each
+    layer's parameters in registration_order, its SequentialMLP experts one after
+    another, linear_fc1, linear_fc2 each), then the final norm and the output layer
+    (last stage; with tied embeddings and PP > 1 its own copy of the word embeddings).
+    Expert rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in
+    the dense buffer."""
     keys = [k for k in weights if "_extra_state" not in k and not k.endswith("expert_bias")]
-    stacked = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
-    if not stacked or stacked != list(range(stacked[0], stacked[-1] + 1)):
-        raise NotModelled("the layers are not saved as one stacked block")
-    if any(not k.startswith(("embedding.", "decoder.", "output_layer.")) for k in keys):
-        raise NotModelled("parameters outside embedding / decoder / output_layer (MTP?)")
-    block = [keys[i] for i in stacked]
-    expert_keys = [k for k in block if ".mlp.experts.experts." in k]
+    if any(not k.startswith(("embedding.", "decoder.", "output_layer.", "mtp.layers."))
+           for k in keys):
+        raise NotModelled("parameters outside embedding / decoder / mtp / output_layer")
+    layer_at = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
+    if not layer_at or layer_at != list(range(layer_at[0], layer_at[-1] + 1)):
+        raise NotModelled("the layers are not saved as one block")
+    layers = _layer_keys(weights, [keys[i] for i in layer_at], layout)
     experts = max(layout.num_experts, 1)
-    if any(weights[k].dim() < 2 or weights[k].shape[0] != layout.num_layers for k in block
-           ) or any(weights[k].dim() < 3 or weights[k].shape[1] != experts
-                    for k in expert_keys):
-        raise NotModelled("stacked layer tensors of another shape (heterogeneous layers?)")
-    if any(".experts." in k for k in block if k not in expert_keys):
-        raise NotModelled("expert parameters not saved as `.mlp.experts.experts.`")
+    for key, at, rest in (x for layer in layers for x in layer):
+        if ".experts." in rest and not rest.startswith("mlp.experts.experts."):
+            raise NotModelled("expert parameters not saved as `.mlp.experts.experts.`")
+        if rest.startswith("mlp.experts.experts.") and (
+                weights[key].dim() < 2 + len(at) or weights[key].shape[len(at)] != experts):
+            raise NotModelled(f"{key}: not {experts} experts")
     local_e, per = experts // layout.ep, layout.layers_per_chunk
     dense: list[Param] = []
     if pp_rank == 0:
-        dense += [(k, k, (), k) for k in keys[:stacked[0]]]
+        dense += [(k, k, (), k) for k in keys[:layer_at[0]]]
     ranks: list[list[Param]] = [[] for _ in range(layout.ep)]
-    for li in range(per):
-        i = pp_rank * per + li
-        for k in block:
-            rest = k[len("decoder.layers."):]
-            if k not in expert_keys:
-                dense.append((f"decoder.layers.{li}.{rest}", k, (i,), rest))
-            elif k == expert_keys[0]:
-                for r in range(layout.ep):
-                    into = dense if layout.ep == 1 else ranks[r]
-                    into += [(f"decoder.layers.{li}.mlp.experts.local_experts.{e}.{fc}.weight",
-                              ek, (i, r * local_e + e), f"mlp.{fc}.weight")
-                             for e in range(local_e) for ek in expert_keys
-                             for fc in [ek.split(".")[-2]]]
+    for li, layer in enumerate(layers[pp_rank * per:(pp_rank + 1) * per]):
+        _add_layer(dense, ranks, f"decoder.layers.{li}.", layer, "", local_e)
     if pp_rank == layout.pp - 1:
-        dense += [(k, k, (), k) for k in keys[stacked[-1] + 1:]]
+        tail = keys[layer_at[-1] + 1:]
+        mtp = [k for k in tail if k.startswith("mtp.layers.")]
+        if mtp and layout.pp > 1:
+            raise NotModelled("MTP with PP > 1 is not modelled")
+        final = [k for k in tail if k.startswith("decoder.")]
+        output = [k for k in tail if k.startswith("output_layer.")]
+        if tail != final + mtp + output:  # (GPTModel registers them in this order)
+            raise NotModelled("the final norm, MTP and output layer saved in another order")
+        dense += [(k, k, (), k) for k in final]
+        for depth, layer in enumerate(_mtp_depths(weights, mtp, experts)):
+            _add_layer(dense, ranks, f"mtp.layers.{depth}.", layer, "transformer_layer.",
+                       local_e)
+        dense += [(k, k, (), k) for k in output]
         if layout.tied and layout.pp > 1:
             emb = "embedding.word_embeddings.weight"
             dense.append(("output_layer.weight", emb, (), "output_layer.weight"))
     return dense, ranks if layout.ep > 1 else []
 
 
+def _shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """megatron_shards' rules, and MLA's down projections column-parallel: the local spec's
+    (the only one _layout lets through at TP > 1)."""
+    if tp > 1 and name in MLA_DOWN:
+        if shape[0] % tp:
+            raise ValueError(f"{name}: {shape[0]} rows do not split over TP {tp}")
+        return (shape[0] // tp, *shape[1:])
+    return tp_shard_shape(name, shape, tp)
+
+
 def _on_rank(params: list[Param], weights: dict[str, torch.Tensor], tp: int) -> list[Entry]:
-    """The parameters with the shapes one of `tp` ranks holds (megatron_shards' rules)."""
+    """The parameters with the shapes one of `tp` ranks holds."""
     try:
-        return [(local, key, at, tp_shard_shape(name, tuple(weights[key][at].shape), tp))
+        return [(local, key, at, _shard_shape(name, tuple(weights[key][at].shape), tp))
                 for local, key, at, name in params]
     except ValueError as e:
         raise NotModelled(str(e)) from None
@@ -193,6 +315,7 @@ class RankBuffer:
 
     buckets: list[Bucket]
     files: list[tuple[int, int, int]]
+    dp_size: int
 
 
 def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, int],
@@ -225,12 +348,13 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, 
         for t in range(tp):
             files = [(t, p, e) for e in range(ep)]
             key = ("chained_0." if ep > 1 else "", t + tp * p)
-            out[key] = RankBuffer(buckets(dense, tp, dp, tied), files)
+            out[key] = RankBuffer(buckets(dense, tp, dp, tied), files, dp)
         for e, params in enumerate(per_rank):
             for et in range(etp):
                 files = [(t, p, e) for t in range(tp) if etp == 1 or t == et]
                 key = ("chained_1.", et + etp * (e + ep * p))
-                out[key] = RankBuffer(buckets(params, etp, tp * dp // (etp * ep)), files)
+                edp = tp * dp // (etp * ep)
+                out[key] = RankBuffer(buckets(params, etp, edp), files, edp)
     return out
 
 

@@ -70,7 +70,8 @@ def _equalize_replicas(chunks) -> None:
     from megatron.core import parallel_state as ps
 
     groups = [(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()),
-              (ps.get_data_parallel_group(), ps.get_data_parallel_world_size())]
+              (ps.get_data_parallel_group(with_context_parallel=True),
+               ps.get_data_parallel_world_size(with_context_parallel=True))]
     for chunk in chunks:
         tensors = [p for p in chunk.parameters()
                    if not getattr(p, "tensor_model_parallel", False)

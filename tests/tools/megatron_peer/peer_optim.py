@@ -2,7 +2,7 @@
 (mcore_venv.py), never imports megamoe.
 
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
-        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] \
+        [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] [--cp 2] \
         [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] \
         [--layout-json PATH [--layout-only]] [--reference-out DIR] --out SAVE_DIR [--steps 2]
 
@@ -22,6 +22,12 @@ the model-shaped fully_reshardable layout (the oracle for dp_reshardable imports
 stops (--overlap-grad-reduce's gradient hooks ask for CUDA streams: they build but do not
 train on the CPU). --dp N forks N data-parallel gloo ranks that train on the same tokens (so their
 gradients are equal without megatron-core's gradient sync, which is not called).
+--cp N: megatron-core's parallel state with N context-parallel ranks, so its DDP and
+distributed optimizer shard the buffers over the DP x CP group as Megatron-LM's do; the
+model's attention stays whole on every CP rank (megatron-core's local attention refuses
+CP and context parallelism changes no parameter): its rotary embedding gets a one-rank
+CP group and each CP rank runs the whole sequence, in eval mode (no aux-loss reduction
+over the CP group), so the CP replicas' gradients are equal too.
 
 On CPU: megatron-core's optimizers make a few tensors with device='cuda' and check
 `param.type()` for CUDA type names; those factories are sent to the CPU and CPU tensors
@@ -75,7 +81,8 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
 def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
-          layout: dict | None = None, ddp: dict | None = None, stage: dict | None = None):
+          layout: dict | None = None, ddp: dict | None = None, stage: dict | None = None,
+          cp_whole: bool = False):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -87,7 +94,9 @@ def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
     # TP > 1 runs in eval mode: megatron-core's MoE layer refuses to train with TP but
     # without sequence parallelism, which its torch norms refuse; eval mode changes
     # nothing else here (no dropout, no aux loss) and the gradients are the loss's own
-    model.train((layout or {}).get("tensor_model_parallel_size", 1) == 1)
+    model.train((layout or {}).get("tensor_model_parallel_size", 1) == 1 and not cp_whole)
+    if cp_whole:
+        _whole_sequence_on_cp_ranks(model)
     if bf16:  # Megatron-LM's Float16Module: every parameter bf16
         model = model.to(torch.bfloat16)
     ddp = DistributedDataParallel(
@@ -99,6 +108,23 @@ def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
                              use_distributed_optimizer=distributed, clip_grad=1.0,
                              **dtype)
     return model, ddp, get_megatron_optimizer(config, [ddp])
+
+
+def _whole_sequence_on_cp_ranks(model) -> None:
+    """Every module's context-parallel group (the rotary embedding's slice of the positions
+    per CP rank) replaced by this rank's one-rank group: the whole sequence on each rank."""
+    from megatron.core import parallel_state as ps
+
+    world = torch.distributed.get_world_size()
+    # (new_group is collective: every rank makes every one-rank group, in the same order)
+    alone = [torch.distributed.new_group([r], backend="gloo") for r in range(world)]
+    mine = alone[torch.distributed.get_rank()]
+    cp = ps.get_context_parallel_group()
+    replaced = 0
+    for module in model.modules():
+        if getattr(module, "cp_group", None) is cp:
+            module.cp_group, replaced = mine, replaced + 1
+    assert replaced, "no module holds the context-parallel group"
 
 
 def dump_layout(optimizer, model, path: str) -> None:
@@ -134,7 +160,7 @@ def _ranks() -> dict:
             "pp": ps.get_pipeline_model_parallel_rank(),
             "ep": ps.get_expert_model_parallel_rank(),
             "etp": ps.get_expert_tensor_parallel_rank(),
-            "dp": ps.get_data_parallel_rank()}
+            "dp": ps.get_data_parallel_rank(), "cp": ps.get_context_parallel_rank()}
 
 
 def _forward_backward(model, ddp, tokens, pos, mask) -> None:
@@ -180,7 +206,7 @@ def train(model, ddp, optimizer, steps: int) -> None:
 def save(a) -> None:
     """One rank's part (all of it with one process): train, then the collective save."""
 
-    sharded = a.tp * a.pp * a.ep * a.dp > 1
+    sharded = a.tp * a.pp * a.ep * a.dp * a.cp > 1
     layout = peer_legacy._layout(a) if sharded else None
     vocab = peer_legacy.padded_vocab(a.tp)
     ddp_args = {"overlap_grad_reduce": a.overlap_grad_reduce, "bucket_size": a.bucket_size,
@@ -193,7 +219,7 @@ def save(a) -> None:
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout,
-                                  ddp_args, stage)
+                                  ddp_args, stage, cp_whole=a.cp > 1)
     if a.layout_json and a.optimizer == "distrib":  # (flat buffers only there)
         dump_layout(optimizer, model, a.layout_json)
     if a.layout_only:
@@ -212,7 +238,8 @@ def save(a) -> None:
     # Megatron-LM's DDP flags (their argparse defaults unless given)
     args.overlap_grad_reduce, args.ddp_bucket_size = a.overlap_grad_reduce, a.bucket_size
     args.ddp_pad_buckets_for_high_nccl_busbw = a.pad_buckets
-    args.data_parallel_size = torch.distributed.get_world_size() // (a.tp * a.pp)
+    args.context_parallel_size = a.cp
+    args.data_parallel_size = torch.distributed.get_world_size() // (a.tp * a.pp * a.cp)
     args.overlap_param_gather_with_optimizer_step = False
     args.num_distributed_optimizer_instances = 1
     if a.bf16:
@@ -262,7 +289,8 @@ def _save_legacy(a, args, model, optimizer) -> None:
     it_dir = os.path.join(a.out, f"iter_{args.iteration:07d}")
     path = peer_legacy._checkpoint_name(a, it_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0:
+    if (ps.get_data_parallel_rank(with_context_parallel=True) == 0
+            or ps.get_expert_data_parallel_rank() == 0):
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
                     "model": model.state_dict_for_save_checkpoint(),
                     "optimizer": optimizer.state_dict(),
@@ -283,7 +311,8 @@ def worker(rank: int, a) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.distributed.init_process_group("gloo", rank=rank, world_size=a.world)
-    ps.initialize_model_parallel(a.tp, a.pp, expert_model_parallel_size=a.ep,
+    ps.initialize_model_parallel(a.tp, a.pp, context_parallel_size=a.cp,
+                                 expert_model_parallel_size=a.ep,
                                  expert_tensor_parallel_size=a.etp)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     # (peer_legacy.py: a forked results-queue Manager instead of a spawned interpreter)
@@ -308,6 +337,7 @@ def main() -> None:
     p.add_argument("--etp", type=int, default=None, help="expert TP (default: 1 with EP > 1, "
                    "else TP: Megatron-LM's default)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (at least)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--bucket-size", type=int, default=None)
     p.add_argument("--pad-buckets", action="store_true",
@@ -318,7 +348,7 @@ def main() -> None:
                    help="also save the same state as fully_reshardable here")
     a = p.parse_args()
     torch.manual_seed(0)
-    if a.tp * a.pp * a.ep * a.dp == 1:
+    if a.tp * a.pp * a.ep * a.dp * a.cp == 1:
         peer.init_process_group()
         save(a)
         torch.distributed.destroy_process_group()
@@ -328,7 +358,7 @@ def main() -> None:
     a.vpp, a.iteration = None, a.steps
     a.etp = a.etp or (1 if a.ep > 1 else a.tp)
     dp = max(a.etp * a.ep // math.gcd(a.tp, a.etp * a.ep), a.dp)
-    a.world = a.tp * a.pp * dp
+    a.world = a.tp * a.pp * a.cp * dp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(peer_legacy._free_port())
     import megatron.core.dist_checkpointing  # noqa: F401  (once, before the fork)
