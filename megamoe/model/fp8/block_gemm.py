@@ -124,9 +124,10 @@ def _probe(kernel, recipe: str, a: BlockQ, b: BlockQ) -> bool:
     compare it with the reference (fp32 accumulation order and bf16 output only): any
     error or mismatch means no."""
     dev = a.data.device
+    # host draws (the same values on every device), once per kernel, then moved
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(128, 256, generator=gen).to(dev)
-    w = torch.randn(256, 256, generator=gen).to(dev)
+    x = torch.randn(128, 256, generator=gen, device="cpu").to(dev)  # (host draw, above)
+    w = torch.randn(256, 256, generator=gen, device="cpu").to(dev)  # (host draw, above)
     qa = quantize_operand(x, recipe, a.data.dtype, weight=a.tile[0] == 128)
     qb = quantize_operand(w, recipe, b.data.dtype, weight=b.tile[0] == 128)
     try:

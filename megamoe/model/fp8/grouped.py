@@ -53,9 +53,10 @@ def grouped_kernel_ok(device: torch.device, a_dtype, b_dtype, out_dtype, *dims: 
 def _probe(device: torch.device) -> bool:
     """The forward of two experts (16 and 32 rows, K = M = 32) on the kernel and on the
     loop; any error or a difference beyond bf16 rounding means no."""
+    # host draws (the same values on every device), once per device, then moved
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(48, 32, generator=gen).to(device).to(E4M3)
-    w = torch.randn(2, 32, 32, generator=gen).to(device).to(E4M3)
+    x = torch.randn(48, 32, generator=gen, device="cpu").to(device).to(E4M3)  # (host draw)
+    w = torch.randn(2, 32, 32, generator=gen, device="cpu").to(device).to(E4M3)  # (host draw)
     sx, sw = torch.tensor([2.0, 0.5], device=device), torch.tensor([0.25, 4.0], device=device)
     try:
         got = _kernel_fwd(x, sx, w, sw, [16, 32], torch.bfloat16).float()
