@@ -25,9 +25,9 @@ import torch
 from megamoe.model.fp8 import block_gemm
 from megamoe.model.fp8.blocks import quantize_operand
 from megamoe.model.fp8.linear import scaled_mm
+from megamoe.model.fp8.quantize import E4M3, FP8_MAX
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+E4M3_MAX = FP8_MAX[E4M3]
 
 
 def supported_recipes(capability: Optional[tuple[int, int]]) -> list[str]:

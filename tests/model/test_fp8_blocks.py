@@ -29,11 +29,10 @@ from megamoe.model.fp8.blocks import (
 from megamoe.model.fp8.grouped import fp8_grouped_mm
 from megamoe.model.fp8.linear import fp8_linear
 from megamoe.model.fp8.policy import Fp8State
-from megamoe.model.fp8.quantize import E4M3, E5M2, format_dtypes
+from megamoe.model.fp8.quantize import E4M3, format_dtypes
+from tests.model.test_fp8 import HALF_SUBNORMAL, U  # the formats' rounding bounds
+from tests.model.test_fp8 import MAXES as MAX
 
-U = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
-HALF_SUBNORMAL = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
-MAX = {E4M3: 448.0, E5M2: 57344.0}
 CPU = torch.device("cpu")
 RECIPES = ("blockwise", "mxfp8", "rowwise")
 
