@@ -33,6 +33,7 @@ import io
 import json
 import os
 import sys
+import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,6 +66,8 @@ from megamoe.training.optim.common import build_inner_optimizer  # noqa: E402
 # sizes for the backends that take them on the host. At least one: a count of zero means
 # the counter saw nothing (the nonzero always syncs), not a sync-free layer.
 EXPECTED_SYNCS = {"torch": 1, "loop": 2, "grouped_gemm": 2}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.join(REPO, "megamoe") + os.sep
 
 
 def _emit(report: dict, ok: bool) -> int:
@@ -99,7 +102,8 @@ def cmd_env(_: argparse.Namespace) -> int:
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def _check_grouped_gemm(device: torch.device) -> dict:
@@ -122,17 +126,32 @@ def _check_grouped_gemm(device: torch.device) -> dict:
     return out
 
 
-def _count_syncs(fn) -> int:
-    """Synchronising CUDA calls fn makes (torch's sync debug mode warns on each)."""
+def _count_syncs(fn) -> tuple[int, list[str]]:
+    """Synchronising CUDA calls fn makes (torch's sync debug mode warns on each), and
+    where: the innermost megamoe (or this file's) frame of each, so a count over the
+    expected one names its source. Only warnings raised while fn runs count: on an H200
+    with torch 2.11, switching the mode on warned once by itself (seen, 2026-11-26)."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    sites, running = [], [False]
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if running[0] and "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if f.filename.startswith(PACKAGE_DIR) or f.filename == __file__]
+            where = frames[-1] if frames else None
+            sites.append(f"{os.path.relpath(where.filename, REPO)}:{where.lineno} "
+                         f"{where.line}" if where else f"{filename}:{lineno}")
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
+            running[0] = True
             fn()
         finally:
+            running[0] = False
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return len(sites), sites
 
 
 def _moe_syncs(device: torch.device) -> dict:
@@ -141,7 +160,7 @@ def _moe_syncs(device: torch.device) -> dict:
     layer = MoELayer(cfg, 256, init_method_std=0.02, swiglu=True, grouped_gemm=True)
     layer = layer.to(device=device, dtype=torch.bfloat16)
     x = torch.randn(1024, 256, device=device, dtype=torch.bfloat16)
-    counts = {}
+    counts, sites = {}, {}
     for backend in available_backends():
         layer.experts.backend = backend
 
@@ -150,8 +169,8 @@ def _moe_syncs(device: torch.device) -> dict:
             y = y[0] if isinstance(y, tuple) else y
             y.float().square().mean().backward()
         step()  # warm-up: first calls may synchronise for allocation
-        counts[backend] = _count_syncs(step)
-    return counts
+        counts[backend], sites[backend] = _count_syncs(step)
+    return counts, sites
 
 
 def _flash_attention(device: torch.device) -> float:
@@ -191,11 +210,12 @@ def cmd_kernels(_: argparse.Namespace) -> int:
     _need_gpu()
     device = torch.device("cuda", torch.cuda.current_device())
     gg = _check_grouped_gemm(device)
-    syncs = _moe_syncs(device)
+    syncs, sync_sites = _moe_syncs(device)
     norm = RMSNorm(256).to(device)
     x = torch.randn(64, 256, device=device)
     portable = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
     report = {"grouped_gemm_bf16_vs_fp32_loop": gg, "moe_layer_host_syncs": syncs,
+              "moe_layer_sync_sites": sync_sites,
               "rmsnorm_vs_portable": _max_rel(norm(x), portable),
               "flash_attention_vs_sdpa": _flash_attention(device),
               "fused_adam_vs_adamw": _fused_optimizer(device)}

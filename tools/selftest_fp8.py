@@ -57,13 +57,15 @@ def _tensorwise(x: torch.Tensor, w: torch.Tensor) -> float:
     return _within(got, ref)
 
 
-def _block(recipe: str, x: torch.Tensor, w: torch.Tensor) -> tuple[float, bool]:
-    """(error fraction, whether the device's kernel ran rather than the reference)."""
+def _block(recipe: str, x: torch.Tensor, w: torch.Tensor,
+           weight: bool = True) -> tuple[float, bool]:
+    """(error fraction, whether the device's kernel ran rather than the reference); b
+    tiled as a weight (the forward and dgrad pairing) or as an activation (wgrad's)."""
     qa = quantize_operand(x, recipe, E4M3)
-    qb = quantize_operand(w, recipe, E4M3, weight=True)
+    qb = quantize_operand(w, recipe, E4M3, weight=weight)
     kernel = block_gemm._kernel_for(recipe, qa, qb, torch.bfloat16)
     got = block_gemm.block_mm(qa, qb, torch.bfloat16, recipe)
-    status = block_gemm.KERNEL_STATUS.get((recipe, qa.tile, qb.tile, x.device), True)
+    status = block_gemm.KERNEL_STATUS.get(block_gemm.kernel_key(recipe, qa, qb), True)
     used = kernel is not None and status
     return _within(got, block_gemm.reference_mm(qa, qb, torch.float32)), used
 
@@ -84,6 +86,10 @@ def fp8_kernel_report(device: torch.device, recipes: list[str]) -> tuple[dict, b
             err, used = _block(recipe, x, w)
         report[recipe] = {"error_over_bound": err, "kernel": used}
         ok &= err <= 1.0 and used
+        if recipe == "blockwise":  # wgrad's 1x128 x 1x128 pairing is a kernel of its own
+            err, used = _block(recipe, x, w, weight=False)
+            report["blockwise_1x128_1x128"] = {"error_over_bound": err, "kernel": used}
+            ok &= err <= 1.0 and used
     if block_gemm.device_capability(device) == (9, 0):
         from megamoe.model.fp8.grouped import _kernel_ok
 

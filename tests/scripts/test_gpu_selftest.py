@@ -96,9 +96,11 @@ def test_fp8_check_passes_on_the_cpu_and_fails_on_a_fallback_or_a_wrong_gemm(mon
     cpu = torch.device("cpu")
     report, ok = selftest_fp8.fp8_kernel_report(cpu, ["tensorwise", "rowwise"])
     assert ok and all(r["kernel"] and r["error_over_bound"] < 1 for r in report.values())
-    monkeypatch.setitem(block_gemm.KERNEL_STATUS, ("rowwise", (1, 512), (1, 512), cpu), False)
+    e4m3 = torch.float8_e4m3fn
+    key = ("rowwise", (1, 512), (1, 512), e4m3, e4m3, cpu)
+    monkeypatch.setitem(block_gemm.KERNEL_STATUS, key, False)
     assert not selftest_fp8.fp8_kernel_report(cpu, ["rowwise"])[1]  # the fallback ran
-    monkeypatch.delitem(block_gemm.KERNEL_STATUS, ("rowwise", (1, 512), (1, 512), cpu))
+    monkeypatch.delitem(block_gemm.KERNEL_STATUS, key)
     kernel = block_gemm._rowwise_kernel
     monkeypatch.setattr(block_gemm, "_rowwise_kernel", lambda a, b, o: kernel(a, b, o) * 1.0625)
     assert not selftest_fp8.fp8_kernel_report(cpu, ["rowwise"])[1]

@@ -8,14 +8,17 @@ K (blocks.py), on the best kernel the device has, else the exact reference.
   rowwise    torch._scaled_mm with row-wise scales ([M, 1] and [1, N]): the CPU build has
              it; CUDA (sm89+) needs bf16 output and dimensions multiples of 16.
   blockwise  torch.nn.functional.scaled_mm with BlockWise1x128 / BlockWise128x128 scales
-             (CUDA sm90, torch >= 2.9; DeepSeek-V3's GEMM).
+             (CUDA sm90, torch >= 2.9; DeepSeek-V3's GEMM). E4M3 operands only (torch's
+             check_deepseek_recipe; seen refusing E5M2 on an H200, torch 2.11): under
+             --fp8-format hybrid the E5M2-gradient GEMMs (dgrad, wgrad) run the reference.
   mxfp8      torch.nn.functional.scaled_mm with BlockWise1x32 E8M0 scales in cuBLAS's
              swizzled layout (CUDA sm100).
 
 A kernel is used only after a probe: once per (kernel, tile pair, device) it runs a small
 aligned GEMM and is compared with the reference; an exception or a mismatch keeps the
-reference for that device (KERNEL_STATUS says which; a warning says so once). No GPU has
-run these kernels yet.
+reference for that device (KERNEL_STATUS says which; a warning says so once). The key
+holds both operands' FP8 types: the forward's E4M3 x E4M3 probe says nothing of a
+backward E5M2 x E4M3 GEMM.
 """
 
 from __future__ import annotations
@@ -112,11 +115,31 @@ def _kernel_for(recipe: str, a: BlockQ, b: BlockQ, out_dtype: torch.dtype):
         return _rowwise_kernel if ok else None
     if recipe == "blockwise" and cap == (9, 0) and _aligned(m, k, n, to=128) \
             and hasattr(F, "scaled_mm"):
-        return _blockwise_kernel
+        if a.data.dtype == b.data.dtype == torch.float8_e4m3fn:
+            return _blockwise_kernel
+        _warn_once(("blockwise-e5m2", a.data.device),
+                   "FP8 blockwise: torch's block-scaled kernel takes E4M3 operands only, so "
+                   "the E5M2 gradient GEMMs of --fp8-format hybrid run the reference GEMM "
+                   "(slow); --fp8-format e4m3 (DeepSeek-V3's choice) keeps them on the kernel")
+        return None
     if recipe == "mxfp8" and cap is not None and cap[0] == 10 and _aligned(m, k, n, to=128) \
             and hasattr(torch, "float8_e8m0fnu") and hasattr(F, "scaled_mm"):
         return _mxfp8_kernel
     return None
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def kernel_key(recipe: str, a: BlockQ, b: BlockQ) -> tuple:
+    """KERNEL_STATUS's key: one probe per recipe, tile pair, FP8 type pair and device."""
+    return (recipe, a.tile, b.tile, a.data.dtype, b.data.dtype, a.data.device)
 
 
 def _probe(kernel, recipe: str, a: BlockQ, b: BlockQ) -> bool:
@@ -143,7 +166,7 @@ def block_mm(a: BlockQ, b: BlockQ, out_dtype: torch.dtype, recipe: str) -> torch
     block-scaled kernel when it has one and it passed its probe, else the reference."""
     kernel = _kernel_for(recipe, a, b, out_dtype)
     if kernel is not None and device_capability(a.data.device) is not None:
-        key = (recipe, a.tile, b.tile, a.data.device)
+        key = kernel_key(recipe, a, b)
         if key not in KERNEL_STATUS:
             KERNEL_STATUS[key] = _probe(kernel, recipe, a, b)
             if not KERNEL_STATUS[key]:
