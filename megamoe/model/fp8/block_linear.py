@@ -88,11 +88,11 @@ class _BlockFp8GroupedMM(torch.autograd.Function):
         ctx.tiles = [q.tile for q in saved]
         ctx.sizes, ctx.recipe, ctx.fp8 = sizes, recipe, (fwd, wd, scaling.g.dtype)
         ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x_NK.dtype, w_EKM.dtype, w_EKM.shape
+        qx = quantize_operand(x_NK, recipe, fwd)  # 1-row tiles: each expert's own
         if live and rowwise_grouped.usable(recipe, x_NK.device, fwd, wd, x_NK.dtype, K, M):
-            return rowwise_grouped.rows_mm(quantize_operand(x_NK, recipe, fwd), qws, sizes,
-                                           x_NK.dtype)
-        outs = [expert_mm(quantize_operand(x_e, recipe, fwd), qws[e], x_NK.dtype, recipe)
-                for e, x_e in enumerate(xs) if sizes[e]]
+            return rowwise_grouped.rows_mm(qx, qws, sizes, x_NK.dtype)
+        outs = [expert_mm(q, qws[e], x_NK.dtype, recipe)
+                for e, q in enumerate(_row_slices(qx, sizes)) if sizes[e]]
         return torch.cat(outs) if outs else x_NK.new_zeros(0, M)
 
     @staticmethod
@@ -102,12 +102,12 @@ class _BlockFp8GroupedMM(torch.autograd.Function):
         qx_ts, qw_ts = _per_expert(_unpack(ctx.saved_tensors, ctx.tiles), sizes, K, M, r,
                                    ctx.fp8, g_NM.device)
         gs, rows = g_NM.split(sizes), g_NM.shape[0] > 0
+        qg = quantize_operand(g_NM, r, gd)  # 1-row tiles: each expert's own
         if rows and rowwise_grouped.usable(r, g_NM.device, gd, wd, ctx.x_dtype, K, M):
-            dx = rowwise_grouped.rows_mm(quantize_operand(g_NM, r, gd), qw_ts, sizes,
-                                         ctx.x_dtype)
+            dx = rowwise_grouped.rows_mm(qg, qw_ts, sizes, ctx.x_dtype)
         else:
-            dxs = [expert_mm(quantize_operand(g_e, r, gd), qw_ts[e], ctx.x_dtype, r)
-                   for e, g_e in enumerate(gs) if sizes[e]]
+            dxs = [expert_mm(q, qw_ts[e], ctx.x_dtype, r)
+                   for e, q in enumerate(_row_slices(qg, sizes)) if sizes[e]]
             dx = torch.cat(dxs) if dxs else g_NM.new_zeros(0, K, dtype=ctx.x_dtype)
         qg_ts = [quantize_operand(g_e.t(), r, gd) for g_e in gs]  # [M, n]: along n
         if rows and rowwise_grouped.usable(r, g_NM.device, xd, gd, ctx.w_dtype, K, M):
@@ -117,6 +117,18 @@ class _BlockFp8GroupedMM(torch.autograd.Function):
             if sizes[e]:
                 dw[e] = expert_wgrad_mm(qx_ts[e], qg_ts[e], ctx.w_dtype, r)
         return dx, dw, None, None
+
+
+def _row_slices(q: BlockQ, sizes: list[int]) -> list[BlockQ]:
+    """Each expert's rows of an operand tiled along K in one-row tiles (x, g: 1x128, 1x32,
+    1xK): a tile never spans two rows, so these are exactly the per-expert quantisations
+    (one quantisation instead of E)."""
+    assert q.tile[0] == 1
+    out, lo = [], 0
+    for n in sizes:
+        out.append(BlockQ(q.data[lo:lo + n], q.scale_inv[lo:lo + n], q.tile))
+        lo += n
+    return out
 
 
 def _per_expert(saved: list[BlockQ], sizes: list[int], K: int, M: int, recipe: str,

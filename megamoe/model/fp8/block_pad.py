@@ -27,7 +27,9 @@ from megamoe.model.fp8.blocks import BlockQ, quantize_tiles
 def zero_tile_scale_inv(recipe: str, dtype: torch.dtype) -> float:
     """The scale_inv quantize_tiles gives a tile of zeros under this recipe (1 for the
     power-of-2 recipes, 2^-127 for mxfp8's E8M0 exponent 0): what a padded tile holds."""
-    return quantize_tiles(torch.zeros(1, 1), (1, 1), dtype, recipe).scale_inv.item()
+    # a host constant (a Python float), computed once per recipe: no device sync
+    zero = torch.zeros(1, 1, device="cpu")
+    return quantize_tiles(zero, (1, 1), dtype, recipe).scale_inv.item()
 
 
 def round_up(n: int, multiple: int) -> int:
