@@ -155,3 +155,26 @@ def test_rowwise_experts_on_scaled_grouped_mm(monkeypatch, cap, fmt, want):
     assert bool((res[0][2][1] == 0).all())  # the empty expert's weight gradient
     for a, b in zip(*res):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("broken", ["off_by_a_step", "raises"])
+def test_rowwise_grouped_probe_keeps_the_loop_for_a_wrong_kernel(monkeypatch, broken):
+    """A grouped kernel one E4M3 step off (x 1.0625), or one that raises (a torch build
+    without it), fails the probe once, with a warning: the per-expert loop runs after."""
+    calls = []
+    right = _grouped_stand_in(calls)
+
+    def wrong(*args, **kwargs):
+        if broken == "raises":
+            raise RuntimeError("no kernel")
+        return (right(*args, **kwargs).float() * 1.0625).bfloat16()
+    monkeypatch.setattr(rowwise_grouped, "_scaled_grouped_mm", wrong)
+    monkeypatch.setattr(rowwise_grouped, "KERNEL_STATUS", {})
+    monkeypatch.setattr(rowwise_grouped, "device_capability", lambda _d: (9, 0))
+    with pytest.warns(UserWarning, match="failed its probe"):
+        assert not rowwise_grouped.usable("rowwise", CPU, E4M3, E4M3, torch.bfloat16, 32, 48)
+    assert not rowwise_grouped.usable("rowwise", CPU, E4M3, E4M3, torch.bfloat16, 32, 48)
+    assert calls == ([] if broken == "raises" else [5, 4])  # one probe, never again
+    monkeypatch.setattr(rowwise_grouped, "_scaled_grouped_mm", right)
+    monkeypatch.setattr(rowwise_grouped, "KERNEL_STATUS", {})
+    assert rowwise_grouped.usable("rowwise", CPU, E4M3, E4M3, torch.bfloat16, 32, 48)
