@@ -73,7 +73,8 @@ def _block(recipe: str, x: torch.Tensor, w: torch.Tensor,
 def fp8_kernel_report(device: torch.device, recipes: list[str]) -> tuple[dict, bool]:
     """Each recipe's GEMM on `device` (256 x 512 @ 512 x 384, every dim a multiple of
     128) against the reference; on CUDA sm90 also whether the experts' grouped kernel
-    passed its probe. ok: every error within the bound and every kernel in use."""
+    passed its probes (tensorwise's, and rowwise's when rowwise is asked for). ok: every
+    error within the bound and every kernel in use."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(256, 512, generator=gen).to(device)
     w = torch.randn(384, 512, generator=gen).to(device) * 0.05
@@ -95,4 +96,10 @@ def fp8_kernel_report(device: torch.device, recipes: list[str]) -> tuple[dict, b
 
         report["experts_scaled_grouped_mm"] = _kernel_ok(device)
         ok &= report["experts_scaled_grouped_mm"]
+        if "rowwise" in recipes:  # its own probe: row-wise scales, forward and wgrad
+            from megamoe.model.fp8 import rowwise_grouped
+
+            report["rowwise_experts_scaled_grouped_mm"] = rowwise_grouped.usable(
+                "rowwise", device, E4M3, E4M3, torch.bfloat16, 16, 16)
+            ok &= report["rowwise_experts_scaled_grouped_mm"]
     return report, bool(ok)

@@ -227,6 +227,8 @@ def test_experts_dispatch_to_scaled_grouped_mm_by_capability(monkeypatch, cap, f
                               @ (b[e].float() * scale_b[e]) for e, (lo, hi)
                               in enumerate(zip(ends, ends[1:]))]).to(out_dtype)
         K, M = a.shape[0], b.shape[1]  # 2-D x 2-D: groups along the contraction
+        # the CUDA kernel's device asserts (GroupMMCommon.cuh): non-empty multiples of 16
+        assert all(hi - lo > 0 and (hi - lo) % 16 == 0 for lo, hi in zip(ends, ends[1:]))
         return torch.stack([(a[:, lo:hi].float() * scale_a[e * K:(e + 1) * K, None])
                             @ (b[lo:hi].float() * scale_b[e * M:(e + 1) * M])
                             for e, (lo, hi) in enumerate(zip(ends, ends[1:]))]).to(out_dtype)

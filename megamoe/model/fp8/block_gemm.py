@@ -104,28 +104,49 @@ def _mxfp8_kernel(a: BlockQ, b: BlockQ, out_dtype: torch.dtype) -> torch.Tensor:
                        swizzle_a=sw, swizzle_b=sw, output_dtype=out_dtype)
 
 
-def _kernel_for(recipe: str, a: BlockQ, b: BlockQ, out_dtype: torch.dtype):
-    """The kernel this device could run for this GEMM (None: the reference)."""
-    (m, k), n = a.data.shape, b.data.shape[0]
-    cap = device_capability(a.data.device)
+def _kernel_and_multiple(recipe: str, device: torch.device, a_dtype: torch.dtype,
+                         b_dtype: torch.dtype, out_dtype: torch.dtype):
+    """(kernel, the multiple its dimensions must be) on this device for these operand
+    types, or (None, 1): the reference. The CPU's rowwise kernel takes any dims."""
+    cap = device_capability(device)
     if recipe == "rowwise":
         if cap is None:
-            return _rowwise_kernel
-        ok = cap >= (8, 9) and out_dtype == torch.bfloat16 and _aligned(m, k, n)
-        return _rowwise_kernel if ok else None
-    if recipe == "blockwise" and cap == (9, 0) and _aligned(m, k, n, to=128) \
-            and hasattr(F, "scaled_mm"):
-        if a.data.dtype == b.data.dtype == torch.float8_e4m3fn:
-            return _blockwise_kernel
-        _warn_once(("blockwise-e5m2", a.data.device),
+            return _rowwise_kernel, 1
+        ok = cap >= (8, 9) and out_dtype == torch.bfloat16
+        return (_rowwise_kernel, 16) if ok else (None, 1)
+    if recipe == "blockwise" and cap == (9, 0) and hasattr(F, "scaled_mm"):
+        if a_dtype == b_dtype == torch.float8_e4m3fn:
+            return _blockwise_kernel, 128
+        _warn_once(("blockwise-e5m2", device),
                    "FP8 blockwise: torch's block-scaled kernel takes E4M3 operands only, so "
                    "the E5M2 gradient GEMMs of --fp8-format hybrid run the reference GEMM "
                    "(slow); --fp8-format e4m3 (DeepSeek-V3's choice) keeps them on the kernel")
-        return None
-    if recipe == "mxfp8" and cap is not None and cap[0] == 10 and _aligned(m, k, n, to=128) \
+        return None, 1
+    if recipe == "mxfp8" and cap is not None and cap[0] == 10 \
             and hasattr(torch, "float8_e8m0fnu") and hasattr(F, "scaled_mm"):
-        return _mxfp8_kernel
-    return None
+        return _mxfp8_kernel, 128
+    return None, 1
+
+
+def _kernel_for(recipe: str, a: BlockQ, b: BlockQ, out_dtype: torch.dtype):
+    """The kernel this device could run for this GEMM (None: the reference)."""
+    (m, k), n = a.data.shape, b.data.shape[0]
+    kernel, multiple = _kernel_and_multiple(recipe, a.data.device, a.data.dtype,
+                                            b.data.dtype, out_dtype)
+    return kernel if _aligned(m, k, n, to=multiple) else None
+
+
+def kernel_multiple(recipe: str, a: BlockQ, b: BlockQ, out_dtype: torch.dtype) -> int:
+    """The multiple a GEMM's dims must be to reach this device's kernel, for a caller
+    that can pad them with zeros (block_pad.py); 1 where there is nothing to pad for:
+    no kernel here, the CPU (its rowwise kernel takes any dims), or a failed probe."""
+    if device_capability(a.data.device) is None:
+        return 1
+    kernel, multiple = _kernel_and_multiple(recipe, a.data.device, a.data.dtype,
+                                            b.data.dtype, out_dtype)
+    if kernel is None or KERNEL_STATUS.get(kernel_key(recipe, a, b)) is False:
+        return 1
+    return multiple
 
 
 _WARNED: set = set()
@@ -139,7 +160,14 @@ def _warn_once(key, message: str) -> None:
 
 def kernel_key(recipe: str, a: BlockQ, b: BlockQ) -> tuple:
     """KERNEL_STATUS's key: one probe per recipe, tile pair, FP8 type pair and device."""
-    return (recipe, a.tile, b.tile, a.data.dtype, b.data.dtype, a.data.device)
+    return (recipe, _tiling(recipe, a), _tiling(recipe, b), a.data.dtype, b.data.dtype,
+            a.data.device)
+
+
+def _tiling(recipe: str, q: BlockQ):
+    """A row-wise tile spans the whole contraction (1 x K): one tiling whatever K is, so
+    the probe runs once, not once per contraction length (an expert's row count)."""
+    return "row" if recipe == "rowwise" else q.tile
 
 
 def _probe(kernel, recipe: str, a: BlockQ, b: BlockQ) -> bool:

@@ -19,9 +19,11 @@ import torch
 
 from megamoe.model.fp8.block_gemm import KERNEL_STATUS, device_capability
 from megamoe.model.fp8.block_linear import block_fp8_grouped_mm
+from megamoe.model.fp8.block_pad import round_up
 from megamoe.model.fp8.blocks import BLOCK_RECIPES
 from megamoe.model.fp8.linear import LinearScaling, scaled_mm
 from megamoe.model.fp8.quantize import E4M3, amax_of, quantize
+from megamoe.model.fp8.rowwise_grouped import GROUP_MULTIPLE
 
 
 def _scaled_grouped_mm(*args, **kwargs):
@@ -87,13 +89,26 @@ def _kernel_fwd(q_NK, s_E, q_EKM, sw_E, sizes, out_dtype):
 
 
 def _kernel_wgrad(qx_NK, sx_E, qg_NM, sg_E, sizes, out_dtype):
-    """dW_e = x_e^T @ g_e for every expert at once (2-D x 2-D, groups along the rows)."""
+    """dW_e = x_e^T @ g_e for every expert at once (2-D x 2-D, groups along the rows).
+    torch's kernel asserts on the device that these groups are non-empty multiples of 16
+    (aten/src/ATen/native/cuda/GroupMMCommon.cuh): each expert's rows are padded with zero
+    rows to that, which add nothing to its contraction."""
     one = torch.ones((), device=qx_NK.device)
     E, K, M = len(sizes), qx_NK.shape[1], qg_NM.shape[1]
     sa = (one / sx_E).unsqueeze(1).expand(E, K).reshape(-1).contiguous()
     sb = (one / sg_E).unsqueeze(1).expand(E, M).reshape(-1).contiguous()
-    return _scaled_grouped_mm(qx_NK.t().contiguous(), qg_NM.t().contiguous().t(), sa, sb,
-                              offs=_offsets(sizes, qx_NK.device), out_dtype=out_dtype)
+    padded = [max(GROUP_MULTIPLE, round_up(n, GROUP_MULTIPLE)) for n in sizes]
+    qx, qg = _pad_groups(qx_NK, sizes, padded), _pad_groups(qg_NM, sizes, padded)
+    return _scaled_grouped_mm(qx.t().contiguous(), qg.t().contiguous().t(), sa, sb,
+                              offs=_offsets(padded, qx_NK.device), out_dtype=out_dtype)
+
+
+def _pad_groups(q_NK: torch.Tensor, sizes: list[int], padded: list[int]) -> torch.Tensor:
+    """Each group's rows followed by zero rows up to its padded count (FP8 bytes)."""
+    parts = []
+    for chunk, n, p in zip(q_NK.split(sizes), sizes, padded):
+        parts += [chunk, q_NK.new_zeros(p - n, q_NK.shape[1])]
+    return torch.cat(parts)
 
 
 def _row_scales(scale_E: torch.Tensor, sizes: list[int], num_rows: int) -> torch.Tensor:
