@@ -90,9 +90,10 @@ def _kernel_fwd(q_NK, s_E, q_EKM, sw_E, sizes, out_dtype):
 
 def _kernel_wgrad(qx_NK, sx_E, qg_NM, sg_E, sizes, out_dtype):
     """dW_e = x_e^T @ g_e for every expert at once (2-D x 2-D, groups along the rows).
-    torch's kernel asserts on the device that these groups are non-empty multiples of 16
-    (aten/src/ATen/native/cuda/GroupMMCommon.cuh): each expert's rows are padded with zero
-    rows to that, which add nothing to its contraction."""
+    torch's kernel asserts on the device that these groups are multiples of 16 (16 bytes
+    of FP8; aten/src/ATen/native/cuda/GroupMMCommon.cuh): each expert's rows are padded
+    with zero rows to that, which add nothing to its contraction; an empty expert gets 16
+    zero rows, so its dW comes from a GEMM of zeros, not a K = 0 GEMM."""
     one = torch.ones((), device=qx_NK.device)
     E, K, M = len(sizes), qx_NK.shape[1], qg_NM.shape[1]
     sa = (one / sx_E).unsqueeze(1).expand(E, K).reshape(-1).contiguous()

@@ -11,9 +11,10 @@ contraction), so the per-expert loop's products are formed at once:
 
 Only E4M3 x E4M3 with bf16 output (the kernel's types), K and M multiples of 16, after a
 probe against the dequantised loop passed once per device (KERNEL_STATUS); hybrid's E5M2
-gradients run the per-expert loop. torch's kernel wants the 2-D x 2-D groups non-empty and
-multiples of 16 (aten/src/ATen/native/cuda/GroupMMCommon.cuh, its device asserts), so
-wgrad pads each expert's rows with zeros to that (zeros add nothing; pad_block).
+gradients run the per-expert loop. torch's kernel asserts on the device that the 2-D x 2-D
+groups are multiples of 16 (aten/src/ATen/native/cuda/GroupMMCommon.cuh), so wgrad pads
+each expert's rows with zeros to that, at least 16 (zeros add nothing; pad_block; no
+K = 0 GEMM for an empty expert).
 """
 
 from __future__ import annotations
