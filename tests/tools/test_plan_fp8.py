@@ -184,3 +184,16 @@ def test_layout_search_and_dry_run_use_fp8(capsys):
     t = report["fp8"]["step_time_s"]
     assert t["fp8"] < t["bf16"] and t["gpu"] == "H100"
     assert any(line.strip().startswith("FP8 step time") and "(bf16 " in line for line in lines)
+
+
+def test_calibration_table_fp8_peak_may_be_null(tmp_path):
+    """The planner's GPU table in tools/planner_calibration.json has the FP8 column: H100's
+    is the datasheet's dense 1979, and null (a GPU without FP8) is accepted; a bad value
+    is refused in tests/tools/test_calibrate_planner.py."""
+    from megamoe.planning.calibration_table import load_table
+    path = os.path.join(ROOT, "tools", "planner_calibration.json")
+    table = json.load(open(path, encoding="utf-8"))
+    assert table["hardware"]["H100"]["peak_fp8_tflops"] == 1979.0
+    table["hardware"]["H100"]["peak_fp8_tflops"] = None
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    assert load_table(str(tmp_path / "t.json"))["hardware"]["H100"]["peak_fp8_tflops"] is None
