@@ -197,3 +197,22 @@ def test_calibration_table_fp8_peak_may_be_null(tmp_path):
     table["hardware"]["H100"]["peak_fp8_tflops"] = None
     (tmp_path / "t.json").write_text(json.dumps(table))
     assert load_table(str(tmp_path / "t.json"))["hardware"]["H100"]["peak_fp8_tflops"] is None
+
+
+def test_docs_hold_the_modelled_fp8_gain():
+    """docs/planner-calibration.md#fp8 states the planner's FP8 / bf16 step-time ratio for
+    the calibration row's layout: it is what the planner computes (rounded as printed)."""
+    from tools import calibrate_planner as cal
+    from tools.plan_parallel import load_model
+    table = json.load(open(os.path.join(ROOT, "tools", "planner_calibration.json")))
+    row = next(r for r in table["rows"] if r["id"] == "mz-235b-h100-tp2-pp8-vp4-ep32")
+    model = load_model(os.path.join(ROOT, "configs", "qwen3-235b-a22b.yaml"), 151936,
+                       row["seq_length"])
+    hw = Hardware(row["gpus"], **table["hardware"]["H100"])
+    lay = cal.row_layout(model, row)
+    args = (model, lay, hw, row["seq_length"], row["global_batch_size"])
+    bf16, fp8 = step_time(*args), step_time(*args, FP8)
+    doc = open(os.path.join(ROOT, "docs", "planner-calibration.md"), encoding="utf-8").read()
+    assert (f"models {bf16['total'] / fp8['total']:.2f}x in FP8 ({fp8['total']:.1f} s "
+            f"against {bf16['total']:.1f} s") in doc.replace("\n", " ")
+    assert f"falls {bf16['compute'] / fp8['compute']:.2f}x" in doc.replace("\n", " ")
