@@ -99,6 +99,14 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
+def format_seconds(t: float) -> str:
+    """s from 1 s up, ms from 1 ms, us below (3 significant digits): a tiny model's step
+    is microseconds."""
+    if t >= 1:
+        return f"{t:.3g} s"
+    return f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"
+
+
 def format_table(report: dict, run: RunConfig) -> list[str]:
     """The dry run's report as aligned text (what a person reads; --json for tools)."""
     layout = launch_layout(run)
@@ -119,8 +127,9 @@ def format_table(report: dict, run: RunConfig) -> list[str]:
                             f"FP8 copies {format_bytes(f['fp8_copy_bytes_per_rank'])} "
                             "(in activations)"))
         t = f["step_time_s"]
-        rows.append(("FP8 step time", f"{t['fp8']:.3g} s (bf16 {t['bf16']:.3g} s), modelled on "
-                                      f"{t['gpu']} SXM peaks (docs/planner-calibration.md)"))
+        rows.append(("FP8 step time", f"{format_seconds(t['fp8'])} (bf16 "
+                                      f"{format_seconds(t['bf16'])}), modelled on {t['gpu']} "
+                                      "SXM peaks (docs/planner-calibration.md)"))
     width = max(len(name) for name, _ in rows)
     return (["dry run: the model and one rank of this layout (largest pipeline stage)"]
             + [f"  {name:<{width}}  {value}" for name, value in rows])
