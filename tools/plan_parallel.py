@@ -4,8 +4,13 @@ recompute, micro batch) fits a model on N GPUs, and how fast it should run.
 
     python tools/plan_parallel.py --config configs/mixtral-8x7b.yaml --gpus 64 \
         --gpu-memory-gb 80 [--gpus-per-node 8 --intra-node-gbps 450 --inter-node-gbps 50
-        --peak-tflops 989 --gemm-efficiency 0.64 --comm-efficiency 1.0
-        --global-batch-size 256 --json]
+        --gpu H100 --peak-tflops 989 --peak-fp8-tflops 1979 --gemm-efficiency 0.64
+        --comm-efficiency 1.0 --global-batch-size 256 --json] [-- --fp8-format e4m3 ...]
+
+Flags after `--` are pretrain_gpt.py flags added to the preset's (FP8's: --fp8-format,
+--fp8-recipe, --first-last-layers-bf16, ...): with FP8 on, the GEMMs it converts count at
+the GPU's FP8 peak and each layout also shows its bf16 step time
+(megamoe/planning/fp8_time.py).
 
 Times and TFLOP/s are modelled, not measured: the efficiency constants are fitted to
 published Megatron-Core H100 runs (docs/planner-calibration.md; held-out error there).
@@ -41,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megamoe.cli.arguments import OneLineArgumentParser, config_file_to_argv, parse_args  # noqa: E402
 from megamoe.cli.mapping import run_config_from_args  # noqa: E402
-from megamoe.config import ModelConfig  # noqa: E402
+from megamoe.config import ModelConfig, RunConfig  # noqa: E402
+from megamoe.planning.gpu_peaks import GPU_PEAKS, no_fp8_message  # noqa: E402
 from megamoe.planning.memory import (  # noqa: E402
     Layout,
     activation_bytes,
@@ -56,13 +62,19 @@ __all__ = ["Hardware", "Layout", "activation_bytes", "layout_flags", "legal_layo
 
 
 def load_model(config_path: str, vocab_size: int, seq_length: int | None) -> ModelConfig:
-    argv = config_file_to_argv(config_path) + ["--dry-run"]
+    return load_run(config_path, vocab_size, seq_length).model
+
+
+def load_run(config_path: str, vocab_size: int, seq_length: int | None,
+             extra: list[str] | None = None) -> RunConfig:
+    """The preset's run config, with `extra` pretrain_gpt.py flags after its own."""
+    argv = config_file_to_argv(config_path) + list(extra or []) + ["--dry-run"]
     if seq_length:
         argv += ["--seq-length", str(seq_length)]
     # The planner chooses the layout: drop flags the rules would reject only because the
     # feature is not built yet, so a preset can be planned before megamoe can run it.
     args = parse_args(argv, world_size=1, prog="plan_parallel.py")
-    return run_config_from_args(args, vocab_size).model
+    return run_config_from_args(args, vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU")
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--gpu", choices=sorted(GPU_PEAKS), default="H100",
+                   help="the GPU whose dense bf16 and FP8 peaks the step time uses "
+                   "(megamoe/planning/gpu_peaks.py)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: --gpu's bf16")
+    p.add_argument("--peak-fp8-tflops", type=float, default=None,
+                   help="default: --gpu's FP8 peak (none on a GPU without FP8 tensor cores)")
     p.add_argument("--gemm-efficiency", type=float, default=Hardware.gemm_efficiency,
                    help="fraction of peak GEMMs reach (default: fitted to published H100 "
                    "runs, docs/planner-calibration.md)")
@@ -84,19 +101,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("run_flags", nargs="*", metavar="-- PRETRAIN_FLAGS",
+                   help="pretrain_gpt.py flags added to the preset's (e.g. --fp8-format e4m3)")
     a = p.parse_args(argv)
     for name in ("gpus", "gpu_memory_gb", "gpus_per_node", "global_batch_size", "top"):
         if getattr(a, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("peak_tflops", "peak_fp8_tflops"):
+        if getattr(a, name) is not None and not getattr(a, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     for name in ("gemm_efficiency", "comm_efficiency"):
         if not 0 < getattr(a, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be in (0, 1]")
     if not os.path.isfile(a.config):
         p.error(f"--config: file not found: {a.config}")
-    model = load_model(a.config, a.vocab_size, a.seq_length)
+    run = load_run(a.config, a.vocab_size, a.seq_length, a.run_flags)
+    model, peaks = run.model, GPU_PEAKS[a.gpu]
     hw = Hardware(a.gpus, a.gpu_memory_gb, a.gpus_per_node, a.intra_node_gbps,
-                  a.inter_node_gbps, a.peak_tflops, a.gemm_efficiency, a.comm_efficiency)
-    results = plan(model, hw, model.seq_length, a.global_batch_size, a.top)
+                  a.inter_node_gbps, a.peak_tflops or peaks.bf16_tflops, a.gemm_efficiency,
+                  a.comm_efficiency, a.peak_fp8_tflops or peaks.fp8_tflops, a.gpu)
+    if run.fp8.enabled and hw.peak_fp8_tflops is None:
+        p.error(no_fp8_message(a.gpu))
+    results = plan(model, hw, model.seq_length, a.global_batch_size, a.top, fp8=run.fp8)
     if a.json:
         print(json.dumps({"config": a.config, "gpus": a.gpus, "layouts": results}, indent=1))
     elif not results:

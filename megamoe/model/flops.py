@@ -23,6 +23,8 @@ FLOPs per token (forward + backward), as in Megatron / PaLM MFU accounting:
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from megamoe.config import ModelConfig, RecomputeConfig
 
 
@@ -144,25 +146,57 @@ def flops_per_token(config: ModelConfig) -> float:
     return float(6 * active_matmul_parameters(config) + attn_core)
 
 
-def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig) -> float:
+def fp8_excluded_weights(config: ModelConfig, i: int) -> int:
+    """Matmul weights per token of layer i (decoder, or MTP from num_layers on) that the
+    FP8 policy (model/fp8/policy.py) leaves in high precision inside an FP8 layer: the
+    router and the shared-expert gate (raw parameters, not the linears it converts)."""
+    if not config.is_moe_layer(i):
+        return 0
+    moe, h = config.moe, config.hidden_size
+    gate = moe.shared_expert_intermediate_size is not None and moe.shared_expert_gate
+    return moe.num_experts * h + (h if gate else 0)
+
+
+def fp8_flops_per_token(config: ModelConfig, fp8_layer: Callable[[int], bool],
+                        fp8_wgrad: bool = True) -> float:
+    """Model FLOPs per token of the GEMMs that run in FP8: the matmul weights of every
+    layer `fp8_layer(i)` accepts (decoder layers, then MTP layers from num_layers on)
+    less `fp8_excluded_weights`; never the attention core or the output layer. 6 FLOPs per
+    weight (forward, dgrad, wgrad), 4 when the weight gradient stays in high precision
+    (--no-fp8-wgrad)."""
+    per_weight = 6 if fp8_wgrad else 4
+    return float(sum(per_weight * (mm - fp8_excluded_weights(config, i))
+                     for i, (_, _, mm) in enumerate(_all_layer_params(config))
+                     if fp8_layer(i)))
+
+
+def recompute_flops_per_token(config: ModelConfig, recompute: RecomputeConfig,
+                              fp8_layer: Optional[Callable[[int], bool]] = None) -> float:
     """The forward FLOPs per token that activation recompute runs again in backward (not
     model FLOPs: MFU leaves them out, step time pays them). Elementwise replays (moe_act,
-    layernorm) cost no GEMM."""
-    core = 2 * config.seq_length * attention_core_width(config)  # QK^T and AV, forward
+    layernorm) cost no GEMM. With `fp8_layer` (as fp8_flops_per_token): only the replayed
+    GEMMs that run in FP8 (no attention core, router or shared-expert gate)."""
+    fp8 = fp8_layer is not None
+    core = 0 if fp8 else 2 * config.seq_length * attention_core_width(config)  # QK^T, AV
     layers = _all_layer_params(config)
+    keep = [not fp8 or fp8_layer(i) for i in range(len(layers))]
+    kept_out = [fp8_excluded_weights(config, i) if fp8 else 0 for i in range(len(layers))]
     if recompute.granularity == "full":  # MTP layers: with the uniform method (Megatron)
         n = config.num_layers + (config.num_mtp_layers if recompute.method == "uniform" else 0)
-        return float(sum(2 * mm + core for _, _, mm in layers[:n]))
+        return float(sum(2 * (mm - kept_out[i]) + core
+                         for i, (_, _, mm) in enumerate(layers[:n]) if keep[i]))
     selected, total = recompute.selected, 0.0
     _, attn_mm = _attention_params(config)
     up_proj = 2 * _mla_up_proj_weights(config) if "mla_up_proj" in selected else 0
     eh_proj = [0] * config.num_layers + [2 * config.hidden_size ** 2] * config.num_mtp_layers
     for i, (_, _, mm) in enumerate(layers):
+        if not keep[i]:
+            continue
         total += (core if "core_attn" in selected else 0) + up_proj
         mlp_mm = mm - attn_mm - eh_proj[i]
         if config.is_moe_layer(i):
             if "moe" in selected:
-                total += 2 * mlp_mm
+                total += 2 * (mlp_mm - kept_out[i])
             elif "shared_experts" in selected and config.moe.shared_expert_intermediate_size:
                 total += 2 * _ffn_params(config, config.moe.shared_expert_intermediate_size)[1]
         elif "mlp" in selected:

@@ -13,7 +13,9 @@ INT_FIELDS = ("gpus", "seq_length", "global_batch_size", "micro_batch_size", "tp
               "vpp", "cp", "ep", "etp")
 STR_FIELDS = ("id", "source", "model", "gpu", "precision", "recompute")
 HARDWARE_FIELDS = ("gpu_memory_gb", "gpus_per_node", "intra_node_gbps", "inter_node_gbps",
-                   "peak_tflops")
+                   "peak_tflops", "peak_fp8_tflops")
+# null where the GPU has no FP8 tensor cores (planning/gpu_peaks.py)
+NULLABLE_HARDWARE_FIELDS = ("peak_fp8_tflops",)
 
 
 class TableError(ValueError):
@@ -70,7 +72,8 @@ def load_table(path: str) -> dict:
         if not isinstance(hw, dict) or set(hw) != set(HARDWARE_FIELDS):
             raise TableError(f"hardware.{gpu} must have exactly {', '.join(HARDWARE_FIELDS)}")
         for name in HARDWARE_FIELDS:
-            _positive(hw[name], f"hardware.{gpu}.{name}")
+            if hw[name] is not None or name not in NULLABLE_HARDWARE_FIELDS:
+                _positive(hw[name], f"hardware.{gpu}.{name}")
     for name, m in table["models"].items():
         if not isinstance(m, dict) or not isinstance(m.get("config"), str):
             raise TableError(f"models.{name}.config must be a path string")

@@ -16,6 +16,7 @@ from megamoe.planning.activations import recompute_name
 from megamoe.planning.fp8_memory import fp8_report
 from megamoe.planning.memory import Layout, StateBytes, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
+from megamoe.planning.planner import Hardware, step_time
 
 
 def launch_layout(run: RunConfig) -> Layout:
@@ -67,6 +68,17 @@ def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     return memory, transient
 
 
+def fp8_step_times(run: RunConfig) -> dict:
+    """{"fp8", "bf16", "gpu"}: the planner's modelled seconds per global batch of this
+    launch's layout with its FP8 flags and without, on the planner's default hardware
+    (H100 SXM peaks, 8 GPUs a node: a dry run need not run on the GPU it sizes)."""
+    hw = Hardware(gpus=run.parallel.world_size, gpu_memory_gb=80)
+    layout, seq = launch_layout(run), run.model.seq_length
+    gbs = run.train.global_batch_size
+    return {"fp8": step_time(run.model, layout, hw, seq, gbs, run.fp8)["total"],
+            "bf16": step_time(run.model, layout, hw, seq, gbs)["total"], "gpu": hw.gpu}
+
+
 def _add_fp8_copies(memory: dict, copies: int) -> None:
     """The FP8 copies autograd keeps are activations: added to them and to the total."""
     memory["activations"] += copies
@@ -85,6 +97,14 @@ MEMORY_ROWS = (("weights", "weights"), ("gradients", "gradients"),
 def format_bytes(n: int) -> str:
     """GiB from 1 GiB up (2 decimals), MiB below (1 decimal), so a tiny model is not 0."""
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def format_seconds(t: float) -> str:
+    """s from 1 s up, ms from 1 ms, us below (3 significant digits): a tiny model's step
+    is microseconds."""
+    if t >= 1:
+        return f"{t:.3g} s"
+    return f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"
 
 
 def format_table(report: dict, run: RunConfig) -> list[str]:
@@ -106,6 +126,10 @@ def format_table(report: dict, run: RunConfig) -> list[str]:
                             f"histories {format_bytes(f['amax_history_bytes_per_rank'])}, "
                             f"FP8 copies {format_bytes(f['fp8_copy_bytes_per_rank'])} "
                             "(in activations)"))
+        t = f["step_time_s"]
+        rows.append(("FP8 step time", f"{format_seconds(t['fp8'])} (bf16 "
+                                      f"{format_seconds(t['bf16'])}), modelled on {t['gpu']} "
+                                      "SXM peaks (docs/planner-calibration.md)"))
     width = max(len(name) for name, _ in rows)
     return (["dry run: the model and one rank of this layout (largest pipeline stage)"]
             + [f"  {name:<{width}}  {value}" for name, value in rows])
@@ -141,6 +165,7 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print,
     if run.fp8.enabled:  # amax histories and FP8 copies (planning/fp8_memory.py)
         report["fp8"] = fp8_report(run, model)
         _add_fp8_copies(memory, report["fp8"]["fp8_copy_bytes_per_rank"])
+        report["fp8"]["step_time_s"] = fp8_step_times(run)
         report["per_rank_memory_gib"] = round(memory["total"] / 2**30, 3)
     if as_json:
         print_fn(json.dumps(report))

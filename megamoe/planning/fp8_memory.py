@@ -15,7 +15,7 @@ The FP8 copies are added to the activation count, and the high-precision inputs 
 activation model counts (planning/activations.py) are not removed: most of them stay alive
 anyway (a norm keeps its output, SwiGLU its input), so the sum is an upper bound. Routed
 tokens are counted balanced over the experts (topk copies per token); MTP layers' GEMMs
-are not counted.
+are not counted; decoder layers --first-last-layers-bf16 keeps in bf16 keep no FP8 copies.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _per_layer(run: RunConfig, model: nn.Module, with_scales: bool
     etp = par.expert_tensor_parallel_size or tp
     topk = m.moe.topk if m.moe.num_experts else 1
     out: dict[int, tuple[float, float]] = {}
-    for name, mod in fp8_gemm_modules(model):
+    for name, mod in fp8_gemm_modules(model, f, m.num_layers):  # bf16-kept layers: none
         parts = name.split(".")
         if parts[:2] != ["decoder", "layers"]:
             continue  # MTP layers: not counted (module doc)
@@ -79,14 +79,23 @@ def _per_layer(run: RunConfig, model: nn.Module, with_scales: bool
     return out
 
 
-def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = True) -> int:
+def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = True,
+                   cache: dict | None = None) -> int:
     """The FP8 copies autograd keeps on the most loaded pipeline stage (module doc);
-    `with_scales=False`: the FP8 values alone (what the tests measure exactly)."""
+    `with_scales=False`: the FP8 values alone (what the tests measure exactly). `cache`:
+    a dict kept over calls for one model and FP8 config (the planner's layout search)
+    that holds the per-layer bytes by TP, EP and ETP, the only sizes they depend on."""
     if model is None or not run.fp8.enabled:
         return 0
     par, m = run.parallel, run.model
     tokens = m.seq_length // par.context_parallel_size * run.train.micro_batch_size
-    layers = _per_layer(run, model, with_scales)
+    key = (par.tensor_model_parallel_size, par.expert_model_parallel_size,
+           par.expert_tensor_parallel_size, with_scales)
+    layers = cache.get(key) if cache is not None else None
+    if layers is None:
+        layers = _per_layer(run, model, with_scales)
+        if cache is not None:
+            cache[key] = layers
     ranks = par.layer_ranges(m.num_layers)
     pp = len(ranks)
     worst = 0.0

@@ -5,7 +5,9 @@ Memory per GPU = weights + gradients + optimizer states + the larger of the acti
 the micro-batches in flight (memory.py) and the distributed optimizer's step / checkpoint
 save transients (optimizer_memory.py). Step time = GEMM FLOPs at peak x efficiency + TP/SP
 collectives + EP all-to-all, stretched by the pipeline bubble, + the gradient all-reduce and
-pipeline p2p.
+pipeline p2p. With FP8 on (an Fp8Config with a format) the GEMMs the FP8 policy
+converts count at the FP8 peak (fp8_time.py), its copies count as activations
+(fp8_memory.py), and each layout also reports its bf16 step time.
 Link speeds are GB/s per GPU; a group stays on NVLink when it fits in one node. Only
 layouts `pretrain_gpt.py` accepts are generated: each candidate must pass the run
 config's own rules (RunConfig: divisibility of heads, query groups, hidden sizes, layers,
@@ -21,8 +23,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
+import torch
+
 from megamoe.config import (
     ConfigError,
+    Fp8Config,
     ModelConfig,
     MoEExecutionConfig,
     ParallelConfig,
@@ -31,10 +36,14 @@ from megamoe.config import (
 )
 from megamoe.config.unsupported import is_built
 from megamoe.model.flops import flops_per_token, recompute_flops_per_token
+from megamoe.model.gpt_model import GPTModel
 from megamoe.parallel.context_parallel import ring_bytes_per_layer
 from megamoe.parallel.cp_a2a import a2a_bytes_per_layer
 from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
 from megamoe.planning.calibration import H100_COMM_EFFICIENCY, H100_GEMM_EFFICIENCY
+from megamoe.planning.fp8_memory import fp8_copy_bytes
+from megamoe.planning.fp8_time import check_fp8_peak, fp8_gemm_flops_per_token, fp8_on
+from megamoe.planning.gpu_peaks import H100_SXM_BF16_TFLOPS, H100_SXM_FP8_TFLOPS
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
 from megamoe.planning.optimizer_memory import largest_stage_transients
 from megamoe.planning.pipeline_balance import best_first_last, first_last_flags, imbalance
@@ -49,11 +58,14 @@ class Hardware:
     gpus_per_node: int = 8
     intra_node_gbps: float = 450.0  # GB/s per GPU (NVLink 4: 450 GB/s each way)
     inter_node_gbps: float = 50.0  # GB/s per GPU (one 400 Gb/s NIC per GPU)
-    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    peak_tflops: float = H100_SXM_BF16_TFLOPS  # dense bf16 (gpu_peaks.py)
     # Fractions of peak that large bf16 GEMMs and of link bandwidth that collectives
     # reach: fitted to published Megatron-Core runs (calibration.py).
     gemm_efficiency: float = H100_GEMM_EFFICIENCY
     comm_efficiency: float = H100_COMM_EFFICIENCY
+    # Dense FP8 peak (gpu_peaks.py: NVIDIA's H100 SXM datasheet); None: no FP8 tensor cores
+    peak_fp8_tflops: Optional[float] = H100_SXM_FP8_TFLOPS
+    gpu: str = "H100"  # the name FP8 planning's refusal gives
 
 
 def divisors(n: int) -> list[int]:
@@ -61,10 +73,11 @@ def divisors(n: int) -> list[int]:
 
 
 def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
-              global_batch_size: int) -> dict[str, float]:
+              global_batch_size: int, fp8: Optional[Fp8Config] = None) -> dict[str, float]:
     """Seconds per global batch of exactly `lay`, by component (modelled, not measured:
     linear in 1 / gemm_efficiency and 1 / comm_efficiency, which calibrate_planner.py
-    uses to fit them)."""
+    uses to fit them). With FP8 on, the FP8 GEMMs' FLOPs run at hw.peak_fp8_tflops at the
+    same efficiency (fp8_time.py); off, exactly the bf16 model."""
     tokens = global_batch_size * seq_length
     flops = flops_per_token(model) * tokens / hw.gpus
     # What recompute replays: one more forward of the recomputed modules.
@@ -73,6 +86,11 @@ def step_time(model: ModelConfig, lay: Layout, hw: Hardware, seq_length: int,
     # Sharded GEMMs are smaller and run further from peak: ~5% per doubling of TP / ETP.
     eff = hw.gemm_efficiency * (1 - 0.05 * math.log2(lay.tp)) * (1 - 0.03 * math.log2(lay.etp))
     compute = flops / (hw.peak_tflops * 1e12 * eff)
+    if fp8_on(fp8):
+        fp8_flops = fp8_gemm_flops_per_token(model, recompute, fp8) * tokens / hw.gpus
+        peak_fp8 = check_fp8_peak(hw.peak_fp8_tflops, hw.gpu)
+        compute = ((flops - fp8_flops) / (hw.peak_tflops * 1e12 * eff)
+                   + fp8_flops / (peak_fp8 * 1e12 * eff))
 
     def bw(group_span: int) -> float:  # collectives reach comm_efficiency of the link
         link = hw.intra_node_gbps if group_span <= hw.gpus_per_node else hw.inter_node_gbps
@@ -144,18 +162,25 @@ def _recompute_modes(model: ModelConfig) -> list[str]:
     return [name for name in RECOMPUTE_MODES if model.moe is not None or "moe" not in name]
 
 
-def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: int) -> bool:
+def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: int,
+                 fp8: Optional[Fp8Config] = None) -> bool:
     """Whether the run config's rules accept `lay` for this model (what pretrain_gpt.py
     checks after its flags: the same RunConfig validation), with sequence parallelism
     under TP as MoE needs, and every feature the layout uses built."""
+    return layout_run(model, lay, gpus, global_batch_size, fp8) is not None
+
+
+def layout_run(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: int,
+               fp8: Optional[Fp8Config] = None) -> Optional[RunConfig]:
+    """The RunConfig of `lay` (with `fp8`'s FP8 flags), None when its rules refuse it."""
     if (lay.cp > 1 and not is_built("--context-parallel-size")) or (
             lay.recompute != "none" and not is_built("--recompute-granularity")):
-        return False
+        return None
     moe = model.moe is not None  # (the planner assumes --moe-grouped-gemm: moe_act needs it)
     vpp_layers = None if lay.vpp == 1 else model.num_layers // (lay.pp * lay.vpp)
     first, last = _first_last(lay)
     try:
-        RunConfig(model, parallel=ParallelConfig(
+        return RunConfig(model, parallel=ParallelConfig(
             tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
             context_parallel_size=lay.cp, cp_comm_type=[lay.cp_comm_type],
             expert_model_parallel_size=lay.ep,
@@ -166,10 +191,9 @@ def rules_accept(model: ModelConfig, lay: Layout, gpus: int, global_batch_size: 
             train=TrainConfig(micro_batch_size=lay.micro_batch_size,
                               global_batch_size=global_batch_size, train_iters=1),
             moe_execution=MoEExecutionConfig(grouped_gemm=moe),
-            recompute=recompute_config(lay.recompute))
+            recompute=recompute_config(lay.recompute), fp8=fp8 or Fp8Config())
     except ConfigError:
-        return False
-    return True
+        return None
 
 
 def _first_last(lay: Layout) -> tuple[Optional[int], Optional[int]]:
@@ -205,7 +229,7 @@ def layout_flags(model: ModelConfig, lay: Layout) -> list[str]:
 
 
 def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_length: int,
-                  gpus_per_node: int) -> list[Layout]:
+                  gpus_per_node: int, fp8: Optional[Fp8Config] = None) -> list[Layout]:
     """Every layout megamoe's argument rules accept for this model and world size: the
     candidates (TP within a node; the sizes that multiply to the world size), kept when
     `rules_accept` them; with CP each layout once with the p2p ring and once with a2a
@@ -232,30 +256,43 @@ def legal_layouts(model: ModelConfig, gpus: int, global_batch_size: int, seq_len
                         continue
                     lay = Layout(tp, pp, vpp, ep, etp, dp, cp, dist_opt, rec, mbs,
                                  split=split)
-                    if not rules_accept(model, lay, gpus, global_batch_size):
+                    if not rules_accept(model, lay, gpus, global_batch_size, fp8):
                         continue
                     out.append(lay)
                     a2a = replace(lay, cp_comm_type="a2a")  # where the heads split over CP
-                    if cp > 1 and rules_accept(model, a2a, gpus, global_batch_size):
+                    if cp > 1 and rules_accept(model, a2a, gpus, global_batch_size, fp8):
                         out.append(a2a)
     return out
 
 
 def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: int,
-         top: int = 5) -> list[dict]:
-    """Layouts that fit, fastest first, each with its memory, time and a one-line reason."""
+         top: int = 5, fp8: Optional[Fp8Config] = None) -> list[dict]:
+    """Layouts that fit, fastest first, each with its memory, time and a one-line reason.
+    With FP8 on: ranked by the FP8 step time, the FP8 copies in the activations, and each
+    layout's bf16 total as "step_time_bf16_s"."""
     results = []
     flops = flops_per_token(model) * global_batch_size * seq_length
-    for lay in legal_layouts(model, hw.gpus, global_batch_size, seq_length, hw.gpus_per_node):
+    if fp8_on(fp8):
+        check_fp8_peak(hw.peak_fp8_tflops, hw.gpu)
+        with torch.device("meta"):  # the FP8 copies are counted on the model's shapes
+            meta = GPTModel(model)
+        fp8_cache: dict = {}
+    for lay in legal_layouts(model, hw.gpus, global_batch_size, seq_length, hw.gpus_per_node,
+                             fp8):
         mem = model_bytes(model, lay)
         act = activation_bytes(model, lay, seq_length)
         transient = largest_stage_transients(model, lay)
         opt_peak = max(transient["step"], transient["save_device"])
         # Activations are freed before the optimizer steps and a checkpoint is saved.
         total_mem = mem["weights"] + mem["gradients"] + mem["optimizer"] + max(act, opt_peak)
+        if fp8_on(fp8) and total_mem <= 0.9 * hw.gpu_memory_gb * GB:  # (copies only add)
+            act += fp8_copy_bytes(layout_run(model, lay, hw.gpus, global_batch_size, fp8),
+                                  meta, cache=fp8_cache)
+            total_mem = (mem["weights"] + mem["gradients"] + mem["optimizer"]
+                         + max(act, opt_peak))
         if total_mem > 0.9 * hw.gpu_memory_gb * GB:  # keep 10% for allocator/NCCL buffers
             continue
-        t = step_time(model, lay, hw, seq_length, global_batch_size)
+        t = step_time(model, lay, hw, seq_length, global_batch_size, fp8)
         results.append({"layout": asdict(lay), "memory_gb": {
             "weights": mem["weights"] / GB, "gradients": mem["gradients"] / GB,
             "optimizer": mem["optimizer"] / GB, "activations": act / GB,
@@ -264,6 +301,9 @@ def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: i
             "mfu": flops / t["total"] / hw.gpus / (hw.peak_tflops * 1e12)})
     results.sort(key=lambda r: (r["step_time_s"]["total"], r["memory_gb"]["total"]))
     for r in results[:top]:
+        if fp8_on(fp8):  # the same layout in bf16, for comparison
+            r["step_time_bf16_s"] = step_time(model, Layout(**r["layout"]), hw, seq_length,
+                                              global_batch_size)["total"]
         r["explanation"] = explain(r, hw)
         r["flags"] = " ".join(layout_flags(model, Layout(**r["layout"])))
     return results[:top]
@@ -284,5 +324,12 @@ def explain(r: dict, hw: Hardware) -> str:
             f"{' distopt' if lay['distributed_optimizer'] else ''}"
             f"{'' if lay['recompute'] == 'none' else ' recompute ' + lay['recompute']}: "
             f"{r['memory_gb']['total']:.1f}/{hw.gpu_memory_gb:.0f} GB, "
-            f"modelled {t['total']:.2f} s/step, {r['tflops_per_gpu']:.0f} TFLOP/s/GPU "
+            f"modelled {t['total']:.2f} s/step{_bf16_note(r)}, "
+            f"{r['tflops_per_gpu']:.0f} TFLOP/s/GPU "
             f"({shares})")
+
+
+def _bf16_note(r: dict) -> str:
+    """" in FP8 (bf16 X s)" next to an FP8 plan's step time; "" without FP8."""
+    bf16 = r.get("step_time_bf16_s")
+    return "" if bf16 is None else f" in FP8 (bf16 {bf16:.2f} s)"

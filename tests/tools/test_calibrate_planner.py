@@ -85,6 +85,8 @@ def test_fast_fit_equals_the_step_time_model_and_megatrons_flop_count():
     (lambda t: t["rows"][0].update(precision="fp8"), "the step-time model is bf16 only"),
     (lambda t: t["rows"][1].pop("reason"), "needs a reason"),
     (lambda t: t["hardware"]["H100"].update(peak_tflops="989"), "hardware.H100.peak_tflops"),
+    (lambda t: t["hardware"]["H100"].update(peak_fp8_tflops=0),
+     "hardware.H100.peak_fp8_tflops must be a positive number"),
 ])
 def test_bad_table_is_one_line_exit_1(tmp_path, capsys, edit, message):
     table = json.load(open(cal.DEFAULT_TABLE, encoding="utf-8"))
@@ -100,7 +102,8 @@ def test_bad_table_is_one_line_exit_1(tmp_path, capsys, edit, message):
 
 def test_plan_parallel_efficiency_flags_range_checked(capsys):
     from tools.plan_parallel import main
-    for flag in ("--gemm-efficiency=0", "--comm-efficiency=1.5"):
+    for flag in ("--gemm-efficiency=0", "--comm-efficiency=1.5", "--peak-tflops=0",
+                 "--peak-fp8-tflops=-1"):
         with pytest.raises(SystemExit) as e:
             main(["--config", "configs/tiny.yaml", "--gpus", "8", "--gpu-memory-gb", "80", flag])
         assert e.value.code == 2
