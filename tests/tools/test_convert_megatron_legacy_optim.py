@@ -148,7 +148,7 @@ def _state(n: int = 8) -> dict:
                                                            dtype=torch.int64)), "param"),
     (lambda s: s[0][(torch.float32, torch.float32)].update(exp_avg_sq="x"), "exp_avg_sq"),
     (lambda s: s.update({0: [1, 2]}), "one dtype"),
-    (lambda s: s.update({1: s[0]}), "several"),
+    (lambda s: s.update({1: s[0]}), "gradient buffers"),
     (lambda s: s.pop("buckets_coalesced"), "coalesced"),
 ])
 def test_crafted_distrib_optim_fields_are_refused(bad, error):
@@ -156,7 +156,7 @@ def test_crafted_distrib_optim_fields_are_refused(bad, error):
     ConvertError (one line naming the file) or, for another format, NotModelled (the
     weights-and-schedule fallback)."""
     state = _state()
-    assert legacy_optim._buffer(state, 0, False, "f.pt")["numel_unpadded"] == 8
+    assert legacy_optim._buffer(state, 0, False, "f.pt")[0]["numel_unpadded"] == 8
     bad(state)
     with pytest.raises((checks.ConvertError, reshard.NotModelled), match=error) as e:
         legacy_optim._buffer(state, 0, False, "f.pt")
@@ -164,3 +164,10 @@ def test_crafted_distrib_optim_fields_are_refused(bad, error):
     with pytest.raises(checks.ConvertError, match="list of 2"):
         legacy_optim._buffer(_state(), 0, True, "f.pt")
     assert legacy_optim._buffer([None, _state()], 0, True, "f.pt") is None
+    # two model chunks (virtual stages): buffers 0 and 1, each checked
+    two = {**_state(), 1: _state(4)[0]}
+    assert [b["numel_unpadded"] for b in legacy_optim._buffer(two, 0, False, "f.pt", 2)] == [
+        8, 4]
+    two[1][(torch.float32, torch.float32)]["numel_unpadded"] = 0
+    with pytest.raises(checks.ConvertError, match="numel"):
+        legacy_optim._buffer(two, 0, False, "f.pt", 2)
