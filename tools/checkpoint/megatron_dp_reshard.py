@@ -15,7 +15,9 @@ pipeline group (experts). Each parameter's slice comes from megatron_dp_layout, 
 from the saved args; every bucket's saved length must equal the rebuilt one, so a layout
 that the args do not describe is not guessed at.
 
-Each (TP, PP) rank keeps its own buffers: its TP slices of its stage's parameters
+With virtual pipeline stages each model chunk has its own buffers (G = the chunk in
+the rank's order; Megatron-LM buckets only the first chunk). Each (TP, PP) rank keeps its
+own buffers: its TP slices of its stage's parameters
 (dp_group_idx = tp + TP x pp, megatron-core's rank in the model-parallel group; the
 expert buffers' dp_group_idx = etp + ETP x (ep + EP x pp)). Every rank's slices are cut
 out as that rank's local tensors, named as a legacy rank file names them (layers
@@ -23,11 +25,12 @@ numbered in the stage, experts in the EP rank), and merged by megatron_shards.me
 the legacy weights' own merge (column / row splits, SwiGLU's per-rank [gate; up]
 halves, the qkv groups, stages renumbered).
 
-Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
-one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), the
-layers stacked (all alike) or one key per layer (dense and MoE layers mixed), MTP on the
-last stage with PP 1, MLA (at TP > 1 the local spec's column-parallel down projections,
---transformer-impl local), fp32 or bf16 parameters.
+Modelled: any TP, PP (even split, with or without virtual stages), DP, CP and EP with
+expert TP = TP or 1 (EP > 1), one optimizer instance, SequentialMLP experts
+(`local_experts.N`), the layers stacked (all alike) or one key per layer (dense and MoE
+layers mixed), MTP on the last stage (at PP > 1 with untied embeddings), MLA (at
+TP > 1 the local spec's column-parallel down projections, --transformer-impl local), fp32
+or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """

@@ -8,7 +8,7 @@ optimizer.py ChainedOptimizer.save_parameter_state): every rank calls
 `optimizer.save_parameter_state(mp_rank_*/distrib_optim.pt)`; each buffer is gathered on
 its data-parallel rank 0, which writes
 
-    {"buckets_coalesced": True,
+    {"buckets_coalesced": True,                      (gbuf_idx: the rank's model chunks)
      gbuf_idx: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": fp32 flat
                                             tensors, "numel_unpadded": int}}}
 

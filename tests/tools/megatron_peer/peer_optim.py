@@ -29,6 +29,12 @@ model's attention stays whole on every CP rank (megatron-core's local attention 
 CP and context parallelism changes no parameter): its rotary embedding gets a one-rank
 CP group and each CP rank runs the whole sequence, in eval mode (no aux-loss reduction
 over the CP group), so the CP replicas' gradients are equal too.
+--pp N [--vpp V]: each rank builds its V model chunks as Megatron-LM's get_model does
+(each with its vp_stage, its own DDP, bucketing only in the first), one optimizer over
+them, and runs one micro-batch through the pipeline by hand (_forward_backward: the
+interleaved order over megatron-core's send / recv ring), then megatron-core's own
+word-embedding gradient all-reduce (tied embeddings, MTP's copy). --legacy-out also writes
+the same state as `--ckpt-format torch` (one run for both formats' tests).
 
 On CPU: megatron-core's optimizers make a few tensors with device='cuda' and check
 `param.type()` for CUDA type names; those factories are sent to the CPU and CPU tensors
