@@ -72,7 +72,11 @@ def test_legacy_distrib_optim_resumes_with_the_adamw_step(case, tmp_path, mcore_
 
 NONDIST = {"fp32_tp2_pp2": ("--tp", "2", "--pp", "2"),
            "fp32_tp2_ep2_dp2": ("--tp", "2", "--ep", "2", "--dp", "2"),
-           "bf16_pp2": ("--pp", "2", "--bf16"), "fp32_cp2_dp2": ("--cp", "2", "--dp", "2")}
+           "bf16_pp2": ("--pp", "2", "--bf16"), "fp32_cp2_dp2": ("--cp", "2", "--dp", "2"),
+           # virtual stages: each param group's parameters chunk after chunk
+           "fp32_pp2_vpp2": ("--variant", "mixtral4", "--pp", "2", "--vpp", "2"),
+           # MTP at PP 2: the last stage's copy of the embeddings in its optimizer too
+           "fp32_mtp_pp2": ("--variant", "mla_mtp", "--pp", "2")}
 NONDIST_LINE = "Adam state of the non-distributed optimizer (model_optim_rng.pt) at step 2"
 
 
@@ -98,6 +102,31 @@ def test_a_shuffled_group_order_is_refused_or_fails(tmp_path, mcore_python, caps
     save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST["fp32_tp2_pp2"])
     real = legacy_optim._params
     monkeypatch.setattr(legacy_optim, "_params", lambda *a: real(*a)[::-1])
+    conv = str(tmp_path / "conv")
+    if convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 1:
+        assert "is not a float tensor shaped" in capsys.readouterr().err
+        return
+    monkeypatch.undo()
+    with pytest.raises(AssertionError):
+        _imported_equal_reference(conv, ref)
+
+
+@pytest.mark.slow
+def test_chunks_taken_in_reverse_are_refused_or_fail(tmp_path, mcore_python, capsys,
+                                                     monkeypatch):
+    """The breakage: a rank's model chunks taken last first (the param groups' order
+    across virtual stages reversed): refused (a state not shaped as its parameter), or
+    the import differs from megatron-core's save."""
+    save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32",
+                      *NONDIST["fp32_pp2_vpp2"])
+    real = legacy_optim._rank_states
+
+    def reversed_chunks(chunks, entry, args, experts, path, out, steps):
+        backwards = {s: chunk[::-1] for s, chunk in out.items()}
+        real(chunks[::-1], entry, args, experts, path, backwards, steps)
+        for s in out:
+            out[s][:] = backwards[s][::-1]
+    monkeypatch.setattr(legacy_optim, "_rank_states", reversed_chunks)
     conv = str(tmp_path / "conv")
     if convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 1:
         assert "is not a float tensor shaped" in capsys.readouterr().err

@@ -241,15 +241,17 @@ def _groups(entry: Any, path: str) -> tuple[dict, list | None]:
     return inner, mains
 
 
-def _rank_states(chunk: dict, entry: Any, args, experts: bool | None, path: str,
-                 out: dict[str, dict[str, torch.Tensor]], steps: set) -> None:
-    """One optimizer's states of one rank file by local name into `out`. megatron-core's
-    _get_param_groups orders the groups by their override (none, then wd_mult 0) and
-    each group's parameters in named_parameters order; torch numbers them across the
-    groups (`params` index lists). Each saved group's wd_mult and is_expert_parallel pick
-    its parameters; counts and every state's shape must match."""
+def _rank_states(chunks: list[dict], entry: Any, args, experts: bool | None, path: str,
+                 out: dict[str, list[dict[str, torch.Tensor]]], steps: set) -> None:
+    """One optimizer's states of one rank file by chunk and local name into `out`.
+    megatron-core's _get_param_groups orders the groups by their override (none, then
+    wd_mult 0) and each group's parameters chunk after chunk (virtual stages), each
+    chunk's in named_parameters order; torch numbers them across the groups (`params`
+    index lists). Each saved group's wd_mult and is_expert_parallel pick its parameters;
+    counts and every state's shape must match."""
     inner, mains = _groups(entry, path)
-    params = _params(chunk, experts)
+    params = [(v, n, shape) for v, chunk in enumerate(chunks)
+              for n, shape in _params(chunk, experts)]
     qk = _flag(args, "apply_wd_to_qk_layernorm")
     used = set()
     for g, group in enumerate(inner["param_groups"]):
@@ -261,32 +263,32 @@ def _rank_states(chunk: dict, entry: Any, args, experts: bool | None, path: str,
         if wd not in (0.0, 1.0) or group.get("lr_mult", 1.0) != 1.0:
             raise NotModelled(f"param group {g} with wd_mult {wd!r}, lr_mult "
                               f"{group.get('lr_mult')!r} (overrides) is not modelled")
-        mine = [(n, shape) for n, shape in params if _wd_mult(n, shape, qk) == wd
+        mine = [(v, n, shape) for v, n, shape in params if _wd_mult(n, shape, qk) == wd
                 and (".local_experts." in n and experts is not None) == bool(expert)]
         if len(mine) != len(group["params"]) or mains is not None and (
                 g >= len(mains) or not isinstance(mains[g], list)
                 or len(mains[g]) != len(mine)):
             raise NotModelled(f"{path}: param group {g} holds {len(group['params'])} "
                               f"parameters, the model chunk {len(mine)} of its kind")
-        for j, ((name, shape), idx) in enumerate(zip(mine, group["params"])):
+        for j, ((v, name, shape), idx) in enumerate(zip(mine, group["params"])):
             st = inner["state"].get(idx)
             tensors = {"exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq"),
-                       "param": chunk[name] if mains is None else mains[g][j]
+                       "param": chunks[v][name] if mains is None else mains[g][j]
                        } if isinstance(st, dict) else {}
             for state, t in tensors.items():
                 if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape
                         and t.dtype.is_floating_point):
                     raise ConvertError(f"{path}: optimizer state {idx} ({state}) is not a "
                                        f"float tensor shaped {list(shape)} like {name}")
-                out[state][name] = t
+                out[state][v][name] = t
             step = st.get("step")
             step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
             if isinstance(step, bool) or not isinstance(step, (int, float)):
                 raise ConvertError(f"{path}: optimizer state {idx} step {step!r} is not a "
                                    "number")
             steps.add(step)
-            used.add(name)
-    if used != {n for n, _ in params}:
+            used.add((v, name))
+    if used != {(v, n) for v, n, _ in params}:
         raise NotModelled(f"{path}: the param groups do not cover the chunk's parameters")
 
 
@@ -297,23 +299,23 @@ def read_legacy_nondistributed(it_dir: str, args, ranks: dict[Rank, tuple[str, l
     parameters' states (a list of the dense and the expert optimizer's with EP > 1), so
     every file gives a legacy-shaped state dict per state, merged as the weights are."""
     layout, _ = _layout(args)
-    if layout.chunks > 1:  # (its param groups span the chunks: not rebuilt yet)
-        raise NotModelled("the non-distributed optimizer with virtual pipeline stages is "
-                          "not modelled")
     files: dict[str, dict[Rank, list[dict]]] = {s: {} for s in STATES}
     steps: set = set()
     for rank, (path, chunks, entry) in ranks.items():
-        out: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
+        if len(chunks) != layout.chunks:
+            raise ConvertError(f"{path}: not {layout.chunks} model chunk(s)")
+        out: dict[str, list[dict[str, torch.Tensor]]] = {
+            s: [{} for _ in chunks] for s in STATES}
         if layout.ep > 1:
             if not isinstance(entry, list) or len(entry) != 2:
                 raise NotModelled(f"{path}: optimizer is not a list of the dense and the "
                                   "expert optimizer's states (EP > 1)")
             for part, experts in zip(entry, (False, True)):
-                _rank_states(chunks[0], part, args, experts, path, out, steps)
+                _rank_states(chunks, part, args, experts, path, out, steps)
         else:
-            _rank_states(chunks[0], entry, args, None, path, out, steps)
+            _rank_states(chunks, entry, args, None, path, out, steps)
         for s in STATES:
-            files[s][rank] = [out[s]]
+            files[s][rank] = out[s]
     try:
         merged = {s: merge_legacy(by_rank, layout) for s, by_rank in files.items()}
     except (ValueError, RuntimeError) as e:
