@@ -80,16 +80,26 @@ NONDIST = {"fp32_tp2_pp2": ("--tp", "2", "--pp", "2"),
 NONDIST_LINE = "Adam state of the non-distributed optimizer (model_optim_rng.pt) at step 2"
 
 
+@pytest.fixture(scope="module")
+def fp32_vpp(tmp_path_factory, mcore_python):
+    """The FP32Optimizer's legacy save at PP 2 x 2 virtual stages (the resume case and the
+    chunk-order breakage share it)."""
+    return _save(tmp_path_factory.mktemp("legacy_fp32_vpp"), mcore_python, "--optimizer",
+                 "fp32", *NONDIST["fp32_pp2_vpp2"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(NONDIST))
 def test_legacy_nondistributed_optimizer_resumes_with_the_adamw_step(case, tmp_path,
-                                                                    mcore_python, capsys):
+                                                                    mcore_python, capsys,
+                                                                    request):
     """model_optim_rng.pt's `optimizer` of FP32Optimizer (TP 2 x PP 2; TP 2 x EP 2 x DP 2:
     a ChainedOptimizer's [dense, expert] list in every file) and of Float16OptimizerWith
     Float16Params (--bf16, PP 2: its fp32_from_fp16_params, which carry megatron-core's
     tensor attributes): megatron-core's param-group order rebuilt, equal to its
     model-shaped save, and the AdamW step by hand."""
-    save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST[case])
+    save, ref = (request.getfixturevalue("fp32_vpp") if case == "fp32_pp2_vpp2" else
+                 _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST[case]))
     _convert_and_resume(tmp_path, save, ref, capsys, *[e for e in NONDIST[case]
                                                        if e == "--bf16"], line=NONDIST_LINE)
 
@@ -112,13 +122,12 @@ def test_a_shuffled_group_order_is_refused_or_fails(tmp_path, mcore_python, caps
 
 
 @pytest.mark.slow
-def test_chunks_taken_in_reverse_are_refused_or_fail(tmp_path, mcore_python, capsys,
+def test_chunks_taken_in_reverse_are_refused_or_fail(fp32_vpp, tmp_path, capsys,
                                                      monkeypatch):
     """The breakage: a rank's model chunks taken last first (the param groups' order
     across virtual stages reversed): refused (a state not shaped as its parameter), or
     the import differs from megatron-core's save."""
-    save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32",
-                      *NONDIST["fp32_pp2_vpp2"])
+    save, ref = fp32_vpp
     real = legacy_optim._rank_states
 
     def reversed_chunks(chunks, entry, args, experts, path, out, steps):
