@@ -19,6 +19,7 @@ torch_dist save, the legacy files and the oracle (module-scoped fixtures). All s
 
 from __future__ import annotations
 
+import copy
 import glob
 import importlib
 import json
@@ -72,11 +73,14 @@ def mtp_pp2(tmp_path_factory, mcore_python):
     return _save(tmp_path_factory.mktemp("mtp_pp2"), mcore_python, "mtp_pp2")
 
 
-def _buffers_are_megatron_cores(save: str, dump: str) -> int:
+def _buffers_are_megatron_cores(save: str, dump: str, **args) -> int:
     """Every rank's every optimizer's every buffer (gbuf_idx, its model chunk) as
-    megatron-core dumped it is the converter's; returns how many were compared."""
+    megatron-core dumped it is the converter's (from the save's weights and args, `args`
+    overriding some); returns how many were compared."""
     common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
-    ours = reshard.expected_buffers(common["args"], weights)
+    saved = copy.copy(common["args"])
+    vars(saved).update(args)
+    ours = reshard.expected_buffers(saved, weights)
     seen = set()
     for path in sorted(glob.glob(f"{dump}.rank*.json")):
         opts = json.load(open(path))
@@ -112,6 +116,23 @@ def test_vpp_ep2_imports_megatron_cores_state(tmp_path, mcore_python, capsys):
     for fmt in ("flat", "legacy"):
         _imported_equal_reference(_convert(tmp_path / fmt, saves[fmt], capsys, LINES[fmt]),
                                   saves["ref"])
+
+
+@pytest.mark.slow
+def test_vpp_buckets_only_the_first_chunk(vpp, tmp_path, mcore_python):
+    """With --overlap-grad-reduce and 40000-element buckets, megatron-core (as Megatron-LM's
+    get_model builds it) splits only PP rank 0's first chunk into buckets; its dump
+    (layout only: the overlap's hooks do not train on the CPU) is the converter's layout
+    from the same model's args with those flags."""
+    dump = str(tmp_path / "l")
+    run_peer(["--optimizer", "distrib", "--overlap-grad-reduce", "--bucket-size", "40000",
+              *CASES["vpp"], "--out", str(tmp_path / "x"), "--layout-json", dump,
+              "--layout-only"], python=mcore_python, script=PEER_OPTIM)
+    assert _buffers_are_megatron_cores(vpp["flat"], dump, overlap_grad_reduce=True,
+                                       ddp_bucket_size=40000) == 4
+    counts = [len(b["buckets"]) for r in (0, 2) for b in json.load(
+        open(f"{dump}.rank{r}.json"))[0]["buffers"]]
+    assert counts[0] > 1 and counts[1:] == [1, 1, 1], counts
 
 
 def _swap_middle_chunks(monkeypatch) -> None:
