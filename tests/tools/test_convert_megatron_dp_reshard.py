@@ -158,7 +158,7 @@ def test_dp2_dp_reshardable_imports_megatron_cores_state(dp2, tmp_path, capsys):
     fact = _facts_of(json.load(open(f"{dump}.rank0.json"))[0]["buffers"][0])
     _check_layout(fact)
     common, weights = megatron_format.read_megatron(os.path.join(save, "iter_0000002"))
-    _same_as_dump(reshard.expected_buffers(common["args"], weights)[("", 0)].buckets, fact)
+    _same_as_dump(reshard.expected_buffers(common["args"], weights)[("", 0, 0)].buckets, fact)
     _imported_equal_reference(_convert(tmp_path, save, capsys), ref)
 
 
@@ -219,7 +219,7 @@ def test_tp2_pp2_dp_reshardable_imports_megatron_cores_state(tp2_pp2, tmp_path, 
         assert opt["dp_group_idx"] == opt["ranks"]["tp"] + 2 * opt["ranks"]["pp"]
         fact = _facts_of(opt["buffers"][0])
         _check_layout(fact)
-        _same_as_dump(ours[("", opt["dp_group_idx"])].buckets, fact)
+        _same_as_dump(ours[("", opt["dp_group_idx"], 0)].buckets, fact)
     _imported_equal_reference(_convert(tmp_path, save, capsys), ref)
 
 
@@ -248,9 +248,10 @@ def _layouts_are_megatron_cores(save: str, dump: str) -> int:
         opts = json.load(open(path))
         for k, opt in enumerate(opts):
             prefix = f"chained_{k}." if len(opts) > 1 else ""
-            _same_as_dump(ours[(prefix, opt["dp_group_idx"])].buckets,
+            _same_as_dump(ours[(prefix, opt["dp_group_idx"], 0)].buckets,
                           _facts_of(opt["buffers"][0]))
-            assert ours[(prefix, opt["dp_group_idx"])].dp_size == opt["buffers"][0]["dp_size"]
+            assert ours[(prefix, opt["dp_group_idx"], 0)].dp_size == opt["buffers"][0][
+                "dp_size"]
             seen += 1
     assert seen >= 2
     return seen
@@ -390,21 +391,28 @@ def test_args_the_layout_does_not_model():
     base = dict(data_parallel_size=2, expert_model_parallel_size=2, num_experts=4,
                 num_layers=2)
     want = reshard.expected_buffers(argparse.Namespace(**base), w)
-    assert sorted(want) == [("chained_0.", 0), ("chained_1.", 0), ("chained_1.", 1)]
+    assert sorted(want) == [("chained_0.", 0, 0), ("chained_1.", 0, 0), ("chained_1.", 1, 0)]
     fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
-    assert [e[1:3] for e in want[("chained_1.", 1)].buckets[0].params][:2] == [
+    assert [e[1:3] for e in want[("chained_1.", 1, 0)].buckets[0].params][:2] == [
         (fc1, (1, 3)), (fc1, (1, 2))]
-    assert want[("chained_1.", 1)].files == [(0, 0, 1)]
+    assert want[("chained_1.", 1, 0)].files == [(0, 0, 1)]
     # TP 2 x PP 2: four dense buffers, each rank's halves of its stage's layer
     tp_pp = reshard.expected_buffers(argparse.Namespace(**{
         **base, "expert_model_parallel_size": 1, "tensor_model_parallel_size": 2,
         "pipeline_model_parallel_size": 2, "untie_embeddings_and_output_weights": True}), w)
-    assert sorted(tp_pp) == [("", 0), ("", 1), ("", 2), ("", 3)]
-    assert [(e[0], e[3]) for e in tp_pp[("", 3)].buckets[0].params][-1] == (
+    assert sorted(tp_pp) == [("", 0, 0), ("", 1, 0), ("", 2, 0), ("", 3, 0)]
+    assert [(e[0], e[3]) for e in tp_pp[("", 3, 0)].buckets[0].params][-1] == (
         "decoder.layers.0.mlp.router.weight", (4, 4))  # (replicated)
-    assert [(e[0], e[3]) for e in tp_pp[("", 3)].buckets[0].params][0] == (
+    assert [(e[0], e[3]) for e in tp_pp[("", 3, 0)].buckets[0].params][0] == (
         "output_layer.weight", (4, 4))  # (column-parallel)
-    for bad in (dict(virtual_pipeline_model_parallel_size=2), dict(data_parallel_size=3),
+    # PP 2 x 2 virtual stages (2 layers, one a chunk): each rank's chunks in gbuf order
+    vpp = reshard.expected_buffers(argparse.Namespace(**{
+        **base, "expert_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+        "num_layers": 4, "virtual_pipeline_model_parallel_size": 2}), {
+        **w, **{k: torch.zeros(4, *w[k].shape[1:]) for k in w if ".layers." in k}})
+    assert {k: b.chunk for k, b in vpp.items()} == {("", 0, 0): 0, ("", 0, 1): 1,
+                                                    ("", 1, 0): 0, ("", 1, 1): 1}
+    for bad in (dict(virtual_pipeline_model_parallel_size=3), dict(data_parallel_size=3),
                 dict(moe_grouped_gemm=True), dict(data_parallel_size=None),
                 dict(ddp_num_buckets=4), dict(num_distributed_optimizer_instances=2),
                 dict(expert_tensor_parallel_size=2), dict(pipeline_model_parallel_size=3),
@@ -415,6 +423,8 @@ def test_args_the_layout_does_not_model():
     for bad in (dict(ddp_bucket_size="40000"), dict(data_parallel_size=0),
                 dict(overlap_grad_reduce="yes"), dict(tensor_model_parallel_size=2**40),
                 dict(pipeline_model_parallel_size=True), dict(context_parallel_size=0),
+                dict(virtual_pipeline_model_parallel_size=0),
+                dict(virtual_pipeline_model_parallel_size=2.0),
                 dict(multi_latent_attention=True, kv_lora_rank="16")):
         with pytest.raises(reshard.ConvertError, match="args."):
             reshard.expected_buffers(argparse.Namespace(**{**base, **bad}), w)

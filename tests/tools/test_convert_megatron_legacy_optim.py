@@ -72,20 +72,34 @@ def test_legacy_distrib_optim_resumes_with_the_adamw_step(case, tmp_path, mcore_
 
 NONDIST = {"fp32_tp2_pp2": ("--tp", "2", "--pp", "2"),
            "fp32_tp2_ep2_dp2": ("--tp", "2", "--ep", "2", "--dp", "2"),
-           "bf16_pp2": ("--pp", "2", "--bf16"), "fp32_cp2_dp2": ("--cp", "2", "--dp", "2")}
+           "bf16_pp2": ("--pp", "2", "--bf16"), "fp32_cp2_dp2": ("--cp", "2", "--dp", "2"),
+           # virtual stages: each param group's parameters chunk after chunk
+           "fp32_pp2_vpp2": ("--variant", "mixtral4", "--pp", "2", "--vpp", "2"),
+           # MTP at PP 2: the last stage's copy of the embeddings in its optimizer too
+           "fp32_mtp_pp2": ("--variant", "mla_mtp", "--pp", "2")}
 NONDIST_LINE = "Adam state of the non-distributed optimizer (model_optim_rng.pt) at step 2"
+
+
+@pytest.fixture(scope="module")
+def fp32_vpp(tmp_path_factory, mcore_python):
+    """The FP32Optimizer's legacy save at PP 2 x 2 virtual stages (the resume case and the
+    chunk-order breakage share it)."""
+    return _save(tmp_path_factory.mktemp("legacy_fp32_vpp"), mcore_python, "--optimizer",
+                 "fp32", *NONDIST["fp32_pp2_vpp2"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(NONDIST))
 def test_legacy_nondistributed_optimizer_resumes_with_the_adamw_step(case, tmp_path,
-                                                                    mcore_python, capsys):
+                                                                    mcore_python, capsys,
+                                                                    request):
     """model_optim_rng.pt's `optimizer` of FP32Optimizer (TP 2 x PP 2; TP 2 x EP 2 x DP 2:
     a ChainedOptimizer's [dense, expert] list in every file) and of Float16OptimizerWith
     Float16Params (--bf16, PP 2: its fp32_from_fp16_params, which carry megatron-core's
     tensor attributes): megatron-core's param-group order rebuilt, equal to its
     model-shaped save, and the AdamW step by hand."""
-    save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST[case])
+    save, ref = (request.getfixturevalue("fp32_vpp") if case == "fp32_pp2_vpp2" else
+                 _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST[case]))
     _convert_and_resume(tmp_path, save, ref, capsys, *[e for e in NONDIST[case]
                                                        if e == "--bf16"], line=NONDIST_LINE)
 
@@ -98,6 +112,30 @@ def test_a_shuffled_group_order_is_refused_or_fails(tmp_path, mcore_python, caps
     save, ref = _save(tmp_path, mcore_python, "--optimizer", "fp32", *NONDIST["fp32_tp2_pp2"])
     real = legacy_optim._params
     monkeypatch.setattr(legacy_optim, "_params", lambda *a: real(*a)[::-1])
+    conv = str(tmp_path / "conv")
+    if convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 1:
+        assert "is not a float tensor shaped" in capsys.readouterr().err
+        return
+    monkeypatch.undo()
+    with pytest.raises(AssertionError):
+        _imported_equal_reference(conv, ref)
+
+
+@pytest.mark.slow
+def test_chunks_taken_in_reverse_are_refused_or_fail(fp32_vpp, tmp_path, capsys,
+                                                     monkeypatch):
+    """The breakage: a rank's model chunks taken last first (the param groups' order
+    across virtual stages reversed): refused (a state not shaped as its parameter), or
+    the import differs from megatron-core's save."""
+    save, ref = fp32_vpp
+    real = legacy_optim._rank_states
+
+    def reversed_chunks(chunks, entry, args, experts, path, out, steps):
+        backwards = {s: chunk[::-1] for s, chunk in out.items()}
+        real(chunks[::-1], entry, args, experts, path, backwards, steps)
+        for s in out:
+            out[s][:] = backwards[s][::-1]
+    monkeypatch.setattr(legacy_optim, "_rank_states", reversed_chunks)
     conv = str(tmp_path / "conv")
     if convert(["megatron-to-megamoe", "--input", save, "--output", conv]) == 1:
         assert "is not a float tensor shaped" in capsys.readouterr().err
@@ -148,7 +186,7 @@ def _state(n: int = 8) -> dict:
                                                            dtype=torch.int64)), "param"),
     (lambda s: s[0][(torch.float32, torch.float32)].update(exp_avg_sq="x"), "exp_avg_sq"),
     (lambda s: s.update({0: [1, 2]}), "one dtype"),
-    (lambda s: s.update({1: s[0]}), "several"),
+    (lambda s: s.update({1: s[0]}), "gradient buffers"),
     (lambda s: s.pop("buckets_coalesced"), "coalesced"),
 ])
 def test_crafted_distrib_optim_fields_are_refused(bad, error):
@@ -156,7 +194,7 @@ def test_crafted_distrib_optim_fields_are_refused(bad, error):
     ConvertError (one line naming the file) or, for another format, NotModelled (the
     weights-and-schedule fallback)."""
     state = _state()
-    assert legacy_optim._buffer(state, 0, False, "f.pt")["numel_unpadded"] == 8
+    assert legacy_optim._buffer(state, 0, False, "f.pt")[0]["numel_unpadded"] == 8
     bad(state)
     with pytest.raises((checks.ConvertError, reshard.NotModelled), match=error) as e:
         legacy_optim._buffer(state, 0, False, "f.pt")
@@ -164,3 +202,10 @@ def test_crafted_distrib_optim_fields_are_refused(bad, error):
     with pytest.raises(checks.ConvertError, match="list of 2"):
         legacy_optim._buffer(_state(), 0, True, "f.pt")
     assert legacy_optim._buffer([None, _state()], 0, True, "f.pt") is None
+    # two model chunks (virtual stages): buffers 0 and 1, each checked
+    two = {**_state(), 1: _state(4)[0]}
+    assert [b["numel_unpadded"] for b in legacy_optim._buffer(two, 0, False, "f.pt", 2)] == [
+        8, 4]
+    two[1][(torch.float32, torch.float32)]["numel_unpadded"] = 0
+    with pytest.raises(checks.ConvertError, match="numel"):
+        legacy_optim._buffer(two, 0, False, "f.pt", 2)

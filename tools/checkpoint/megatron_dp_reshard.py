@@ -15,7 +15,9 @@ pipeline group (experts). Each parameter's slice comes from megatron_dp_layout, 
 from the saved args; every bucket's saved length must equal the rebuilt one, so a layout
 that the args do not describe is not guessed at.
 
-Each (TP, PP) rank keeps its own buffers: its TP slices of its stage's parameters
+With virtual pipeline stages each model chunk has its own buffers (G = the chunk in
+the rank's order; Megatron-LM buckets only the first chunk). Each (TP, PP) rank keeps its
+own buffers: its TP slices of its stage's parameters
 (dp_group_idx = tp + TP x pp, megatron-core's rank in the model-parallel group; the
 expert buffers' dp_group_idx = etp + ETP x (ep + EP x pp)). Every rank's slices are cut
 out as that rank's local tensors, named as a legacy rank file names them (layers
@@ -23,11 +25,12 @@ numbered in the stage, experts in the EP rank), and merged by megatron_shards.me
 the legacy weights' own merge (column / row splits, SwiGLU's per-rank [gate; up]
 halves, the qkv groups, stages renumbered).
 
-Modelled: any TP, PP (even split), DP, CP and EP with expert TP = TP or 1 (EP > 1),
-one optimizer instance, no virtual stages, SequentialMLP experts (`local_experts.N`), the
-layers stacked (all alike) or one key per layer (dense and MoE layers mixed), MTP on the
-last stage with PP 1, MLA (at TP > 1 the local spec's column-parallel down projections,
---transformer-impl local), fp32 or bf16 parameters.
+Modelled: any TP, PP (even split, with or without virtual stages), DP, CP and EP with
+expert TP = TP or 1 (EP > 1), one optimizer instance, SequentialMLP experts
+(`local_experts.N`), the layers stacked (all alike) or one key per layer (dense and MoE
+layers mixed), MTP on the last stage (at PP > 1 with untied embeddings), MLA (at
+TP > 1 the local spec's column-parallel down projections, --transformer-impl local), fp32
+or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """
@@ -89,8 +92,6 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         raise NotModelled(f"args.num_distributed_optimizer_instances = "
                           f"{args.num_distributed_optimizer_instances} (only 1 is modelled)")
     cp = _int(args, "context_parallel_size", 1, high=2**16)
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1):
-        raise NotModelled("virtual pipeline stages are not modelled")
     for name in ("use_megatron_fsdp", "fp8_param_gather", "use_precision_aware_optimizer",
                  "moe_grouped_gemm"):
         if _flag(args, name):
@@ -110,11 +111,12 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         raise NotModelled(f"expert TP {etp} with TP {tp}, EP {ep} is not modelled")
     experts = _int(args, "num_experts", 1) if getattr(args, "num_experts", None) else 0
     layers = _int(args, "num_layers", 1)
+    vpp = _int(args, "virtual_pipeline_model_parallel_size", 1, high=2**16)
     dp = _int(args, "data_parallel_size", 1) * cp
-    if layers % pp or (experts or ep) % ep or (tp * dp) % (etp * ep):
-        raise NotModelled(f"{layers} layers / PP {pp}, {experts} experts / EP {ep}, "
-                          f"TP {tp} x DP x CP {dp} / (expert TP {etp} x EP {ep}) do not "
-                          "divide")
+    if layers % (pp * vpp) or (experts or ep) % ep or (tp * dp) % (etp * ep):
+        raise NotModelled(f"{layers} layers / (PP {pp} x virtual stages {vpp}), {experts} "
+                          f"experts / EP {ep}, TP {tp} x DP x CP {dp} / (expert TP {etp} x "
+                          f"EP {ep}) do not divide")
     down = None
     if _flag(args, "multi_latent_attention"):
         impl = getattr(args, "transformer_impl", "transformer_engine")
@@ -125,7 +127,8 @@ def _layout(args) -> tuple[LegacyLayout, int]:
         q_rank = getattr(args, "q_lora_rank", None)
         down = (None if q_rank is None else _int(args, "q_lora_rank", 1),
                 _int(args, "kv_lora_rank", 1) + _int(args, "qk_pos_emb_head_dim", 1))
-    return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=None, num_layers=layers,
+    return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp if vpp > 1 else None,
+                        num_layers=layers,
                         num_experts=experts, swiglu=_flag(args, "swiglu"),
                         tied=not _flag(args, "untie_embeddings_and_output_weights"),
                         mla_down_rows=down), dp
@@ -236,15 +239,21 @@ def _add_layer(dense: list[Param], ranks: list[list[Param]], local: str, layer: 
                          for fc in [ek.split(".")[-2]]]
 
 
-def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int
-                     ) -> tuple[list[Param], list[list[Param]]]:
-    """(a stage's dense parameters, each EP rank's expert parameters of the stage), each
-    in megatron-core's registration order (named_parameters).
+EMBEDDING = "embedding.word_embeddings.weight"
 
-    A stage registers the embedding (first stage), its layers one after another (each
-    layer's parameters in registration_order, its SequentialMLP experts one after
-    another, linear_fc1, linear_fc2 each), then the final norm and the output layer
-    (last stage; with tied embeddings and PP > 1 its own copy of the word embeddings).
+
+def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int,
+                     vp_stage: int = 0) -> tuple[list[Param], list[list[Param]]]:
+    """(a model chunk's dense parameters, each EP rank's expert parameters of the chunk),
+    each in megatron-core's registration order (named_parameters). A chunk is a virtual
+    stage of a pipeline rank (megatron_shards.LegacyLayout.offset: its layers).
+
+    A chunk registers the word embeddings (the first chunk; with MTP and PP > 1 the last
+    chunk's own copy too: GPTModel builds an embedding where MTP runs, kept equal to the
+    first stage's by finalize_model_grads), its layers one after another (each layer's
+    parameters in registration_order, its SequentialMLP experts one after another,
+    linear_fc1, linear_fc2 each), then the final norm, MTP and the output layer (the
+    last chunk; with tied embeddings and PP > 1 its own copy of the word embeddings).
     Expert rank r holds experts r*E..r*E+E-1 (E = experts / EP); with EP 1 they stay in
     the dense buffer."""
     keys = [k for k in weights if "_extra_state" not in k and not k.endswith("expert_bias")]
@@ -263,17 +272,22 @@ def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_
                 weights[key].dim() < 2 + len(at) or weights[key].shape[len(at)] != experts):
             raise NotModelled(f"{key}: not {experts} experts")
     local_e, per = experts // layout.ep, layout.layers_per_chunk
+    first = pp_rank == 0 and vp_stage == 0
+    last = pp_rank == layout.pp - 1 and vp_stage == layout.chunks - 1
+    tail = keys[layer_at[-1] + 1:]
+    mtp = [k for k in tail if k.startswith("mtp.layers.")]
+    if mtp and layout.tied and layout.pp > 1:
+        raise NotModelled("MTP with tied embeddings and PP > 1 is not modelled")
     dense: list[Param] = []
-    if pp_rank == 0:
+    if first:
         dense += [(k, k, (), k) for k in keys[:layer_at[0]]]
+    elif last and mtp:  # (the MTP stage's embedding, registered first)
+        dense.append((EMBEDDING, EMBEDDING, (), EMBEDDING))
     ranks: list[list[Param]] = [[] for _ in range(layout.ep)]
-    for li, layer in enumerate(layers[pp_rank * per:(pp_rank + 1) * per]):
+    start = layout.offset(pp_rank, vp_stage)
+    for li, layer in enumerate(layers[start:start + per]):
         _add_layer(dense, ranks, f"decoder.layers.{li}.", layer, "", local_e)
-    if pp_rank == layout.pp - 1:
-        tail = keys[layer_at[-1] + 1:]
-        mtp = [k for k in tail if k.startswith("mtp.layers.")]
-        if mtp and layout.pp > 1:
-            raise NotModelled("MTP with PP > 1 is not modelled")
+    if last:
         final = [k for k in tail if k.startswith("decoder.")]
         output = [k for k in tail if k.startswith("output_layer.")]
         if tail != final + mtp + output:  # (GPTModel registers them in this order)
@@ -283,10 +297,19 @@ def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_
             _add_layer(dense, ranks, f"mtp.layers.{depth}.", layer, "transformer_layer.",
                        local_e)
         dense += [(k, k, (), k) for k in output]
-        if layout.tied and layout.pp > 1:
-            emb = "embedding.word_embeddings.weight"
-            dense.append(("output_layer.weight", emb, (), "output_layer.weight"))
+        if layout.tied and not first:
+            dense.append(("output_layer.weight", EMBEDDING, (), "output_layer.weight"))
     return dense, ranks if layout.ep > 1 else []
+
+
+def shared_embedding(layout: LegacyLayout, mtp: bool) -> frozenset[str]:
+    """The local names megatron-core marks `shared_embedding` (a bucket of their own):
+    with PP > 1, the first chunk's word embeddings and the last chunk's copy of them
+    (tied embeddings: its output layer; MTP: its embedding), LanguageModule.
+    setup_embeddings_and_output_layer."""
+    if layout.pp == 1 or not (layout.tied or mtp):
+        return frozenset()
+    return frozenset({EMBEDDING, "output_layer.weight"} if layout.tied else {EMBEDDING})
 
 
 def _shard_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
@@ -310,18 +333,21 @@ def _on_rank(params: list[Param], weights: dict[str, torch.Tensor], tp: int) -> 
 
 @dataclass
 class RankBuffer:
-    """One distributed optimizer's buffer: its buckets, and the (tp, pp, ep) legacy-file
-    ranks its local tensors belong to."""
+    """One distributed optimizer's buffer (a model chunk's): its buckets, the (tp, pp, ep)
+    legacy-file ranks its local tensors belong to, and the chunk (virtual stage)."""
 
     buckets: list[Bucket]
     files: list[tuple[int, int, int]]
     dp_size: int
+    chunk: int = 0
 
 
-def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, int],
-                                                                       RankBuffer]:
-    """(key prefix, dp_group_idx) -> that optimizer's buffer, for every (TP, PP[, EP])
-    rank."""
+def expected_buffers(args, weights: dict[str, torch.Tensor]
+                     ) -> dict[tuple[str, int, int], RankBuffer]:
+    """(key prefix, dp_group_idx, gbuf_idx) -> that optimizer's buffer, for every (TP,
+    PP[, EP]) rank. An optimizer's buffers are its rank's model chunks' in order
+    (gbuf_idx: megatron-core chains each chunk's DDP buffers; a chunk without expert
+    parameters has no expert buffer)."""
     layout, dp = _layout(args)
     disable = _flag(args, "overlap_param_gather_with_optimizer_step")
     overlap, pad = _flag(args, "overlap_grad_reduce"), _flag(
@@ -330,38 +356,46 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]) -> dict[tuple[str, 
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ConvertError(f"args.ddp_bucket_size = {size!r} is not a positive integer")
     tp, ep, etp = layout.tp, layout.ep, layout.etp
-    out: dict[tuple[str, int], RankBuffer] = {}
+    shared = shared_embedding(layout, any(k.startswith("mtp.layers.") for k in weights))
+    out: dict[tuple[str, int, int], RankBuffer] = {}
     for p in range(layout.pp):
-        dense, per_rank = stage_parameters(weights, layout, p)
-        # (megatron-core's DDP: one bucket on every stage but the first)
-        bucket_size = bucket_size_of(overlap, size, dp, disable) if p == 0 else None
-        tied = frozenset()
-        if layout.tied and layout.pp > 1:  # `shared_embedding`: a bucket of its own
-            tied = frozenset(e for e in _on_rank(dense, weights, tp) if e[0] in (
-                "embedding.word_embeddings.weight", "output_layer.weight"))
+        for v in range(layout.chunks):
+            dense, per_rank = stage_parameters(weights, layout, p, v)
+            # (Megatron-LM's get_model: bucketing only in the first chunk; megatron-core's
+            # DDP: one bucket on every stage but the first)
+            bucket_size = bucket_size_of(overlap, size, dp, disable) if p == v == 0 else None
+            tied = frozenset(e for e in _on_rank(dense, weights, tp) if e[0] in shared)
 
-        def buckets(params: list[Param], ranks: int, dp_size: int, new=frozenset(),
-                    bucket_size=bucket_size) -> list[Bucket]:
-            entries = _on_rank(params, weights, ranks)
-            return bucket_layout([(e, math.prod(e[3])) for e in entries], bucket_size,
-                                 dp_size, pad, new)
-        for t in range(tp):
-            files = [(t, p, e) for e in range(ep)]
-            key = ("chained_0." if ep > 1 else "", t + tp * p)
-            out[key] = RankBuffer(buckets(dense, tp, dp, tied), files, dp)
-        for e, params in enumerate(per_rank):
-            for et in range(etp):
-                files = [(t, p, e) for t in range(tp) if etp == 1 or t == et]
-                key = ("chained_1.", et + etp * (e + ep * p))
-                edp = tp * dp // (etp * ep)
-                out[key] = RankBuffer(buckets(params, etp, edp), files, edp)
+            def buckets(params: list[Param], ranks: int, dp_size: int, new=frozenset(),
+                        bucket_size=bucket_size) -> list[Bucket]:
+                entries = _on_rank(params, weights, ranks)
+                return bucket_layout([(e, math.prod(e[3])) for e in entries], bucket_size,
+                                     dp_size, pad, new)
+            for t in range(tp):
+                files = [(t, p, e) for e in range(ep)]
+                key = ("chained_0." if ep > 1 else "", t + tp * p)
+                out[(*key, _next_gbuf(out, key))] = RankBuffer(buckets(dense, tp, dp, tied),
+                                                               files, dp, v)
+            for e, params in enumerate(per_rank):
+                if not params:
+                    continue
+                for et in range(etp):
+                    files = [(t, p, e) for t in range(tp) if etp == 1 or t == et]
+                    key = ("chained_1.", et + etp * (e + ep * p))
+                    edp = tp * dp // (etp * ep)
+                    out[(*key, _next_gbuf(out, key))] = RankBuffer(
+                        buckets(params, etp, edp), files, edp, v)
     return out
+
+
+def _next_gbuf(out: dict[tuple[str, int, int], RankBuffer], key: tuple[str, int]) -> int:
+    return sum(1 for k in out if k[:2] == key)
 
 
 def _step_of(it_dir: str, metadata, prefixes: list[tuple[str, int]]) -> dict:
     """The optimizers' param_groups (their step counts) as megatron_optim's common part."""
     parts = {}
-    for i, (prefix, idx) in enumerate(prefixes):
+    for i, (prefix, idx) in enumerate(dict.fromkeys(prefixes)):
         fqn = f"{prefix}optimizer.distributed.dp_group_idx_{idx}.optimizer/shard_0_1"
         data, where = read_byte_item(it_dir, metadata.storage_data or {}, fqn)
         if data is None:
@@ -374,7 +408,7 @@ def _step_of(it_dir: str, metadata, prefixes: list[tuple[str, int]]) -> dict:
     return {"optimizer": parts}
 
 
-def _check_keys(found: dict[str, Any], want: dict[tuple[str, int], list[Bucket]]) -> str:
+def _check_keys(found: dict[str, Any], want: dict[tuple[str, int, int], list[Bucket]]) -> str:
     """Every saved bucket tensor is one the rebuilt layout expects, at its length; returns
     the buffers' dtype key."""
     seen = set()
@@ -384,8 +418,8 @@ def _check_keys(found: dict[str, Any], want: dict[tuple[str, int], list[Bucket]]
             continue
         prefix, idx, gbuf, bucket, state = (m.group(1) or "", int(m.group(2)), int(m.group(3)),
                                             int(m.group(5)), m.group(6))
-        buckets = want.get((prefix, idx))
-        if buckets is None or gbuf != 0 or bucket >= len(buckets) or state not in STATES:
+        buckets = want.get((prefix, idx, gbuf))
+        if buckets is None or bucket >= len(buckets) or state not in STATES:
             raise NotModelled(f"{key} is not a buffer of the layout the args describe")
         if not (isinstance(meta, TensorStorageMetadata) and len(meta.size) == 1
                 and meta.properties.dtype.is_floating_point):
@@ -393,11 +427,11 @@ def _check_keys(found: dict[str, Any], want: dict[tuple[str, int], list[Bucket]]
         if meta.size[0] != buckets[bucket].numel_unpadded:
             raise NotModelled(f"{key} holds {meta.size[0]} elements, the layout rebuilt "
                               f"from the args {buckets[bucket].numel_unpadded}")
-        seen.add((prefix, idx, bucket, state, m.group(4)))
-    dtypes = {s[4] for s in seen}
-    need = {(p, i, b, s) for (p, i), bs in want.items() for b in range(len(bs))
+        seen.add((prefix, idx, gbuf, bucket, state, m.group(4)))
+    dtypes = {s[5] for s in seen}
+    need = {(p, i, g, b, s) for (p, i, g), bs in want.items() for b in range(len(bs))
             for s in STATES}
-    if len(dtypes) != 1 or {s[:4] for s in seen} != need:
+    if len(dtypes) != 1 or {s[:5] for s in seen} != need:
         raise NotModelled("the saved buffers are not the ones the args describe "
                           f"({len(seen)} bucket states saved, {len(need)} expected)")
     return dtypes.pop()
@@ -413,36 +447,38 @@ def read_flat_states(it_dir: str, common: dict, metadata, weights: dict[str, tor
     layout, _ = _layout(common["args"])
     dtype = _check_keys(metadata.state_dict_metadata, {k: b.buckets for k, b in want.items()})
 
-    def fqn(prefix: str, idx: int, b: int, state: str) -> str:
-        return (f"{prefix}optimizer.distributed.dp_group_idx_{idx}.gbuf_idx_0.dtype_{dtype}"
-                f".bucket_idx_{b}.{state}")
-    flat = {fqn(p, i, b, s): torch.empty(bucket.numel_unpadded, dtype=metadata
-                                         .state_dict_metadata[fqn(p, i, b, s)].properties.dtype)
-            for (p, i), buf in want.items() for b, bucket in enumerate(buf.buckets)
-            for s in STATES}
+    def fqn(prefix: str, idx: int, g: int, b: int, state: str) -> str:
+        return (f"{prefix}optimizer.distributed.dp_group_idx_{idx}.gbuf_idx_{g}.dtype_"
+                f"{dtype}.bucket_idx_{b}.{state}")
+    meta = metadata.state_dict_metadata
+    flat = {fqn(*k, b, s): torch.empty(bucket.numel_unpadded,
+                                       dtype=meta[fqn(*k, b, s)].properties.dtype)
+            for k, buf in want.items() for b, bucket in enumerate(buf.buckets) for s in STATES}
     load(flat)
-    pieces = [(bucket, buf.files, {s: flat[fqn(p, i, b, s)] for s in STATES})
-              for (p, i), buf in want.items() for b, bucket in enumerate(buf.buckets)]
-    return merge_buckets(pieces, layout, it_dir), _step_of(it_dir, metadata, list(want))
+    pieces = [(bucket, buf.files, buf.chunk, {s: flat[fqn(*k, b, s)] for s in STATES})
+              for k, buf in want.items() for b, bucket in enumerate(buf.buckets)]
+    return merge_buckets(pieces, layout, it_dir), _step_of(it_dir, metadata,
+                                                           [k[:2] for k in want])
 
 
-def merge_buckets(pieces: list[tuple[Bucket, list[tuple[int, int, int]],
+def merge_buckets(pieces: list[tuple[Bucket, list[tuple[int, int, int]], int,
                                      dict[str, torch.Tensor]]],
                   layout: LegacyLayout, where: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Every bucket's states (bucket, the (tp, pp, ep) ranks it belongs to, {state: its
-    flat tensor}) cut into each rank's local tensors, named as its legacy rank file
-    names them (bucket_layout's entries: (local name, ..., local shape)), then merged
-    into whole megatron-core tensors by the legacy weights' own merge."""
-    files: dict[str, dict[tuple[int, int, int], dict[str, torch.Tensor]]] = {
+    """Every bucket's states (bucket, the (tp, pp, ep) ranks it belongs to, its model
+    chunk, {state: its flat tensor}) cut into each rank's local tensors, named as its
+    legacy rank file names them in that chunk (bucket_layout's entries: (local name, ...,
+    local shape)), then merged into whole megatron-core tensors by the legacy weights'
+    own merge."""
+    files: dict[str, dict[tuple[int, int, int], list[dict[str, torch.Tensor]]]] = {
         s: {} for s in STATES}
-    for bucket, ranks, flat in pieces:
+    for bucket, ranks, chunk, flat in pieces:
         for state, t in flat.items():
             for entry, (start, end) in bucket.params.items():
                 for rank in ranks:
-                    files[state].setdefault(rank, {})[entry[0]] = t[start:end].view(entry[-1])
+                    chunks = files[state].setdefault(rank, [{} for _ in range(layout.chunks)])
+                    chunks[chunk][entry[0]] = t[start:end].view(entry[-1])
     try:
-        return {s: merge_legacy({r: [sd] for r, sd in by_rank.items()}, layout)
-                for s, by_rank in files.items()}
+        return {s: merge_legacy(by_rank, layout) for s, by_rank in files.items()}
     except (ValueError, RuntimeError) as e:
         raise ConvertError(f"{where}: the optimizer's rank buffers do not merge "
                            f"({e.args[0] if e.args else e})") from None

@@ -8,7 +8,7 @@ optimizer.py ChainedOptimizer.save_parameter_state): every rank calls
 `optimizer.save_parameter_state(mp_rank_*/distrib_optim.pt)`; each buffer is gathered on
 its data-parallel rank 0, which writes
 
-    {"buckets_coalesced": True,
+    {"buckets_coalesced": True,                      (gbuf_idx: the rank's model chunks)
      gbuf_idx: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": fp32 flat
                                             tensors, "numel_unpadded": int}}}
 
@@ -34,7 +34,14 @@ from typing import Any
 import torch
 from checks import ConvertError
 from megatron_dp_layout import bucket_layout, bucket_size_of
-from megatron_dp_reshard import STATES, NotModelled, _flag, _layout, merge_buckets
+from megatron_dp_reshard import (
+    STATES,
+    NotModelled,
+    _flag,
+    _layout,
+    merge_buckets,
+    shared_embedding,
+)
 from megatron_optim import NAMES, step_of, to_megamoe_states
 
 from megamoe.model.megatron_shards import merge_legacy
@@ -53,8 +60,10 @@ def _params(chunk: dict[str, torch.Tensor], experts: bool | None) -> list[tuple[
             and (experts is None or (".local_experts." in n) == experts)]
 
 
-def _buffer(obj: Any, index: int, chained: bool, path: str) -> dict | None:
-    """One optimizer's {state: flat tensor, numel_unpadded} of a distrib_optim.pt."""
+def _buffer(obj: Any, index: int, chained: bool, path: str, gbufs: int = 1
+            ) -> list[dict] | None:
+    """One optimizer's buffers (gbuf_idx 0..gbufs-1: its rank's model chunks' in order),
+    each {state: flat tensor, numel_unpadded}, of a distrib_optim.pt."""
     if chained:
         if not isinstance(obj, list) or len(obj) != 2:
             raise ConvertError(f"{path}: expected a list of 2 optimizers' states (EP > 1)")
@@ -63,14 +72,20 @@ def _buffer(obj: Any, index: int, chained: bool, path: str) -> dict | None:
             return None
     if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
         raise NotModelled(f"{path}: not megatron-core's coalesced-bucket format")
-    if sorted(k for k in obj if k != "buckets_coalesced") != [0]:
-        raise NotModelled(f"{path}: several gradient buffers (virtual stages, mixed dtypes)")
-    by_dtype = obj[0]
+    found = sorted((k for k in obj if k != "buckets_coalesced"), key=str)
+    if found != list(range(gbufs)):
+        raise NotModelled(f"{path}: gradient buffers {found[:4]}, the model chunks "
+                          f"{list(range(gbufs))} (mixed dtypes?)")
+    return [_dtype_state(obj[g], g, path) for g in range(gbufs)]
+
+
+def _dtype_state(by_dtype: Any, g: int, path: str) -> dict:
+    """Buffer g's {state: flat tensor, numel_unpadded}, its fields checked."""
     if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
-        raise ConvertError(f"{path}: buffer 0 is not one dtype's state")
+        raise ConvertError(f"{path}: buffer {g} is not one dtype's state")
     (state,) = by_dtype.values()
     if not isinstance(state, dict):
-        raise ConvertError(f"{path}: buffer 0's state is not a dict")
+        raise ConvertError(f"{path}: buffer {g}'s state is not a dict")
     n = state.get("numel_unpadded")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= 2**48:
         raise ConvertError(f"{path}: numel_unpadded = {n!r} is not a positive integer")
@@ -83,14 +98,14 @@ def _buffer(obj: Any, index: int, chained: bool, path: str) -> dict | None:
     return state
 
 
-def _find(ranks: dict[Rank, tuple[str, Any]], want: list[Rank], index: int, chained: bool
-          ) -> tuple[dict, str]:
-    """The one buffer that the files of `want` hold for optimizer `index` (written by
-    its DP rank 0, whichever of those files that is)."""
+def _find(ranks: dict[Rank, tuple[str, Any]], want: list[Rank], index: int, chained: bool,
+          gbufs: int) -> tuple[list[dict], str]:
+    """The buffers that the files of `want` hold for optimizer `index` (written by its DP
+    rank 0, whichever of those files that is)."""
     found = []
     for rank in want:
         path, obj = ranks[rank]
-        state = _buffer(obj, index, chained, path)
+        state = _buffer(obj, index, chained, path, gbufs)
         if state is not None:
             found.append((state, path))
     if len(found) != 1:
@@ -99,12 +114,14 @@ def _find(ranks: dict[Rank, tuple[str, Any]], want: list[Rank], index: int, chai
     return found[0]
 
 
-def read_legacy_distributed(it_dir: str, args, chunks: dict[Rank, dict[str, torch.Tensor]],
+def read_legacy_distributed(it_dir: str, args,
+                            chunks: dict[Rank, list[dict[str, torch.Tensor]]],
                             optimizers: dict[Rank, tuple[str, Any]]) -> tuple[dict, dict]:
     """({param, exp_avg, exp_avg_sq}: {megatron-core key: whole tensor}, the optimizers'
     common part for megatron_optim's step check). `chunks`: (tp, pp, ep) -> that rank
-    file's model state dict; `optimizers`: (its path, its `optimizer` entry). NotModelled
-    where the args describe a layout not rebuilt."""
+    file's model state dicts (`model`, or `model0`, `model1`, ... per virtual stage);
+    `optimizers`: (its path, its `optimizer` entry). NotModelled where the args describe
+    a layout not rebuilt."""
     layout, dp = _layout(args)
     size = getattr(args, "ddp_bucket_size", None)
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
@@ -120,12 +137,11 @@ def read_legacy_distributed(it_dir: str, args, chunks: dict[Rank, dict[str, torc
             raise ConvertError(f"{path}: missing (the saved args say "
                                "--use-distributed-optimizer)")
         files[rank] = (path, load_megatron_torch_file(path))
+    mtp = any(k.startswith("mtp.layers.") for sds in chunks.values() for sd in sds
+              for k in sd)
+    tied = shared_embedding(layout, mtp)
     pieces = []
     for p in range(layout.pp):
-        tied = frozenset()
-        if layout.tied and layout.pp > 1:  # megatron-core's `shared_embedding`
-            tied = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
-        size_p = first if p == 0 else None  # (one bucket on later stages)
         groups = [(0, [(t, p, e) for e in range(layout.ep)], dp, False if chained else None)
                   for t in range(layout.tp)]
         if chained:
@@ -135,24 +151,38 @@ def read_legacy_distributed(it_dir: str, args, chunks: dict[Rank, dict[str, torc
                        for e in range(layout.ep) for et in range(layout.etp)]
         for index, want, dp_size, experts in groups:
             want = [r for r in want if r in files]
-            params = _params(chunks[want[0]], experts)
-            new = frozenset(e for e in params if e[0] in tied)
-            buckets = bucket_layout([(e, math.prod(e[1])) for e in params], size_p, dp_size,
-                                    pad, new)
-            state, path = _find(files, want, index, chained)
-            if sum(b.numel_unpadded for b in buckets) != state["numel_unpadded"]:
-                raise NotModelled(f"{path}: {state['numel_unpadded']} elements, the layout "
-                                  f"rebuilt from the args {sum(b.numel_unpadded for b in buckets)}")
-            offset = 0
-            for bucket in buckets:
-                flat = {s: state[s][offset:offset + bucket.numel_unpadded] for s in STATES}
-                pieces.append((bucket, want, flat))
-                offset += bucket.numel_unpadded
+            if any(len(chunks[r]) != layout.chunks for r in want):
+                raise ConvertError(f"{files[want[0]][0]}: not {layout.chunks} model chunk(s)")
+            # (Megatron-LM's get_model buckets only the first chunk; megatron-core's DDP
+            # only the first stage; a chunk without such parameters has no buffer)
+            layouts = [(v, buckets_of(_params(chunks[want[0]][v], experts),
+                                      first if p == v == 0 else None, dp_size, pad, tied))
+                       for v in range(layout.chunks)]
+            layouts = [(v, b) for v, b in layouts if b]
+            states, path = _find(files, want, index, chained, len(layouts))
+            for (v, buckets), state in zip(layouts, states):
+                if sum(b.numel_unpadded for b in buckets) != state["numel_unpadded"]:
+                    raise NotModelled(f"{path}: {state['numel_unpadded']} elements in chunk "
+                                      f"{v}'s buffer, the layout rebuilt from the args "
+                                      f"{sum(b.numel_unpadded for b in buckets)}")
+                offset = 0
+                for bucket in buckets:
+                    flat = {s: state[s][offset:offset + bucket.numel_unpadded]
+                            for s in STATES}
+                    pieces.append((bucket, want, v, flat))
+                    offset += bucket.numel_unpadded
     # every file's optimizers' state_dicts (each the param_groups with their step)
     parts = [part for rank in sorted(optimizers) for part in (
         optimizers[rank][1] if chained and isinstance(optimizers[rank][1], list)
         else [optimizers[rank][1]])]
     return merge_buckets(pieces, layout, it_dir), {"optimizer": dict(enumerate(parts))}
+
+
+def buckets_of(params: list[tuple[str, tuple]], size, dp_size: int, pad: bool,
+               shared: frozenset[str]) -> list:
+    """A chunk's buffer (bucket_layout) of its parameters (local name, local shape)."""
+    new = frozenset(e for e in params if e[0] in shared)
+    return bucket_layout([(e, math.prod(e[1])) for e in params], size, dp_size, pad, new)
 
 
 def read_legacy_optimizer(it_dir: str, common: dict, ranks: dict[Rank, tuple[str, list, Any]],
@@ -169,7 +199,7 @@ def read_legacy_optimizer(it_dir: str, common: dict, ranks: dict[Rank, tuple[str
     distributed = getattr(args, "use_distributed_optimizer", False) is True
     try:
         raw, part = read_legacy_distributed(
-            it_dir, args, {r: c[0] for r, (_, c, _) in ranks.items()},
+            it_dir, args, {r: c for r, (_, c, _) in ranks.items()},
             {r: (path, o) for r, (path, _, o) in ranks.items()}) if distributed else (
             read_legacy_nondistributed(it_dir, args, ranks))
     except NotModelled as e:
@@ -211,15 +241,17 @@ def _groups(entry: Any, path: str) -> tuple[dict, list | None]:
     return inner, mains
 
 
-def _rank_states(chunk: dict, entry: Any, args, experts: bool | None, path: str,
-                 out: dict[str, dict[str, torch.Tensor]], steps: set) -> None:
-    """One optimizer's states of one rank file by local name into `out`. megatron-core's
-    _get_param_groups orders the groups by their override (none, then wd_mult 0) and
-    each group's parameters in named_parameters order; torch numbers them across the
-    groups (`params` index lists). Each saved group's wd_mult and is_expert_parallel pick
-    its parameters; counts and every state's shape must match."""
+def _rank_states(chunks: list[dict], entry: Any, args, experts: bool | None, path: str,
+                 out: dict[str, list[dict[str, torch.Tensor]]], steps: set) -> None:
+    """One optimizer's states of one rank file by chunk and local name into `out`.
+    megatron-core's _get_param_groups orders the groups by their override (none, then
+    wd_mult 0) and each group's parameters chunk after chunk (virtual stages), each
+    chunk's in named_parameters order; torch numbers them across the groups (`params`
+    index lists). Each saved group's wd_mult and is_expert_parallel pick its parameters;
+    counts and every state's shape must match."""
     inner, mains = _groups(entry, path)
-    params = _params(chunk, experts)
+    params = [(v, n, shape) for v, chunk in enumerate(chunks)
+              for n, shape in _params(chunk, experts)]
     qk = _flag(args, "apply_wd_to_qk_layernorm")
     used = set()
     for g, group in enumerate(inner["param_groups"]):
@@ -231,32 +263,32 @@ def _rank_states(chunk: dict, entry: Any, args, experts: bool | None, path: str,
         if wd not in (0.0, 1.0) or group.get("lr_mult", 1.0) != 1.0:
             raise NotModelled(f"param group {g} with wd_mult {wd!r}, lr_mult "
                               f"{group.get('lr_mult')!r} (overrides) is not modelled")
-        mine = [(n, shape) for n, shape in params if _wd_mult(n, shape, qk) == wd
+        mine = [(v, n, shape) for v, n, shape in params if _wd_mult(n, shape, qk) == wd
                 and (".local_experts." in n and experts is not None) == bool(expert)]
         if len(mine) != len(group["params"]) or mains is not None and (
                 g >= len(mains) or not isinstance(mains[g], list)
                 or len(mains[g]) != len(mine)):
             raise NotModelled(f"{path}: param group {g} holds {len(group['params'])} "
                               f"parameters, the model chunk {len(mine)} of its kind")
-        for j, ((name, shape), idx) in enumerate(zip(mine, group["params"])):
+        for j, ((v, name, shape), idx) in enumerate(zip(mine, group["params"])):
             st = inner["state"].get(idx)
             tensors = {"exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq"),
-                       "param": chunk[name] if mains is None else mains[g][j]
+                       "param": chunks[v][name] if mains is None else mains[g][j]
                        } if isinstance(st, dict) else {}
             for state, t in tensors.items():
                 if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape
                         and t.dtype.is_floating_point):
                     raise ConvertError(f"{path}: optimizer state {idx} ({state}) is not a "
                                        f"float tensor shaped {list(shape)} like {name}")
-                out[state][name] = t
+                out[state][v][name] = t
             step = st.get("step")
             step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
             if isinstance(step, bool) or not isinstance(step, (int, float)):
                 raise ConvertError(f"{path}: optimizer state {idx} step {step!r} is not a "
                                    "number")
             steps.add(step)
-            used.add(name)
-    if used != {n for n, _ in params}:
+            used.add((v, name))
+    if used != {(v, n) for v, n, _ in params}:
         raise NotModelled(f"{path}: the param groups do not cover the chunk's parameters")
 
 
@@ -270,17 +302,20 @@ def read_legacy_nondistributed(it_dir: str, args, ranks: dict[Rank, tuple[str, l
     files: dict[str, dict[Rank, list[dict]]] = {s: {} for s in STATES}
     steps: set = set()
     for rank, (path, chunks, entry) in ranks.items():
-        out: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
+        if len(chunks) != layout.chunks:
+            raise ConvertError(f"{path}: not {layout.chunks} model chunk(s)")
+        out: dict[str, list[dict[str, torch.Tensor]]] = {
+            s: [{} for _ in chunks] for s in STATES}
         if layout.ep > 1:
             if not isinstance(entry, list) or len(entry) != 2:
                 raise NotModelled(f"{path}: optimizer is not a list of the dense and the "
                                   "expert optimizer's states (EP > 1)")
             for part, experts in zip(entry, (False, True)):
-                _rank_states(chunks[0], part, args, experts, path, out, steps)
+                _rank_states(chunks, part, args, experts, path, out, steps)
         else:
-            _rank_states(chunks[0], entry, args, None, path, out, steps)
+            _rank_states(chunks, entry, args, None, path, out, steps)
         for s in STATES:
-            files[s][rank] = [out[s]]
+            files[s][rank] = out[s]
     try:
         merged = {s: merge_legacy(by_rank, layout) for s, by_rank in files.items()}
     except (ValueError, RuntimeError) as e:

@@ -4,7 +4,8 @@
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
         [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] [--cp 2] \
         [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] \
-        [--layout-json PATH [--layout-only]] [--reference-out DIR] --out SAVE_DIR [--steps 2]
+        [--vpp 2] [--layout-json PATH [--layout-only]] [--reference-out DIR] \
+        [--legacy-out DIR] --out SAVE_DIR [--steps 2]
 
 builds the variant's tiny GPTModel (peer.py), wraps it in megatron-core's
 DistributedDataParallel, builds its optimizer with `get_megatron_optimizer` (Adam with
@@ -28,6 +29,12 @@ model's attention stays whole on every CP rank (megatron-core's local attention 
 CP and context parallelism changes no parameter): its rotary embedding gets a one-rank
 CP group and each CP rank runs the whole sequence, in eval mode (no aux-loss reduction
 over the CP group), so the CP replicas' gradients are equal too.
+--pp N [--vpp V]: each rank builds its V model chunks as Megatron-LM's get_model does
+(each with its vp_stage, its own DDP, bucketing only in the first), one optimizer over
+them, and runs one micro-batch through the pipeline by hand (_forward_backward: the
+interleaved order over megatron-core's send / recv ring), then megatron-core's own
+word-embedding gradient all-reduce (tied embeddings, MTP's copy). --legacy-out also writes
+the same state as `--ckpt-format torch` (one run for both formats' tests).
 
 On CPU: megatron-core's optimizers make a few tensors with device='cuda' and check
 `param.type()` for CUDA type names; those factories are sent to the CPU and CPU tensors
@@ -38,6 +45,7 @@ reads the current CUDA stream) is not called.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import math
 import os
@@ -81,8 +89,12 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
 def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
-          layout: dict | None = None, ddp: dict | None = None, stage: dict | None = None,
+          layout: dict | None = None, ddp: dict | None = None, stages: list | None = None,
           cp_whole: bool = False):
+    """(the model chunks, their DDP wrappers, the optimizer over all of them): one chunk
+    per virtual stage (`stages`: each chunk's vp_stage, pp_rank, pre_process,
+    post_process; None: the whole model), each wrapped in megatron-core's DDP as
+    Megatron-LM's get_model does (bucketing only in the first chunk), one optimizer."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -90,24 +102,28 @@ def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
-    model = peer.build_model(variant, vocab, layout={**(layout or {}), **dtype}, stage=stage)
-    # TP > 1 runs in eval mode: megatron-core's MoE layer refuses to train with TP but
-    # without sequence parallelism, which its torch norms refuse; eval mode changes
-    # nothing else here (no dropout, no aux loss) and the gradients are the loss's own
-    model.train((layout or {}).get("tensor_model_parallel_size", 1) == 1 and not cp_whole)
-    if cp_whole:
-        _whole_sequence_on_cp_ranks(model)
-    if bf16:  # Megatron-LM's Float16Module: every parameter bf16
-        model = model.to(torch.bfloat16)
-    ddp = DistributedDataParallel(
-        model.config, DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True, **(ddp or {})),
-        model)
+    models, ddps = [], []
+    for v, stage in enumerate(stages or [None]):
+        model = peer.build_model(variant, vocab, layout={**(layout or {}), **dtype},
+                                 stage=stage)
+        # TP > 1 runs in eval mode: megatron-core's MoE layer refuses to train with TP but
+        # without sequence parallelism, which its torch norms refuse; eval mode changes
+        # nothing else here (no dropout, no aux loss) and the gradients are the loss's own
+        model.train((layout or {}).get("tensor_model_parallel_size", 1) == 1 and not cp_whole)
+        if cp_whole:
+            _whole_sequence_on_cp_ranks(model)
+        if bf16:  # Megatron-LM's Float16Module: every parameter bf16
+            model = model.to(torch.bfloat16)
+        models.append(model)
+        ddps.append(DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(
+                use_distributed_optimizer=distributed, grad_reduce_in_fp32=True,
+                **(ddp or {})), model, disable_bucketing=v > 0))
     config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD,
                              adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
                              use_distributed_optimizer=distributed, clip_grad=1.0,
                              **dtype)
-    return model, ddp, get_megatron_optimizer(config, [ddp])
+    return models, ddps, get_megatron_optimizer(config, ddps)
 
 
 def _whole_sequence_on_cp_ranks(model) -> None:
@@ -127,14 +143,15 @@ def _whole_sequence_on_cp_ranks(model) -> None:
     assert replaced, "no module holds the context-parallel group"
 
 
-def dump_layout(optimizer, model, path: str) -> None:
+def dump_layout(optimizer, models, path: str) -> None:
     """megatron-core's own buffer layout as facts for the converter's layout test: per
-    chained optimizer, its dp_group_idx and for each buffer (gbuf_idx) its dtype key and
-    buckets, each with its padded and unpadded numel and every parameter's [start, end)
-    inside the bucket (`{path}.rank{R}.json`)."""
+    chained optimizer, its dp_group_idx and for each buffer (gbuf_idx) its dtype key,
+    model chunk and buckets, each with its padded and unpadded numel and every
+    parameter's [start, end) inside the bucket (`{path}.rank{R}.json`)."""
     import json
 
-    names = {p: n for n, p in model.named_parameters()}
+    names = {p: n for m in models for n, p in m.named_parameters()}
+    chunk_of = {p: v for v, m in enumerate(models) for p in m.parameters()}
     out = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         bufs = []
@@ -145,6 +162,7 @@ def dump_layout(optimizer, model, path: str) -> None:
                 off = buf.buckets[bucket].offset
                 buckets[bucket]["params"][names[p]] = [start - off, end - off]
             bufs.append({"dtype": str((buf.param_dtype, buf.grad_dtype)),
+                         "chunk": chunk_of[buf.params[0]],
                          "dp_size": buf.data_parallel_group.size(), "buckets": buckets})
         out.append({"dp_group_idx": opt.data_parallel_group_idx, "buffers": bufs,
                     "ranks": _ranks()})
@@ -163,42 +181,63 @@ def _ranks() -> dict:
             "dp": ps.get_data_parallel_rank(), "cp": ps.get_context_parallel_rank()}
 
 
-def _forward_backward(model, ddp, tokens, pos, mask) -> None:
+def _forward_backward(models, ddps, tokens, pos, mask) -> None:
     """One micro-batch through the pipeline, by hand (no megatron-core schedule on gloo):
-    a stage receives its input activations from the previous stage, sends its output to
-    the next and gets that output's gradient back, then sends its input's gradient
-    back; the last stage's loss is the mean token loss. One stage: plain backward."""
+    the chunks in pipeline order, virtual stage by virtual stage (v = 0 on every PP rank,
+    then v = 1, ...: the interleaved order, megatron-core's send/recv ring, the next rank
+    after the last PP rank being the first). A chunk receives its input activations from
+    the previous chunk, sends its output to the next; then backward in reverse order,
+    each chunk getting its output's gradient back and sending its input's gradient back;
+    the last chunk's loss is the mean token loss. One chunk on one stage: plain backward.
+    Then megatron-core's own all-reduce of the word embeddings' gradients between the
+    first and the last stage (finalize_model_grads: tied embeddings, MTP's copy)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_word_embedding_grads,
+    )
 
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    x = None
-    if not first:
-        x = torch.empty(peer.SEQ, tokens.shape[0], model.config.hidden_size,
-                        dtype=next(model.parameters()).dtype)
-        torch.distributed.recv(x, src=ps.get_pipeline_model_parallel_prev_rank())
-        x.requires_grad_()
-        model.set_input_tensor(x)
-    out = ddp(tokens, pos, mask, labels=torch.tensor(peer.LABELS) if last else None)
-    if last:
-        out.float().mean().backward()
-    else:
-        torch.distributed.send(out.detach().contiguous(),
-                               dst=ps.get_pipeline_model_parallel_next_rank())
-        grad = torch.empty_like(out)
-        torch.distributed.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
-        out.backward(grad)
-    if x is not None:
-        torch.distributed.send(x.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+    p, pp, chunks = (ps.get_pipeline_model_parallel_rank(),
+                     ps.get_pipeline_model_parallel_world_size(), len(models))
+    prev, nxt = (ps.get_pipeline_model_parallel_prev_rank(),
+                 ps.get_pipeline_model_parallel_next_rank())
+    inputs, outputs = [], []
+    for v, (model, ddp) in enumerate(zip(models, ddps)):
+        first, last = p == 0 and v == 0, p == pp - 1 and v == chunks - 1
+        x = None
+        if not first:
+            x = torch.empty(peer.SEQ, tokens.shape[0], model.config.hidden_size,
+                            dtype=next(model.parameters()).dtype)
+            torch.distributed.recv(x, src=prev)
+            x.requires_grad_()
+            model.set_input_tensor(x)
+        out = ddp(tokens, pos, mask, labels=torch.tensor(peer.LABELS) if last else None)
+        if not last:
+            torch.distributed.send(out.detach().contiguous(), dst=nxt)
+        inputs.append(x)
+        outputs.append(out)
+    for v in reversed(range(chunks)):
+        out, x = outputs[v], inputs[v]
+        if p == pp - 1 and v == chunks - 1:
+            out.float().mean().backward()
+        else:
+            grad = torch.empty_like(out)
+            torch.distributed.recv(grad, src=nxt)
+            out.backward(grad)
+        if x is not None:
+            torch.distributed.send(x.grad.contiguous(), dst=prev)
+    if pp > 1:
+        _allreduce_word_embedding_grads(ddps, models[0].config)
 
 
-def train(model, ddp, optimizer, steps: int) -> None:
+def train(models, ddps, optimizer, steps: int) -> None:
     tokens = torch.tensor(peer.TOKENS)
     pos = torch.arange(peer.SEQ)[None].expand_as(tokens)
     mask = torch.triu(torch.ones(peer.SEQ, peer.SEQ, dtype=torch.bool), diagonal=1)[None, None]
     for _ in range(steps):
-        ddp.zero_grad_buffer()
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        _forward_backward(model, ddp, tokens, pos, mask)
+        _forward_backward(models, ddps, tokens, pos, mask)
         ok, _, _ = optimizer.step()
         assert ok, "the peer's optimizer step was skipped"
 
@@ -211,22 +250,24 @@ def save(a) -> None:
     vocab = peer_legacy.padded_vocab(a.tp)
     ddp_args = {"overlap_grad_reduce": a.overlap_grad_reduce, "bucket_size": a.bucket_size,
                 "pad_buckets_for_high_nccl_busbw": a.pad_buckets}
-    stage = None
-    if a.pp > 1:
+    stages = None
+    if a.pp > 1:  # each virtual stage's chunk, as Megatron-LM's get_model builds them
         from megatron.core import parallel_state as ps
 
-        stage = dict(pp_rank=ps.get_pipeline_model_parallel_rank(),
-                     pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
-    model, ddp, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab, layout,
-                                  ddp_args, stage, cp_whole=a.cp > 1)
+        p, chunks = ps.get_pipeline_model_parallel_rank(), a.vpp or 1
+        stages = [dict(vp_stage=v if a.vpp else None, pp_rank=p,
+                       pre_process=p == 0 and v == 0,
+                       post_process=p == a.pp - 1 and v == chunks - 1)
+                  for v in range(chunks)]
+    models, ddps, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab,
+                                    layout, ddp_args, stages, cp_whole=a.cp > 1)
     if a.layout_json and a.optimizer == "distrib":  # (flat buffers only there)
-        dump_layout(optimizer, model, a.layout_json)
+        dump_layout(optimizer, models, a.layout_json)
     if a.layout_only:
         return
     if sharded:
-        peer_legacy._equalize_replicas([model])
-    train(model, ddp, optimizer, a.steps)
+        peer_legacy._equalize_replicas(models)
+    train(models, ddps, optimizer, a.steps)
     args = peer_legacy._args(a) if sharded else peer.megatron_args(a.variant, a.steps)
     args.ckpt_format, args.iteration = "torch_dist", a.steps
     args.sequence_parallel = False
@@ -245,24 +286,32 @@ def save(a) -> None:
     if a.bf16:
         args.bf16, args.params_dtype = True, torch.bfloat16
     if a.format == "torch":
-        _save_legacy(a, args, model, optimizer)
+        _save_legacy(a, a.out, args, models, optimizer)
     else:
-        _save_as(a.sharding, a.out, args, model, optimizer)
+        _save_as(a.sharding, a.out, args, models, optimizer)
+    if a.legacy_out:  # the same state in the legacy --ckpt-format torch files too
+        _save_legacy(a, a.legacy_out, copy.copy(args), models, optimizer)
     if a.reference_out:  # the same state in megatron-core's own model-shaped layout
-        _save_as("fully_reshardable", a.reference_out, args, model, optimizer)
+        _save_as("fully_reshardable", a.reference_out, args, models, optimizer)
 
 
-def _save_as(sharding: str, out: str, args, model, optimizer) -> None:
+def _model_keys(models: list) -> list[str]:
+    """Megatron-LM's state-dict keys of the chunks: `model`, or `model0`, `model1`, ...
+    with virtual stages."""
+    return ["model"] if len(models) == 1 else [f"model{v}" for v in range(len(models))]
+
+
+def _save_as(sharding: str, out: str, args, models, optimizer) -> None:
     # Megatron-LM's _build_sharded_state_dict_metadata (megatron/training/checkpointing.py)
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer:
         metadata["distrib_optim_sharding_type"] = sharding
     from megatron.core import dist_checkpointing
 
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
-             "model": model.sharded_state_dict(metadata=metadata),
-             "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(
-                 metadata=metadata), metadata=metadata),
+    model_sd = {k: m.sharded_state_dict(metadata=metadata)
+                for k, m in zip(_model_keys(models), models)}
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration, **model_sd,
+             "optimizer": optimizer.sharded_state_dict(dict(model_sd), metadata=metadata),
              "opt_param_scheduler": peer.scheduler_state(args),
              "num_floating_point_operations_so_far": 1.5e12}
     it_dir = os.path.join(out, f"iter_{args.iteration:07d}")
@@ -275,7 +324,7 @@ def _save_as(sharding: str, out: str, args, model, optimizer) -> None:
             f.write(str(args.iteration))
 
 
-def _save_legacy(a, args, model, optimizer) -> None:
+def _save_legacy(a, out: str, args, models, optimizer) -> None:
     """What Megatron-LM's save_checkpoint writes for `--ckpt-format torch`
     (megatron/training/checkpointing.py): on every rank whose data-parallel or
     expert-data-parallel rank is 0, `mp_rank_*/model_optim_rng.pt` (args, the chunk's
@@ -286,13 +335,14 @@ def _save_legacy(a, args, model, optimizer) -> None:
     from megatron.core import parallel_state as ps
 
     args.ckpt_format, args.use_dist_ckpt = "torch", False
-    it_dir = os.path.join(a.out, f"iter_{args.iteration:07d}")
+    it_dir = os.path.join(out, f"iter_{args.iteration:07d}")
     path = peer_legacy._checkpoint_name(a, it_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if (ps.get_data_parallel_rank(with_context_parallel=True) == 0
             or ps.get_expert_data_parallel_rank() == 0):
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
-                    "model": model.state_dict_for_save_checkpoint(),
+                    **{k: m.state_dict_for_save_checkpoint()
+                       for k, m in zip(_model_keys(models), models)},
                     "optimizer": optimizer.state_dict(),
                     "opt_param_scheduler": peer.scheduler_state(args),
                     "rng_state": [peer_legacy._rng_state()],
@@ -301,7 +351,7 @@ def _save_legacy(a, args, model, optimizer) -> None:
         optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(a.out, "latest_checkpointed_iteration.txt"), "w") as f:
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(args.iteration))
 
 
@@ -311,7 +361,7 @@ def worker(rank: int, a) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.distributed.init_process_group("gloo", rank=rank, world_size=a.world)
-    ps.initialize_model_parallel(a.tp, a.pp, context_parallel_size=a.cp,
+    ps.initialize_model_parallel(a.tp, a.pp, a.vpp, context_parallel_size=a.cp,
                                  expert_model_parallel_size=a.ep,
                                  expert_tensor_parallel_size=a.etp)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
@@ -338,6 +388,7 @@ def main() -> None:
                    "else TP: Megatron-LM's default)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (at least)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual stages per PP rank")
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--bucket-size", type=int, default=None)
     p.add_argument("--pad-buckets", action="store_true",
@@ -346,6 +397,8 @@ def main() -> None:
     p.add_argument("--layout-only", action="store_true", help="dump it, no training/save")
     p.add_argument("--reference-out", default=None,
                    help="also save the same state as fully_reshardable here")
+    p.add_argument("--legacy-out", default=None,
+                   help="also save the same state as --ckpt-format torch here")
     a = p.parse_args()
     torch.manual_seed(0)
     if a.tp * a.pp * a.ep * a.dp * a.cp == 1:
@@ -355,7 +408,7 @@ def main() -> None:
         return
     # TP x PP x EP ranks, the smallest data-parallel size that holds them; every rank
     # trains on the same tokens (data-parallel replicas stay equal without a sync)
-    a.vpp, a.iteration = None, a.steps
+    a.iteration = a.steps
     a.etp = a.etp or (1 if a.ep > 1 else a.tp)
     dp = max(a.etp * a.ep // math.gcd(a.tp, a.etp * a.ep), a.dp)
     a.world = a.tp * a.pp * a.cp * dp
