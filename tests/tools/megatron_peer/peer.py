@@ -19,6 +19,7 @@ CPU, the inference RNG tracker, an explicit causal mask, use_cpu_initialization.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -120,6 +121,36 @@ def transformer_config(variant: str, **layout):
     return cls(**fields)
 
 
+def _te_grouped_experts(spec) -> None:
+    """Every MoE layer's experts made megatron-core's TEGroupedMLP, as
+    `--transformer-impl transformer_engine --moe-grouped-gemm` builds them
+    (TESpecProvider.grouped_mlp_modules); the rest of the model stays the local spec. Needs
+    the TE stand-in (te_peer_stand_in/, `run_peer(te_stand_in=True)`): its GroupedLinear
+    registers TE's parameters in TE's order, with plain torch math."""
+    from megatron.core.extensions.transformer_engine import (
+        HAVE_TE,
+        TEColumnParallelGroupedLinear,
+        TERowParallelGroupedLinear,
+    )
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    assert HAVE_TE and TEColumnParallelGroupedLinear is not None, (
+        "moe_grouped_gemm needs the TE stand-in on PYTHONPATH (run_peer(te_stand_in=True))")
+    import transformer_engine
+
+    assert transformer_engine.__file__.startswith(os.path.dirname(os.path.abspath(__file__))), (
+        f"{transformer_engine.__file__} is not the peer's TE stand-in")
+    grouped = functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+        linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear))
+    swapped = 0
+    for layer_spec in spec.layer_specs:
+        mlp = layer_spec.submodules.mlp
+        if isinstance(mlp, functools.partial) and "submodules" in mlp.keywords and hasattr(
+                mlp.keywords["submodules"], "experts"):
+            mlp.keywords["submodules"].experts, swapped = grouped, swapped + 1
+    assert swapped, "no MoE layer in the spec"
+
+
 def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
                 stage: dict | None = None):
     """The variant's model; `layout` and `stage` (vp_stage, pp_rank, pre_process,
@@ -135,6 +166,8 @@ def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm", vp_stage=stage.get("vp_stage"),
                                       pp_rank=stage.get("pp_rank"))
+    if config.moe_grouped_gemm:
+        _te_grouped_experts(spec)
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
