@@ -27,8 +27,9 @@ halves, the qkv groups, stages renumbered).
 
 Modelled: any TP, PP (even split, with or without virtual stages), DP, CP and EP with
 expert TP = TP or 1 (EP > 1), one optimizer instance, SequentialMLP experts
-(`local_experts.N`), the layers stacked (all alike) or one key per layer (dense and MoE
-layers mixed), MTP on the last stage (at PP > 1 with untied embeddings), MLA (at
+(`local_experts.N`) or TEGroupedMLP's (--moe-grouped-gemm, expert TP 1:
+megatron_grouped_experts), the layers stacked (all alike) or one key per layer (dense
+and MoE layers mixed), MTP on the last stage (at PP > 1 with untied embeddings), MLA (at
 TP > 1 the local spec's column-parallel down projections, --transformer-impl local), fp32
 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 from checks import ConvertError
 from megatron_dp_layout import Bucket, bucket_layout, bucket_size_of
+from megatron_grouped_experts import te_grouped_experts, te_grouped_order
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megamoe.model.megatron_shards import MLA_DOWN, LegacyLayout, merge_legacy, tp_shard_shape
@@ -82,18 +84,19 @@ _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layer
            "account_for_loss_in_pipeline_split")
 
 
-def _layout(args) -> tuple[LegacyLayout, int]:
+def _layout(args, grouped_experts: bool = False) -> tuple[LegacyLayout, int]:
     """(the parallel layout, the distributed optimizer's data-parallel size), after refusing
     what is not modelled. That size is DP x CP: megatron-core's DDP and optimizer shard
     over the intra_dp_cp group (context-parallel ranks hold the same parameters), so CP
     changes the bucket-end padding and default bucket size, not which parameters a
-    buffer holds."""
+    buffer holds. grouped_experts: the caller reorders TEGroupedMLP's experts
+    (megatron_grouped_experts), so --moe-grouped-gemm is not refused here."""
     if _int(args, "num_distributed_optimizer_instances", 1) != 1:
         raise NotModelled(f"args.num_distributed_optimizer_instances = "
                           f"{args.num_distributed_optimizer_instances} (only 1 is modelled)")
     cp = _int(args, "context_parallel_size", 1, high=2**16)
     for name in ("use_megatron_fsdp", "fp8_param_gather", "use_precision_aware_optimizer",
-                 "moe_grouped_gemm"):
+                 *(() if grouped_experts else ("moe_grouped_gemm",))):
         if _flag(args, name):
             raise NotModelled(f"args.{name} is not modelled")
     for name in _UNEVEN:
@@ -348,7 +351,8 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]
     PP[, EP]) rank. An optimizer's buffers are its rank's model chunks' in order
     (gbuf_idx: megatron-core chains each chunk's DDP buffers; a chunk without expert
     parameters has no expert buffer)."""
-    layout, dp = _layout(args)
+    layout, dp = _layout(args, grouped_experts=True)
+    grouped = te_grouped_experts(args, _flag, NotModelled, layout.etp)
     disable = _flag(args, "overlap_param_gather_with_optimizer_step")
     overlap, pad = _flag(args, "overlap_grad_reduce"), _flag(
         args, "ddp_pad_buckets_for_high_nccl_busbw")
@@ -361,6 +365,9 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]
     for p in range(layout.pp):
         for v in range(layout.chunks):
             dense, per_rank = stage_parameters(weights, layout, p, v)
+            if grouped:
+                dense = te_grouped_order(dense)
+                per_rank = [te_grouped_order(r) for r in per_rank]
             # (Megatron-LM's get_model: bucketing only in the first chunk; megatron-core's
             # DDP: one bucket on every stage but the first)
             bucket_size = bucket_size_of(overlap, size, dp, disable) if p == v == 0 else None
@@ -444,7 +451,7 @@ def read_flat_states(it_dir: str, common: dict, metadata, weights: dict[str, tor
     `load(tensors)` fills the requested DCP tensors. NotModelled where the args do not
     rebuild the saved layout."""
     want = expected_buffers(common["args"], weights)
-    layout, _ = _layout(common["args"])
+    layout, _ = _layout(common["args"], grouped_experts=True)
     dtype = _check_keys(metadata.state_dict_metadata, {k: b.buckets for k, b in want.items()})
 
     def fqn(prefix: str, idx: int, g: int, b: int, state: str) -> str:

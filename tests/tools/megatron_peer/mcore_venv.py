@@ -29,6 +29,8 @@ ROOT = os.path.join(os.path.expanduser(os.environ.get("MEGAMOE_CACHE", "~/.cache
                     "mcore-venv")
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py")
 PEER_LEGACY = os.path.join(os.path.dirname(PEER), "peer_legacy.py")
+# the peer-only Transformer Engine stand-in (te_peer_stand_in/README.md)
+TE_STAND_IN = os.path.join(os.path.dirname(PEER), "te_peer_stand_in")
 
 
 class PeerUnavailable(RuntimeError):
@@ -70,10 +72,13 @@ def peer_python() -> str:
 
 
 def run_peer(args: list[str], timeout: float = 600, python: Optional[str] = None,
-             script: str = PEER) -> None:
+             script: str = PEER, te_stand_in: bool = False) -> None:
     """`peer.py ARGS` (or another `script` beside it) in the peer venv; AssertionError
-    with its output's tail if it fails."""
+    with its output's tail if it fails. te_stand_in: the peer's Transformer Engine
+    stand-in importable as `transformer_engine` (its PYTHONPATH only)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    if te_stand_in:
+        env["PYTHONPATH"] = TE_STAND_IN
     env.setdefault("OMP_NUM_THREADS", "1")
     # its own process group: on a timeout the ranks it forked end with it (a bare
     # subprocess.run kills only the launcher and leaves the ranks holding the cores)

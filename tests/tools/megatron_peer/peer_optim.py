@@ -3,7 +3,7 @@
 
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
         [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] [--cp 2] \
-        [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] \
+        [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] [--moe-grouped-gemm] \
         [--vpp 2] [--layout-json PATH [--layout-only]] [--reference-out DIR] \
         [--legacy-out DIR] --out SAVE_DIR [--steps 2]
 
@@ -250,6 +250,8 @@ def save(a) -> None:
     vocab = peer_legacy.padded_vocab(a.tp)
     ddp_args = {"overlap_grad_reduce": a.overlap_grad_reduce, "bucket_size": a.bucket_size,
                 "pad_buckets_for_high_nccl_busbw": a.pad_buckets}
+    if a.moe_grouped_gemm:  # TEGroupedMLP experts (peer._te_grouped_experts)
+        layout = {**(layout or {}), "moe_grouped_gemm": True}
     stages = None
     if a.pp > 1:  # each virtual stage's chunk, as Megatron-LM's get_model builds them
         from megatron.core import parallel_state as ps
@@ -283,6 +285,8 @@ def save(a) -> None:
     args.data_parallel_size = torch.distributed.get_world_size() // (a.tp * a.pp * a.cp)
     args.overlap_param_gather_with_optimizer_step = False
     args.num_distributed_optimizer_instances = 1
+    if a.moe_grouped_gemm:  # what Megatron-LM's args say for TEGroupedMLP experts
+        args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
     if a.bf16:
         args.bf16, args.params_dtype = True, torch.bfloat16
     if a.format == "torch":
@@ -393,6 +397,8 @@ def main() -> None:
     p.add_argument("--bucket-size", type=int, default=None)
     p.add_argument("--pad-buckets", action="store_true",
                    help="--ddp-pad-buckets-for-high-nccl-busbw")
+    p.add_argument("--moe-grouped-gemm", action="store_true", help="TEGroupedMLP experts "
+                   "(needs the TE stand-in: run_peer(te_stand_in=True))")
     p.add_argument("--layout-json", default=None, help="dump the buffer layout here")
     p.add_argument("--layout-only", action="store_true", help="dump it, no training/save")
     p.add_argument("--reference-out", default=None,
