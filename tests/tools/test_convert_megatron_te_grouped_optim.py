@@ -145,11 +145,16 @@ def _reversed_experts(params: list[tuple]) -> list[tuple]:
 def test_te_stand_in_grouped_gemm_in_another_order_fails_the_check(
         te_grouped, tmp_path, capsys, monkeypatch, wrong):
     """TE stand-in: the converter reading TEGroupedMLP's buffers in SequentialMLP's order
-    (each expert's fc1 and fc2 together), or with each fc's weight{i} reversed, imports
-    other parameters' moments: the comparison with megatron-core's own state fails."""
+    (each expert's fc1 and fc2 together), or with each fc's weight{i} reversed (the same
+    bucket lengths): its main-parameter check (megatron_main_check) sees that the main
+    parameters read are not the saved weights and keeps weights and schedule only; without
+    that check it imports other parameters' moments and the comparison with megatron-core's
+    own state fails."""
     save, ref, _ = te_grouped
     monkeypatch.setattr(reshard, "te_grouped_order", (lambda ps: list(ps)) if wrong == (
         "sequential_order") else _reversed_experts)
+    _convert(tmp_path / "checked", save, capsys, line="are not the saved weights")
+    monkeypatch.setattr(megatron_format, "main_params_differ", lambda main, params: None)
     conv = _convert(tmp_path, save, capsys)
     with pytest.raises(AssertionError):
         _imported_equal_reference(conv, ref)

@@ -27,6 +27,7 @@ from checks import ConvertError, build_args, check_shapes, read_megamoe_checkpoi
 from megatron_dp_reshard import NotModelled, read_flat_states
 from megatron_legacy import is_legacy, read_megatron_legacy
 from megatron_legacy_optim import read_legacy_optimizer
+from megatron_main_check import main_params_differ
 from megatron_optim import NAMES, find_optimizer, is_flat, read_states, step_of, to_megamoe_states
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -167,6 +168,10 @@ def _read_flat_optimizer(it_dir: str, common: dict, metadata, weights: dict, con
                            ) from None
     step = step_of(part, it_dir)
     mapped = to_megamoe_states({NAMES[k]: v for k, v in raw.items()}, config, params, it_dir)
+    wrong = main_params_differ(mapped["main"], params)
+    if wrong is not None:
+        return None, None, ("the distributed optimizer's 'dp_reshardable' layout is not "
+                            f"rebuilt: {wrong}")
     return mapped, step, ("Adam state of the distributed optimizer (dp_reshardable) at step "
                           f"{step}")
 
