@@ -317,8 +317,8 @@ def _glu_merged_as_columns(monkeypatch) -> None:
     as plain column-parallel rows (the layout's swiglu flag dropped)."""
     real = reshard._layout
 
-    def layout(args):
-        found, dp = real(args)
+    def layout(args, **kw):
+        found, dp = real(args, **kw)
         return dataclasses.replace(found, swiglu=False), dp
     monkeypatch.setattr(reshard, "_layout", layout)
 
