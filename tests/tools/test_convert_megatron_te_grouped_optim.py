@@ -6,17 +6,19 @@ registration order, `weight0 .. weight{E-1}` per fc, cited from TE 27486e03; pla
 math, NOT TE's kernels; the rest of the peer model is the local spec). These are the
 "TE stand-in" cases:
 
-- DP 2 with EP 1 and EP 2, two real Adam steps: megatron-core's own buffer layout (its
-  dump, every rank) is the converter's, the imported moments and fp32 main parameters
-  equal megatron-core's own fully_reshardable save of the same state exactly (copies of
-  the same numbers), and megamoe's first update from them is AdamW by hand;
-- the converter with SequentialMLP's order, or with each fc's weight{i} reversed, fails
-  that check (the order is what the test proves);
+- DP 2 with EP 1 and EP 2, TP 2 x EP 2 (expert TP 1), PP 2 x DP 2, two real Adam
+  steps: megatron-core's own buffer layout (its dump, every rank) is the converter's,
+  the imported moments and fp32 main parameters equal megatron-core's own
+  fully_reshardable save of the same state exactly (copies of the same numbers), and
+  megamoe's first update from them is AdamW by hand;
+- the converter with SequentialMLP's order, or with each fc's weight{i} reversed: its
+  main-parameter check refuses (weights and schedule), and with that check off the
+  comparison fails (the order is what the test proves);
 - the grouped layouts not checked against megatron-core are refused (weights and
   schedule only), and `--transformer-impl local` keeps SequentialMLP's order
   (megatron-core's LocalSpecProvider builds SequentialMLP whatever the flag says).
 
-All slow: each save is a two-rank peer run.
+All slow: each save is a two- or four-rank peer run (~90 s in all).
 """
 
 from __future__ import annotations
@@ -58,11 +60,17 @@ def _save(tmp, mcore_python, *extra: str) -> tuple[str, str, str]:
     return out, ref, dump
 
 
-@pytest.fixture(scope="module", params=["ep1", "ep2"])
+CASES = {"ep1": (), "ep2": ("--ep", "2"),
+         # TP 2 with expert TP 1 (megatron-core then hands TE no TP: explicit expert
+         # comms), PP 2: each stage's layers
+         "tp2_ep2_etp1": ("--tp", "2", "--ep", "2", "--etp", "1"),
+         "pp2_dp2": ("--pp", "2")}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
 def te_grouped(request, tmp_path_factory, mcore_python):
-    extra = ("--ep", "2") if request.param == "ep2" else ()
     return _save(tmp_path_factory.mktemp(f"te_grouped_{request.param}"), mcore_python,
-                 *extra)
+                 *CASES[request.param])
 
 
 _TE_NAME = re.compile(r"(.*\.experts\.)(linear_fc[12])\.weight(\d+)")
