@@ -13,7 +13,7 @@ from torch import nn
 from transformer_engine.pytorch import distributed, fp8, router, tensor  # noqa: F401
 from transformer_engine.pytorch.distributed import set_tensor_model_parallel_attributes
 
-# TE 27486e03 pytorch/utils.py GemmParallelModes
+# TE 27486e03 pytorch/constants.py line 171, GemmParallelModes
 _PARALLEL_MODES = ("row", "column", None)
 
 
@@ -55,7 +55,7 @@ class GroupedLinear(nn.Module):
     is on (zeros, TE's init_method_constant(0.0)); each initialised by `init_method` under
     `get_rng_state_tracker().fork(rng_tracker_name)` (module/base.py reset_parameters,
     lines 1734-1763); the TP attributes of set_tensor_parallel_attributes (lines
-    1618-1657). What TE offers beyond that is refused, not ignored."""
+    1616-1657). What TE offers beyond that is refused, not ignored."""
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
