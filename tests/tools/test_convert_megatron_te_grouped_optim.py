@@ -101,7 +101,9 @@ def _layouts_are_megatron_cores(save: str, dump: str) -> int:
             fact = _facts_of(opt["buffers"][0])
             names = [n for _, _, ps in fact["buckets"] for n, _, _ in ps]
             assert any(_TE_NAME.fullmatch(n) for n in names) or len(opts) > 1
-            mine = ours[(f"chained_{k}." if len(opts) > 1 else "", opt["dp_group_idx"])]
+            # (no virtual stages: one buffer per optimizer, gbuf_idx 0)
+            mine = ours[(f"chained_{k}." if len(opts) > 1 else "", opt["dp_group_idx"], 0)]
+            assert mine.dp_size == opt["buffers"][0]["dp_size"]
             assert [(b.numel, b.numel_unpadded, [(_module_name(e[0]), s, t)
                                                  for e, (s, t) in b.params.items()])
                     for b in mine.buckets] == [
