@@ -234,7 +234,7 @@ def test_experts_dispatch_to_scaled_grouped_mm_by_capability(monkeypatch, cap, f
                             for e, (lo, hi) in enumerate(zip(ends, ends[1:]))]).to(out_dtype)
 
     monkeypatch.setattr(grouped, "device_capability", lambda _d: cap)
-    monkeypatch.setattr(grouped, "KERNEL_STATUS", {})
+    monkeypatch.setattr(block_gemm, "KERNEL_STATUS", {})
     monkeypatch.setattr(grouped, "_scaled_grouped_mm", stand_in)
     torch.manual_seed(2)
     sizes = [16, 0, 48]

@@ -137,7 +137,7 @@ def test_rowwise_experts_on_scaled_grouped_mm(monkeypatch, cap, fmt, want):
     the per-expert loop; hybrid's E5M2 gradients and other devices run the loop."""
     calls = []
     monkeypatch.setattr(rowwise_grouped, "_scaled_grouped_mm", _grouped_stand_in(calls))
-    monkeypatch.setattr(rowwise_grouped, "KERNEL_STATUS", {})
+    monkeypatch.setattr(block_gemm, "KERNEL_STATUS", {})
     monkeypatch.setattr(block_gemm, "KERNEL_STATUS", {})
     torch.manual_seed(2)
     sizes = [16, 0, 37, 5]
@@ -169,12 +169,12 @@ def test_rowwise_grouped_probe_keeps_the_loop_for_a_wrong_kernel(monkeypatch, br
             raise RuntimeError("no kernel")
         return (right(*args, **kwargs).float() * 1.0625).bfloat16()
     monkeypatch.setattr(rowwise_grouped, "_scaled_grouped_mm", wrong)
-    monkeypatch.setattr(rowwise_grouped, "KERNEL_STATUS", {})
+    monkeypatch.setattr(block_gemm, "KERNEL_STATUS", {})
     monkeypatch.setattr(rowwise_grouped, "device_capability", lambda _d: (9, 0))
     with pytest.warns(UserWarning, match="failed its probe"):
         assert not rowwise_grouped.usable("rowwise", CPU, E4M3, E4M3, torch.bfloat16, 32, 48)
     assert not rowwise_grouped.usable("rowwise", CPU, E4M3, E4M3, torch.bfloat16, 32, 48)
     assert calls == ([] if broken == "raises" else [5, 4])  # one probe, never again
     monkeypatch.setattr(rowwise_grouped, "_scaled_grouped_mm", right)
-    monkeypatch.setattr(rowwise_grouped, "KERNEL_STATUS", {})
+    monkeypatch.setattr(block_gemm, "KERNEL_STATUS", {})
     assert rowwise_grouped.usable("rowwise", CPU, E4M3, E4M3, torch.bfloat16, 32, 48)

@@ -149,6 +149,16 @@ def kernel_multiple(recipe: str, a: BlockQ, b: BlockQ, out_dtype: torch.dtype) -
     return multiple
 
 
+def probed(key, probe, warning: str) -> bool:
+    """KERNEL_STATUS[key], running probe() the first time; a failed probe warns once
+    (the kernel's callers then keep their fallback on that device)."""
+    if key not in KERNEL_STATUS:
+        KERNEL_STATUS[key] = probe()
+        if not KERNEL_STATUS[key]:
+            warnings.warn(warning, stacklevel=3)
+    return KERNEL_STATUS[key]
+
+
 _WARNED: set = set()
 
 

@@ -13,17 +13,15 @@ block_linear.block_fp8_grouped_mm instead.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from megamoe.model.fp8.block_gemm import KERNEL_STATUS, device_capability
+from megamoe.model.fp8.block_gemm import device_capability, probed
 from megamoe.model.fp8.block_linear import block_fp8_grouped_mm
 from megamoe.model.fp8.block_pad import round_up
 from megamoe.model.fp8.blocks import BLOCK_RECIPES
 from megamoe.model.fp8.linear import LinearScaling, scaled_mm
 from megamoe.model.fp8.quantize import E4M3, amax_of, quantize
-from megamoe.model.fp8.rowwise_grouped import GROUP_MULTIPLE
+from megamoe.model.fp8.rowwise_grouped import GROUP_MULTIPLE, group_offsets
 
 
 def _scaled_grouped_mm(*args, **kwargs):
@@ -36,13 +34,9 @@ def _kernel_ok(device: torch.device) -> bool:
     against the loop passed once per device."""
     if device_capability(device) != (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
         return False
-    key = ("scaled_grouped_mm", device)
-    if key not in KERNEL_STATUS:
-        KERNEL_STATUS[key] = _probe(device)
-        if not KERNEL_STATUS[key]:
-            warnings.warn(f"FP8 experts: torch._scaled_grouped_mm failed its probe on "
-                          f"{device}; the per-expert loop runs there", stacklevel=2)
-    return KERNEL_STATUS[key]
+    return probed(("scaled_grouped_mm", device), lambda: _probe(device),
+                  f"FP8 experts: torch._scaled_grouped_mm failed its probe on {device}; "
+                  "the per-expert loop runs there")
 
 
 def grouped_kernel_ok(device: torch.device, a_dtype, b_dtype, out_dtype, *dims: int) -> bool:
@@ -69,15 +63,6 @@ def _probe(device: torch.device) -> bool:
     return bool(((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
 
 
-def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
-    """Cumulative row ends (int32), as torch's grouped GEMMs take them."""
-    ends, total = [], 0
-    for n in sizes:
-        total += n
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
-
-
 def _kernel_fwd(q_NK, s_E, q_EKM, sw_E, sizes, out_dtype):
     """[rows of e] @ W_e (decode scales 1/s per expert, broadcast to row-wise)."""
     one = torch.ones((), device=q_NK.device)
@@ -85,7 +70,7 @@ def _kernel_fwd(q_NK, s_E, q_EKM, sw_E, sizes, out_dtype):
     cols = (one / sw_E).unsqueeze(1).expand(-1, q_EKM.shape[2]).contiguous()
     b = q_EKM.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per expert
     return _scaled_grouped_mm(q_NK.contiguous(), b, rows, cols,
-                              offs=_offsets(sizes, q_NK.device), out_dtype=out_dtype)
+                              offs=group_offsets(sizes, q_NK.device), out_dtype=out_dtype)
 
 
 def _kernel_wgrad(qx_NK, sx_E, qg_NM, sg_E, sizes, out_dtype):
@@ -101,7 +86,7 @@ def _kernel_wgrad(qx_NK, sx_E, qg_NM, sg_E, sizes, out_dtype):
     padded = [max(GROUP_MULTIPLE, round_up(n, GROUP_MULTIPLE)) for n in sizes]
     qx, qg = _pad_groups(qx_NK, sizes, padded), _pad_groups(qg_NM, sizes, padded)
     return _scaled_grouped_mm(qx.t().contiguous(), qg.t().contiguous().t(), sa, sb,
-                              offs=_offsets(padded, qx_NK.device), out_dtype=out_dtype)
+                              offs=group_offsets(padded, qx_NK.device), out_dtype=out_dtype)
 
 
 def _pad_groups(q_NK: torch.Tensor, sizes: list[int], padded: list[int]) -> torch.Tensor:

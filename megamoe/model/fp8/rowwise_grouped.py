@@ -19,11 +19,9 @@ K = 0 GEMM for an empty expert).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from megamoe.model.fp8.block_gemm import KERNEL_STATUS, device_capability
+from megamoe.model.fp8.block_gemm import device_capability, probed
 from megamoe.model.fp8.block_pad import pad_block, round_up
 from megamoe.model.fp8.blocks import BlockQ, quantize_operand
 from megamoe.model.fp8.quantize import E4M3
@@ -44,16 +42,12 @@ def usable(recipe: str, device: torch.device, a_dtype, b_dtype, out_dtype, *dims
     if not (a_dtype == b_dtype == E4M3 and out_dtype == torch.bfloat16
             and all(d % 16 == 0 for d in dims)):
         return False
-    key = ("scaled_grouped_mm_rowwise", device)
-    if key not in KERNEL_STATUS:
-        KERNEL_STATUS[key] = _probe(device)
-        if not KERNEL_STATUS[key]:
-            warnings.warn(f"FP8 rowwise experts: torch._scaled_grouped_mm failed its probe "
-                          f"on {device}; the per-expert loop runs there", stacklevel=2)
-    return KERNEL_STATUS[key]
+    return probed(("scaled_grouped_mm_rowwise", device), lambda: _probe(device),
+                  f"FP8 rowwise experts: torch._scaled_grouped_mm failed its probe on "
+                  f"{device}; the per-expert loop runs there")
 
 
-def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+def group_offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
     """Cumulative group ends (int32), as torch's grouped GEMMs take them."""
     ends, total = [], 0
     for n in sizes:
@@ -74,7 +68,7 @@ def rows_mm(qa: BlockQ, qbs: list[BlockQ], sizes: list[int], out_dtype) -> torch
     expert e's qbs[e] [M, K]^T -> [N, M]."""
     b, scale_b = _stacked_t(qbs)
     return _scaled_grouped_mm(qa.data.contiguous(), b, qa.scale_inv.reshape(-1).contiguous(),
-                              scale_b, offs=_offsets(sizes, qa.data.device),
+                              scale_b, offs=group_offsets(sizes, qa.data.device),
                               out_dtype=out_dtype)
 
 
@@ -88,7 +82,7 @@ def wgrad_mm(qx_ts: list[BlockQ], qg_ts: list[BlockQ], recipe: str, out_dtype) -
     b = torch.cat([q.data for q in gs], dim=1).t()  # [sum n, M]: column-major
     scale_a = torch.cat([q.scale_inv.reshape(-1) for q in xs])  # [E * K]: e * K + k
     scale_b = torch.cat([q.scale_inv.reshape(-1) for q in gs])  # [E * M]
-    return _scaled_grouped_mm(a, b, scale_a, scale_b, offs=_offsets(padded, a.device),
+    return _scaled_grouped_mm(a, b, scale_a, scale_b, offs=group_offsets(padded, a.device),
                               out_dtype=out_dtype)
 
 
