@@ -58,6 +58,8 @@ VARIANTS = {
                  "moe_shared_expert_intermediate_size": 48,
                  "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                  "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}, False),
+    # a dense first layer and qk-layernorm (the TE stand-in's whole-TE-spec cases)
+    "dense_qk": ({"num_layers": 2, "moe_layer_freq": [0, 1], "qk_layernorm": True}, False),
     # plain RoPE on the position part, no query latent, no latent norms, tied embeddings
     "mla_rope": ({**MLA, "q_lora_rank": None, "qk_layernorm": False, "rope_type": "rope",
                   "rotary_scaling_factor": 1.0, "mscale_all_dim": 0.0}, True),
@@ -151,10 +153,26 @@ def _te_grouped_experts(spec) -> None:
     assert swapped, "no MoE layer in the spec"
 
 
+def _assert_te_stand_in() -> None:
+    """megatron-core's TE extension imported with HAVE_TE from the peer's stand-in (never
+    a real Transformer Engine, never none)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    assert HAVE_TE, "the TE spec needs the TE stand-in on PYTHONPATH (run_peer(te_stand_in=True))"
+    import transformer_engine
+
+    assert transformer_engine.__file__.startswith(os.path.dirname(os.path.abspath(__file__))), (
+        f"{transformer_engine.__file__} is not the peer's TE stand-in")
+
+
 def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
-                stage: dict | None = None):
+                stage: dict | None = None, te_spec: bool = False):
     """The variant's model; `layout` and `stage` (vp_stage, pp_rank, pre_process,
-    post_process) build one pipeline chunk of a sharded run (peer_legacy.py)."""
+    post_process) build one pipeline chunk of a sharded run (peer_legacy.py). te_spec:
+    megatron-core's own Transformer Engine spec (`--transformer-impl transformer_engine`,
+    Megatron-LM's default: fused input / pre-MLP norms in linear_qkv / linear_fc1, TENorm
+    elsewhere, TEDotProductAttention; TEGroupedMLP with moe_grouped_gemm) built on the TE
+    stand-in (te_peer_stand_in/: TE's registration order, plain torch math)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -163,15 +181,17 @@ def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
 
     config = transformer_config(variant, **(layout or {}))
     stage = stage or {}
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+    if te_spec:
+        _assert_te_stand_in()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te_spec,
                                       normalization="RMSNorm", vp_stage=stage.get("vp_stage"),
                                       pp_rank=stage.get("pp_rank"))
-    if config.moe_grouped_gemm:
+    if config.moe_grouped_gemm and not te_spec:
         _te_grouped_experts(spec)
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
-    mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    mtp = (get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te_spec)
            if config.mtp_num_layers else None)
     model = GPTModel(config, transformer_layer_spec=spec, vocab_size=vocab, mtp_block_spec=mtp,
                      max_sequence_length=SEQ, position_embedding_type="rope",
@@ -182,7 +202,8 @@ def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
     gen = torch.Generator().manual_seed(99)
     with torch.no_grad():  # norms (all ones at init) and expert biases made distinct
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "layernorm" in name or name.endswith("norm.weight") or "expert_bias" in name:
+            if ("layernorm" in name or "layer_norm_weight" in name
+                    or name.endswith("norm.weight") or "expert_bias" in name):
                 t.copy_(1.0 + 0.3 * torch.randn(t.shape, generator=gen)
                         if "expert_bias" not in name else 0.1 * torch.randn(t.shape,
                                                                            generator=gen))

@@ -1,6 +1,7 @@
-"""transformer_engine.pytorch for the megatron-core peer: GroupedLinear (TE's signature
-and parameter registration, plain torch math); the other modules megatron-core's
-extension subclasses at import are names only (building one raises)."""
+"""transformer_engine.pytorch for the megatron-core peer: GroupedLinear here and the dense
+modules of dense.py (TE's signatures and parameter registration order, plain torch math);
+LayerNormMLP (megatron-core's TE spec does not build it for GPT) is a name only (building
+it raises)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_engine.pytorch import distributed, fp8, router, tensor  # noqa: F401
+from transformer_engine.pytorch.dense import (  # noqa: F401
+    DotProductAttention,
+    LayerNorm,
+    LayerNormLinear,
+    Linear,
+    RMSNorm,
+)
 from transformer_engine.pytorch.distributed import set_tensor_model_parallel_attributes
 
 # TE 27486e03 pytorch/constants.py line 171, GemmParallelModes
@@ -21,30 +29,10 @@ class _NotModelled(nn.Module):
     def __init__(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"the peer's TE stand-in does not model "
                                   f"transformer_engine.pytorch.{type(self).__name__} (only "
-                                  "GroupedLinear: build the rest with the local spec)")
-
-
-class Linear(_NotModelled):
-    pass
-
-
-class LayerNormLinear(_NotModelled):
-    pass
+                                  "GroupedLinear and dense.py's modules)")
 
 
 class LayerNormMLP(_NotModelled):
-    pass
-
-
-class DotProductAttention(_NotModelled):
-    pass
-
-
-class RMSNorm(_NotModelled):
-    pass
-
-
-class LayerNorm(_NotModelled):
     pass
 
 
