@@ -103,7 +103,7 @@ def dp2(tmp_path_factory, mcore_python):
     return _save(tmp_path_factory.mktemp("dp2"), mcore_python)
 
 
-def _imported_equal_reference(conv: str, ref: str) -> None:
+def _imported_equal_reference(conv: str, ref: str, spec: str = "local") -> None:
     """The converted moments and main params are megatron-core's own model-shaped ones
     (the same state saved twice by one process: equal exactly, being copies). With TP >
     1 Megatron pads the vocabulary (100 tokens) to a multiple of 128 x TP, megamoe to
@@ -111,7 +111,7 @@ def _imported_equal_reference(conv: str, ref: str) -> None:
     up and not compared then."""
     p0, s0 = _raw(os.path.join(ref, "iter_0000002"))
     bf16 = p0["embedding.word_embeddings.weight"].dtype == torch.bfloat16  # (fp32 main)
-    p1, s1, _, step = _resumed(os.path.join(conv, "iter_0000002"), bf16)
+    p1, s1, _, step = _resumed(os.path.join(conv, "iter_0000002"), bf16, spec)
     assert step == 2.0
 
     def same(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
@@ -264,7 +264,7 @@ def test_shared_experts_gate_after_its_linears_fails_the_check(tmp_path, mcore_p
     gate_weight after its linear_fc1 / linear_fc2 (named_parameters puts a module's own
     parameters first): megatron-core's dump and its model-shaped save both disagree."""
     save, ref, dump = _save(tmp_path, mcore_python, *TP_PP["dense_first_dp2"])
-    monkeypatch.setattr(reshard, "registration_order", lambda rests: rests)
+    monkeypatch.setattr(reshard, "registration_order", lambda rests, te=False: rests)
     with pytest.raises(AssertionError):
         _layouts_are_megatron_cores(save, dump)
     _convert(tmp_path / "checked", save, capsys, line=MAIN_DIFFERS)

@@ -83,10 +83,12 @@ def _raw(it_dir: str) -> tuple[dict, dict]:
     return weights, states
 
 
-def _resumed(ckpt: str, bf16: bool | None = None) -> tuple[dict, dict, ModelConfig, float]:
+def _resumed(ckpt: str, bf16: bool | None = None, spec: str = "local"
+             ) -> tuple[dict, dict, ModelConfig, float]:
     """(fp32 main params, {exp_avg, exp_avg_sq}, config, step) of a megamoe torch_dist
     checkpoint, loaded through megamoe's own --load path (bf16 weights: as its args say,
-    unless `bf16` says), each mapped to Megatron's names."""
+    unless `bf16` says), each mapped to Megatron's names (`spec`'s: "te" names a MoE
+    layer's pre-MLP norm pre_mlp_layernorm.weight)."""
     common = read_common(ckpt)
     config = ModelConfig.from_dict(common["model_config"])
     bf16 = common["args"]["bf16"] if bf16 is None else bf16
@@ -100,8 +102,8 @@ def _resumed(ckpt: str, bf16: bool | None = None) -> tuple[dict, dict, ModelConf
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if opt.separate_main:  # bf16 weights: the update is checked on the fp32 main copy
         sd.update({names[id(p)]: st["main"] for p, st in zip(opt.model_params, states)})
-    to = {s: megatron_mapping.to_megatron(d, config, "local") for s, d in per.items()}
-    return megatron_mapping.to_megatron(sd, config, "local"), to, config, float(step)
+    to = {s: megatron_mapping.to_megatron(d, config, spec) for s, d in per.items()}
+    return megatron_mapping.to_megatron(sd, config, spec), to, config, float(step)
 
 
 def _resume_one_iteration(converted: str, out: str, *extra: str) -> str:
@@ -109,12 +111,13 @@ def _resume_one_iteration(converted: str, out: str, *extra: str) -> str:
     return os.path.join(out, "iter_0000003")
 
 
-def check_adamw_step(save: str, resumed_dir: str) -> tuple[float, float]:
+def check_adamw_step(save: str, resumed_dir: str, spec: str = "local"
+                     ) -> tuple[float, float]:
     """The resumed run's one update equals AdamW by hand from Megatron's saved state;
     returns the worst exp_avg_sq error (of its tensor's largest value) and the worst
     update error (of lr), for the record."""
     p0, s0 = _raw(os.path.join(save, "iter_0000002"))
-    p1, s1, _, step = _resumed(resumed_dir)
+    p1, s1, _, step = _resumed(resumed_dir, spec=spec)
     assert step == 3.0
     main0 = s0.get("param") or s0.get("fp32_param") or p0
     bc1, bc2 = 1 - B1 ** 3, 1 - B2 ** 3

@@ -47,6 +47,7 @@ import torch
 from checks import ConvertError
 from megatron_dp_layout import Bucket, bucket_layout, bucket_size_of
 from megatron_grouped_experts import te_grouped_experts, te_grouped_order
+from megatron_te_order import module_path, own_order, te_dense_order
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megamoe.model.megatron_shards import MLA_DOWN, LegacyLayout, merge_legacy, tp_shard_shape
@@ -150,26 +151,27 @@ _NORM_MODULE = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.
                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 
 
-def registration_order(rests: list[str]) -> list[str]:
+def registration_order(rests: list[str], te: bool = False) -> list[str]:
     """A layer's keys (without the layer prefix) in megatron-core's named_parameters order:
     the saved order, except that a module's own parameters come before its submodules'
     (SharedExpertMLP's gate_weight before its linear_fc1 / linear_fc2, which its
-    sharded_state_dict writes first); submodules in the order they first appear."""
+    sharded_state_dict writes first); submodules in the order they first appear. te: the
+    TE spec's fused norms (megatron_te_order), else the local spec's separate ones."""
     def order(names: list[tuple[list[str], str]]) -> list[str]:
-        own = [rest for path, rest in names if len(path) == 1]
+        own = own_order([rest for path, rest in names if len(path) == 1], te)
         groups: dict[str, list[tuple[list[str], str]]] = {}
         for path, rest in names:
             if len(path) > 1:
                 groups.setdefault(path[0], []).append((path[1:], rest))
         return own + [r for g in groups.values() for r in order(g)]
-    return order([(_NORM_MODULE.get(r, r).split("."), r) for r in rests])
+    return order([(module_path(r, te, _NORM_MODULE), r) for r in rests])
 
 
 Layer = list[tuple[str, tuple[int, ...], str]]
 
 
-def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: LegacyLayout
-                ) -> list[Layer]:
+def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: LegacyLayout,
+                te: bool) -> list[Layer]:
     """Every layer's [(key, index into its tensor, key without the layer prefix)]: the
     layers stacked under one `decoder.layers.` key ([layers, ...]; all
     layers alike) or one key per layer (`decoder.layers.{i}.`: layers of different kinds,
@@ -183,7 +185,7 @@ def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: Legac
         if any(weights[k].dim() < 2 or weights[k].shape[0] != layout.num_layers
                for k in stacked):
             raise NotModelled("stacked layer tensors of another shape")
-        rests = registration_order([k[len("decoder.layers."):] for k in stacked])
+        rests = registration_order([k[len("decoder.layers."):] for k in stacked], te)
         return [[(f"decoder.layers.{r}", (i,), r) for r in rests]
                 for i in range(layout.num_layers)]
     by_layer: dict[int, list[str]] = {}
@@ -192,7 +194,7 @@ def _layer_keys(weights: dict[str, torch.Tensor], keys: list[str], layout: Legac
         by_layer.setdefault(int(m.group(1)), []).append(m.group(2))
     if sorted(by_layer) != list(range(layout.num_layers)):
         raise NotModelled(f"layers {sorted(by_layer)[:4]}.. saved, not 0..{layout.num_layers - 1}")
-    return [[(f"decoder.layers.{i}.{r}", (), r) for r in registration_order(by_layer[i])]
+    return [[(f"decoder.layers.{i}.{r}", (), r) for r in registration_order(by_layer[i], te)]
             for i in range(layout.num_layers)]
 
 
@@ -246,7 +248,8 @@ EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_rank: int,
-                     vp_stage: int = 0) -> tuple[list[Param], list[list[Param]]]:
+                     vp_stage: int = 0, te: bool = False
+                     ) -> tuple[list[Param], list[list[Param]]]:
     """(a model chunk's dense parameters, each EP rank's expert parameters of the chunk),
     each in megatron-core's registration order (named_parameters). A chunk is a virtual
     stage of a pipeline rank (megatron_shards.LegacyLayout.offset: its layers).
@@ -266,7 +269,7 @@ def stage_parameters(weights: dict[str, torch.Tensor], layout: LegacyLayout, pp_
     layer_at = [i for i, k in enumerate(keys) if k.startswith("decoder.layers.")]
     if not layer_at or layer_at != list(range(layer_at[0], layer_at[-1] + 1)):
         raise NotModelled("the layers are not saved as one block")
-    layers = _layer_keys(weights, [keys[i] for i in layer_at], layout)
+    layers = _layer_keys(weights, [keys[i] for i in layer_at], layout, te)
     experts = max(layout.num_experts, 1)
     for key, at, rest in (x for layer in layers for x in layer):
         if ".experts." in rest and not rest.startswith("mlp.experts.experts."):
@@ -353,6 +356,7 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]
     parameters has no expert buffer)."""
     layout, dp = _layout(args, grouped_experts=True)
     grouped = te_grouped_experts(args, _flag, NotModelled, layout.etp)
+    te = te_dense_order(args, _flag, NotModelled, any(k.startswith("mtp.") for k in weights))
     disable = _flag(args, "overlap_param_gather_with_optimizer_step")
     overlap, pad = _flag(args, "overlap_grad_reduce"), _flag(
         args, "ddp_pad_buckets_for_high_nccl_busbw")
@@ -364,7 +368,7 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]
     out: dict[tuple[str, int, int], RankBuffer] = {}
     for p in range(layout.pp):
         for v in range(layout.chunks):
-            dense, per_rank = stage_parameters(weights, layout, p, v)
+            dense, per_rank = stage_parameters(weights, layout, p, v, te)
             if grouped:
                 dense = te_grouped_order(dense)
                 per_rank = [te_grouped_order(r) for r in per_rank]

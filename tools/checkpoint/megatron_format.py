@@ -167,13 +167,25 @@ def _read_flat_optimizer(it_dir: str, common: dict, metadata, weights: dict, con
         raise ConvertError(msg if msg.startswith(it_dir) else f"{it_dir} (args): {msg}"
                            ) from None
     step = step_of(part, it_dir)
-    mapped = to_megamoe_states({NAMES[k]: v for k, v in raw.items()}, config, params, it_dir)
-    wrong = main_params_differ(mapped["main"], params)
+    states = {NAMES[k]: v for k, v in raw.items()}
+    wrong = main_params_differ(_main_as_read(states, config), params)
     if wrong is not None:
         return None, None, ("the distributed optimizer's 'dp_reshardable' layout is not "
                             f"rebuilt: {wrong}")
+    mapped = to_megamoe_states(states, config, params, it_dir)
     return mapped, step, ("Adam state of the distributed optimizer (dp_reshardable) at step "
                           f"{step}")
+
+
+def _main_as_read(states: dict, config) -> dict[str, torch.Tensor]:
+    """The main parameters as the rebuilt layout read them, mapped but not yet validated:
+    the main-parameter check runs first, because a wrong layout also reads the gaps'
+    garbage into the moments (NaN, negative exp_avg_sq), which is a layout not rebuilt,
+    not a corrupt file. Unmappable: empty (to_megamoe_states then names what is wrong)."""
+    try:
+        return megatron_mapping.to_megamoe(dict(states["main"]), config)
+    except (KeyError, ValueError, RuntimeError):
+        return {}
 
 
 def _optimizer_with(model: GPTModel, optim_config, states: dict, step: int

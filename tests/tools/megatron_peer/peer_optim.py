@@ -4,6 +4,7 @@
     python peer_optim.py --variant mixtral --optimizer {fp32,distrib} \
         [--sharding fully_reshardable] [--bf16] [--tp 2] [--ep 2] [--dp 2] [--cp 2] \
         [--overlap-grad-reduce] [--bucket-size N] [--pad-buckets] [--moe-grouped-gemm] \
+        [--te-spec] \
         [--vpp 2] [--layout-json PATH [--layout-only]] [--reference-out DIR] \
         [--legacy-out DIR] --out SAVE_DIR [--steps 2]
 
@@ -90,11 +91,12 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
           layout: dict | None = None, ddp: dict | None = None, stages: list | None = None,
-          cp_whole: bool = False):
+          cp_whole: bool = False, te_spec: bool = False):
     """(the model chunks, their DDP wrappers, the optimizer over all of them): one chunk
     per virtual stage (`stages`: each chunk's vp_stage, pp_rank, pre_process,
     post_process; None: the whole model), each wrapped in megatron-core's DDP as
-    Megatron-LM's get_model does (bucketing only in the first chunk), one optimizer."""
+    Megatron-LM's get_model does (bucketing only in the first chunk), one optimizer.
+    te_spec: megatron-core's TE spec on the TE stand-in (peer.build_model)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -105,7 +107,7 @@ def build(variant: str, distributed: bool, bf16: bool, vocab: int = peer.VOCAB,
     models, ddps = [], []
     for v, stage in enumerate(stages or [None]):
         model = peer.build_model(variant, vocab, layout={**(layout or {}), **dtype},
-                                 stage=stage)
+                                 stage=stage, te_spec=te_spec)
         # TP > 1 runs in eval mode: megatron-core's MoE layer refuses to train with TP but
         # without sequence parallelism, which its torch norms refuse; eval mode changes
         # nothing else here (no dropout, no aux loss) and the gradients are the loss's own
@@ -262,7 +264,8 @@ def save(a) -> None:
                        post_process=p == a.pp - 1 and v == chunks - 1)
                   for v in range(chunks)]
     models, ddps, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab,
-                                    layout, ddp_args, stages, cp_whole=a.cp > 1)
+                                    layout, ddp_args, stages, cp_whole=a.cp > 1,
+                                    te_spec=a.te_spec)
     if a.layout_json and a.optimizer == "distrib":  # (flat buffers only there)
         dump_layout(optimizer, models, a.layout_json)
     if a.layout_only:
@@ -287,6 +290,8 @@ def save(a) -> None:
     args.num_distributed_optimizer_instances = 1
     if a.moe_grouped_gemm:  # what Megatron-LM's args say for TEGroupedMLP experts
         args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
+    if a.te_spec:  # the whole TE spec: what Megatron-LM's default --transformer-impl says
+        args.transformer_impl = "transformer_engine"
     if a.bf16:
         args.bf16, args.params_dtype = True, torch.bfloat16
     if a.format == "torch":
@@ -398,6 +403,8 @@ def main() -> None:
     p.add_argument("--pad-buckets", action="store_true",
                    help="--ddp-pad-buckets-for-high-nccl-busbw")
     p.add_argument("--moe-grouped-gemm", action="store_true", help="TEGroupedMLP experts "
+                   "(needs the TE stand-in: run_peer(te_stand_in=True))")
+    p.add_argument("--te-spec", action="store_true", help="megatron-core's whole TE spec "
                    "(needs the TE stand-in: run_peer(te_stand_in=True))")
     p.add_argument("--layout-json", default=None, help="dump the buffer layout here")
     p.add_argument("--layout-only", action="store_true", help="dump it, no training/save")
