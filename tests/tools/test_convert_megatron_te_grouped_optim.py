@@ -3,8 +3,9 @@ optimizer layout (dp_reshardable) imported by convert.py megatron-to-megamoe, ag
 megatron-core 0.19.2's own TEGroupedMLP on the peer's Transformer Engine stand-in
 (megatron_peer/te_peer_stand_in/: TE's GroupedLinear signature and parameter
 registration order, `weight0 .. weight{E-1}` per fc, cited from TE 27486e03; plain torch
-math, NOT TE's kernels; the rest of the peer model is the local spec). These are the
-"TE stand-in" cases:
+math, NOT TE's kernels), in megatron-core's whole TE spec as Megatron-LM builds it with
+`--transformer-impl transformer_engine` (the fused norms' order:
+test_convert_megatron_te_dense_optim.py). These are the "TE stand-in" cases:
 
 - DP 2 with EP 1 and EP 2, TP 2 x EP 2 (expert TP 1), PP 2 x DP 2, two real Adam
   steps: megatron-core's own buffer layout (its dump, every rank) is the converter's,
@@ -78,13 +79,10 @@ _TE_NAME = re.compile(r"(.*\.experts\.)(linear_fc[12])\.weight(\d+)")
 
 def _module_name(local: str) -> str:
     """The converter's local name (SequentialMLP's, for the legacy merge) as megatron-core
-    names the parameter in its model chunk: TEGroupedMLP's `linear_fc1.weight{i}`, the
-    local spec's norms."""
-    name = re.sub(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight",
+    names the parameter in its model chunk: TEGroupedMLP's `linear_fc1.weight{i}` (the TE
+    spec's fused norms keep their names)."""
+    return re.sub(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight",
                   r".experts.\2.weight\1", local)
-    return name.replace("self_attention.linear_qkv.layer_norm_weight",
-                        "input_layernorm.weight").replace(
-        "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
 
 
 def _layouts_are_megatron_cores(save: str, dump: str) -> int:
@@ -122,8 +120,8 @@ def test_te_stand_in_grouped_gemm_dp_reshardable_is_megatron_cores_state(
     save, ref, dump = te_grouped
     _layouts_are_megatron_cores(save, dump)
     conv = _convert(tmp_path, save, capsys)
-    _imported_equal_reference(conv, ref)
-    worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp_path / "run")))
+    _imported_equal_reference(conv, ref, spec="te")  # (TE's MoE pre_mlp_layernorm key)
+    worst = check_adamw_step(ref, _resume_one_iteration(conv, str(tmp_path / "run")), "te")
     with capsys.disabled():
         print("TE stand-in grouped gemm, worst errors (exp_avg_sq, update / lr):", worst)
 
@@ -167,7 +165,7 @@ def test_te_stand_in_grouped_gemm_in_another_order_fails_the_check(
     monkeypatch.setattr(megatron_format, "main_params_differ", lambda main, params: None)
     conv = _convert(tmp_path, save, capsys)
     with pytest.raises(AssertionError):
-        _imported_equal_reference(conv, ref)
+        _imported_equal_reference(conv, ref, spec="te")
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -19,7 +19,6 @@ CPU, the inference RNG tracker, an explicit causal mask, use_cpu_initialization.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -123,36 +122,6 @@ def transformer_config(variant: str, **layout):
     return cls(**fields)
 
 
-def _te_grouped_experts(spec) -> None:
-    """Every MoE layer's experts made megatron-core's TEGroupedMLP, as
-    `--transformer-impl transformer_engine --moe-grouped-gemm` builds them
-    (TESpecProvider.grouped_mlp_modules); the rest of the model stays the local spec. Needs
-    the TE stand-in (te_peer_stand_in/, `run_peer(te_stand_in=True)`): its GroupedLinear
-    registers TE's parameters in TE's order, with plain torch math."""
-    from megatron.core.extensions.transformer_engine import (
-        HAVE_TE,
-        TEColumnParallelGroupedLinear,
-        TERowParallelGroupedLinear,
-    )
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
-
-    assert HAVE_TE and TEColumnParallelGroupedLinear is not None, (
-        "moe_grouped_gemm needs the TE stand-in on PYTHONPATH (run_peer(te_stand_in=True))")
-    import transformer_engine
-
-    assert transformer_engine.__file__.startswith(os.path.dirname(os.path.abspath(__file__))), (
-        f"{transformer_engine.__file__} is not the peer's TE stand-in")
-    grouped = functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-        linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear))
-    swapped = 0
-    for layer_spec in spec.layer_specs:
-        mlp = layer_spec.submodules.mlp
-        if isinstance(mlp, functools.partial) and "submodules" in mlp.keywords and hasattr(
-                mlp.keywords["submodules"], "experts"):
-            mlp.keywords["submodules"].experts, swapped = grouped, swapped + 1
-    assert swapped, "no MoE layer in the spec"
-
-
 def _assert_te_stand_in() -> None:
     """megatron-core's TE extension imported with HAVE_TE from the peer's stand-in (never
     a real Transformer Engine, never none)."""
@@ -186,8 +155,9 @@ def build_model(variant: str, vocab: int = VOCAB, layout: dict | None = None,
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te_spec,
                                       normalization="RMSNorm", vp_stage=stage.get("vp_stage"),
                                       pp_rank=stage.get("pp_rank"))
-    if config.moe_grouped_gemm and not te_spec:
-        _te_grouped_experts(spec)
+    assert te_spec or not config.moe_grouped_gemm, (
+        "moe_grouped_gemm: megatron-core's LocalSpecProvider builds SequentialMLP; "
+        "TEGroupedMLP comes with the TE spec (te_spec=True)")
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = MLACoreAttention

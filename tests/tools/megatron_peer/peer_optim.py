@@ -252,7 +252,7 @@ def save(a) -> None:
     vocab = peer_legacy.padded_vocab(a.tp)
     ddp_args = {"overlap_grad_reduce": a.overlap_grad_reduce, "bucket_size": a.bucket_size,
                 "pad_buckets_for_high_nccl_busbw": a.pad_buckets}
-    if a.moe_grouped_gemm:  # TEGroupedMLP experts (peer._te_grouped_experts)
+    if a.moe_grouped_gemm:  # TEGroupedMLP experts: megatron-core's TE spec builds them
         layout = {**(layout or {}), "moe_grouped_gemm": True}
     stages = None
     if a.pp > 1:  # each virtual stage's chunk, as Megatron-LM's get_model builds them
@@ -265,7 +265,7 @@ def save(a) -> None:
                   for v in range(chunks)]
     models, ddps, optimizer = build(a.variant, a.optimizer == "distrib", a.bf16, vocab,
                                     layout, ddp_args, stages, cp_whole=a.cp > 1,
-                                    te_spec=a.te_spec)
+                                    te_spec=a.te_spec or a.moe_grouped_gemm)
     if a.layout_json and a.optimizer == "distrib":  # (flat buffers only there)
         dump_layout(optimizer, models, a.layout_json)
     if a.layout_only:
@@ -402,8 +402,8 @@ def main() -> None:
     p.add_argument("--bucket-size", type=int, default=None)
     p.add_argument("--pad-buckets", action="store_true",
                    help="--ddp-pad-buckets-for-high-nccl-busbw")
-    p.add_argument("--moe-grouped-gemm", action="store_true", help="TEGroupedMLP experts "
-                   "(needs the TE stand-in: run_peer(te_stand_in=True))")
+    p.add_argument("--moe-grouped-gemm", action="store_true", help="TEGroupedMLP experts, "
+                   "so the whole TE spec (needs the TE stand-in: run_peer(te_stand_in=True))")
     p.add_argument("--te-spec", action="store_true", help="megatron-core's whole TE spec "
                    "(needs the TE stand-in: run_peer(te_stand_in=True))")
     p.add_argument("--layout-json", default=None, help="dump the buffer layout here")
