@@ -28,10 +28,11 @@ halves, the qkv groups, stages renumbered).
 Modelled: any TP, PP (even split, with or without virtual stages), DP, CP and EP with
 expert TP = TP or 1 (EP > 1), one optimizer instance, SequentialMLP experts
 (`local_experts.N`) or TEGroupedMLP's (--moe-grouped-gemm, expert TP 1:
-megatron_grouped_experts), the layers stacked (all alike) or one key per layer (dense
-and MoE layers mixed), MTP on the last stage (at PP > 1 with untied embeddings), MLA (at
-TP > 1 the local spec's column-parallel down projections, --transformer-impl local), fp32
-or bf16 parameters.
+megatron_grouped_experts), the TE spec's fused norms (megatron_te_order) or the local
+spec's separate ones, the layers stacked (all alike) or one key per layer (dense and MoE
+layers mixed), MTP on the last stage (at PP > 1 with untied embeddings), MLA (at TP > 1
+the local spec's column-parallel down projections), MTP and MLA with --transformer-impl
+local, fp32 or bf16 parameters.
 Anything else raises NotModelled with the reason (the converter then keeps weights and
 schedule only).
 """
