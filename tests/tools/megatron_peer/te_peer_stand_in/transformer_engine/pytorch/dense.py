@@ -199,10 +199,10 @@ class LayerNormLinear(_Linear):
         else:
             self.layer_norm_bias = None
         self._register_linear(device, init_method, get_rng_state_tracker, None)
-        if self.parallel_mode == "column":  # (lines 1620-1627)
-            self.layer_norm_weight.sequence_parallel = self.sequence_parallel
-            if self.layer_norm_bias is not None:
-                self.layer_norm_bias.sequence_parallel = self.sequence_parallel
+        # (reset_parameters, lines 1619-1626)
+        self.layer_norm_weight.sequence_parallel = self.sequence_parallel
+        if self.layer_norm_bias is not None:
+            self.layer_norm_bias.sequence_parallel = self.sequence_parallel
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
@@ -238,8 +238,9 @@ class _Norm(_TEModule):
                 size, device=device, dtype=dtype)))
         else:
             self.bias = None
-        for p in self.parameters():  # (module/rmsnorm.py reset_parameters, Megatron-LM's)
-            p.sequence_parallel = bool(sequence_parallel)
+        if sequence_parallel is not None:  # (rmsnorm.py lines 140-142, layernorm.py 136-139)
+            for p in self.parameters():
+                p.sequence_parallel = sequence_parallel
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         return _norm(inp, self.weight, self.bias, self.eps, self.zero_centered_gamma,
