@@ -21,11 +21,15 @@ qk-layernorm):
   the converter's own finite / non-negative check refuses them or the comparison with
   megatron-core's state fails).
 
+- the TE and local orders of a dense layer's keys; MLA, MTP and other impls under the TE
+  spec refused (weights and schedule); `--transformer-impl local` keeps the local order.
+
 All slow (each save is a two- or four-rank peer run); nothing here is in the default suite.
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib
 import json
@@ -49,6 +53,7 @@ from tools.checkpoint.convert import main as convert
 
 megatron_format = importlib.import_module("megatron_format")
 reshard = importlib.import_module("megatron_dp_reshard")
+te_order = importlib.import_module("megatron_te_order")
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +145,37 @@ def test_te_stand_in_te_save_in_the_local_order_fails_the_check(
         return
     with pytest.raises(AssertionError):
         _imported_equal_reference(conv, ref, spec="te")
+
+
+def test_the_te_and_local_orders_of_a_dense_layer():
+    """A dense layer's keys as a TE save lists them: the local spec's order puts the
+    fused norms in modules of their own ahead of self_attention / mlp, TE's keeps them in
+    linear_qkv / linear_fc1, first there (LayerNormLinear's registration)."""
+    saved = ["self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+             "self_attention.linear_qkv.layer_norm_weight", "self_attention.q_layernorm.weight",
+             "mlp.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc2.weight"]
+    assert reshard.registration_order(saved, te=True) == [
+        "self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
+        "self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    assert reshard.registration_order(saved) == [
+        "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+        "self_attention.q_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
+        "mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.linear_fc1.layer_norm_weight"]
+
+
+@pytest.mark.parametrize("kw, mtp, why", [
+    ({"multi_latent_attention": True}, False, "MLA"),
+    ({}, True, "MTP"),
+    ({"transformer_impl": "inference_optimized"}, False, "inference_optimized")])
+def test_te_spec_layouts_not_checked_are_refused(kw, mtp, why):
+    args = argparse.Namespace(**{"transformer_impl": "transformer_engine", **kw})
+    with pytest.raises(reshard.NotModelled, match=why):
+        te_order.te_dense_order(args, reshard._flag, reshard.NotModelled, mtp)
+
+
+def test_the_local_impl_keeps_the_local_order_and_te_is_the_default():
+    flag, refuse = reshard._flag, reshard.NotModelled
+    local = argparse.Namespace(transformer_impl="local", multi_latent_attention=True)
+    assert not te_order.te_dense_order(local, flag, refuse, True)
+    assert te_order.te_dense_order(argparse.Namespace(), flag, refuse, False)
