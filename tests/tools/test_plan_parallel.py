@@ -262,10 +262,11 @@ def test_never_proposes_illegal_layouts(preset, gpus):
 
 @pytest.mark.slow
 def test_cli_json_and_explanations():
+    # about 30 s on a quiet machine; a 120 s limit ran out at load average 7
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_parallel.py"),
                         "--config", os.path.join(ROOT, "configs", "mixtral-8x7b.yaml"),
                         "--gpus", "64", "--gpu-memory-gb", "80", "--json", "--top", "3"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert len(out["layouts"]) == 3
