@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite. `bash scripts/test.sh` runs the default set (budget: 10 min on 2 cores;
-# 5 min 7 s measured 2026-11-26, fresh clone);
+# 5 min 42 s for 1,887 tests measured 2026-11-26, quiet machine);
 # `bash scripts/test.sh --slow` runs only the tests marked slow (budget: 40 min; 29 min 7 s
-# for 355 tests measured 2026-11-26; not yet re-measured alone at 387+);
+# for 355 tests measured quiet 2026-11-26; 414 tests took 65 min at load average 5-8, not
+# a budget figure);
 # `bash scripts/test.sh --other-cpu` runs the numerics tests (fixtures, optimizer, model,
 # MoE, converters) again on another CPU code path: ATen's scalar kernels, MKL's SSE4.2
 # kernels and one thread, so an expectation that holds only on this CPU fails here too.
