@@ -357,7 +357,8 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]
     parameters has no expert buffer)."""
     layout, dp = _layout(args, grouped_experts=True)
     grouped = te_grouped_experts(args, _flag, NotModelled, layout.etp)
-    te = te_dense_order(args, _flag, NotModelled, any(k.startswith("mtp.") for k in weights))
+    mtp = any(k.startswith("mtp.layers.") for k in weights)  # (MTP's every key)
+    te = te_dense_order(args, _flag, NotModelled, mtp)
     disable = _flag(args, "overlap_param_gather_with_optimizer_step")
     overlap, pad = _flag(args, "overlap_grad_reduce"), _flag(
         args, "ddp_pad_buckets_for_high_nccl_busbw")
@@ -365,7 +366,7 @@ def expected_buffers(args, weights: dict[str, torch.Tensor]
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ConvertError(f"args.ddp_bucket_size = {size!r} is not a positive integer")
     tp, ep, etp = layout.tp, layout.ep, layout.etp
-    shared = shared_embedding(layout, any(k.startswith("mtp.layers.") for k in weights))
+    shared = shared_embedding(layout, mtp)
     out: dict[tuple[str, int, int], RankBuffer] = {}
     for p in range(layout.pp):
         for v in range(layout.chunks):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -149,14 +149,22 @@ def kernel_multiple(recipe: str, a: BlockQ, b: BlockQ, out_dtype: torch.dtype) -
     return multiple
 
 
-def probed(key, probe, warning: str) -> bool:
+def probed(key, probe: Callable[[], bool], warning: Callable[[], str]) -> bool:
     """KERNEL_STATUS[key], running probe() the first time; a failed probe warns once
-    (the kernel's callers then keep their fallback on that device)."""
+    (the kernel's callers then keep their fallback on that device). `warning` makes the
+    message only then: this runs on every GEMM."""
     if key not in KERNEL_STATUS:
         KERNEL_STATUS[key] = probe()
         if not KERNEL_STATUS[key]:
-            warnings.warn(warning, stacklevel=3)
+            warnings.warn(warning(), stacklevel=3)
     return KERNEL_STATUS[key]
+
+
+def agrees(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether a kernel's output equals the fp32 reference up to what a kernel may differ
+    by: fp32 accumulation order and bf16 output (the probes' test)."""
+    return bool(((got.float() - ref).abs() <= 2.0 ** -7 * ref.abs()
+                 + 1e-3 * ref.abs().max()).all())
 
 
 _WARNED: set = set()
@@ -195,8 +203,7 @@ def _probe(kernel, recipe: str, a: BlockQ, b: BlockQ) -> bool:
         got = kernel(qa, qb, torch.bfloat16).float()
     except Exception:  # noqa: BLE001 - any failure (layout, build, device) means "no"
         return False
-    ref = reference_mm(qa, qb, torch.float32)
-    return bool(((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
+    return agrees(got, reference_mm(qa, qb, torch.float32))
 
 
 def block_mm(a: BlockQ, b: BlockQ, out_dtype: torch.dtype, recipe: str) -> torch.Tensor:
@@ -204,14 +211,9 @@ def block_mm(a: BlockQ, b: BlockQ, out_dtype: torch.dtype, recipe: str) -> torch
     block-scaled kernel when it has one and it passed its probe, else the reference."""
     kernel = _kernel_for(recipe, a, b, out_dtype)
     if kernel is not None and device_capability(a.data.device) is not None:
-        key = kernel_key(recipe, a, b)
-        if key not in KERNEL_STATUS:
-            KERNEL_STATUS[key] = _probe(kernel, recipe, a, b)
-            if not KERNEL_STATUS[key]:
-                warnings.warn(f"FP8 {recipe}: the {a.tile}x{b.tile} kernel failed its probe "
-                              f"on {a.data.device}; the reference GEMM runs there",
-                              stacklevel=2)
-        if not KERNEL_STATUS[key]:
+        if not probed(kernel_key(recipe, a, b), lambda: _probe(kernel, recipe, a, b),
+                      lambda: f"FP8 {recipe}: the {a.tile}x{b.tile} kernel failed its probe "
+                              f"on {a.data.device}; the reference GEMM runs there"):
             kernel = None
     if kernel is None:
         return reference_mm(a, b, out_dtype)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.model.fp8.block_gemm import device_capability, probed
+from megamoe.model.fp8.block_gemm import agrees, device_capability, probed
 from megamoe.model.fp8.block_linear import block_fp8_grouped_mm
-from megamoe.model.fp8.block_pad import round_up
 from megamoe.model.fp8.blocks import BLOCK_RECIPES
 from megamoe.model.fp8.linear import LinearScaling, scaled_mm
 from megamoe.model.fp8.quantize import E4M3, amax_of, quantize
-from megamoe.model.fp8.rowwise_grouped import GROUP_MULTIPLE, group_offsets
+from megamoe.model.fp8.rowwise_grouped import group_offsets, padded_group_sizes
 
 
 def _scaled_grouped_mm(*args, **kwargs):
@@ -35,8 +34,8 @@ def _kernel_ok(device: torch.device) -> bool:
     if device_capability(device) != (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     return probed(("scaled_grouped_mm", device), lambda: _probe(device),
-                  f"FP8 experts: torch._scaled_grouped_mm failed its probe on {device}; "
-                  "the per-expert loop runs there")
+                  lambda: f"FP8 experts: torch._scaled_grouped_mm failed its probe on "
+                          f"{device}; the per-expert loop runs there")
 
 
 def grouped_kernel_ok(device: torch.device, a_dtype, b_dtype, out_dtype, *dims: int) -> bool:
@@ -60,7 +59,7 @@ def _probe(device: torch.device) -> bool:
         return False
     ref = torch.cat([(x[lo:hi].float() / sx[e]) @ (w[e].float() / sw[e])
                      for e, (lo, hi) in enumerate([(0, 16), (16, 48)])])
-    return bool(((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
+    return agrees(got, ref)
 
 
 def _kernel_fwd(q_NK, s_E, q_EKM, sw_E, sizes, out_dtype):
@@ -83,7 +82,7 @@ def _kernel_wgrad(qx_NK, sx_E, qg_NM, sg_E, sizes, out_dtype):
     E, K, M = len(sizes), qx_NK.shape[1], qg_NM.shape[1]
     sa = (one / sx_E).unsqueeze(1).expand(E, K).reshape(-1).contiguous()
     sb = (one / sg_E).unsqueeze(1).expand(E, M).reshape(-1).contiguous()
-    padded = [max(GROUP_MULTIPLE, round_up(n, GROUP_MULTIPLE)) for n in sizes]
+    padded = padded_group_sizes(sizes)
     qx, qg = _pad_groups(qx_NK, sizes, padded), _pad_groups(qg_NM, sizes, padded)
     return _scaled_grouped_mm(qx.t().contiguous(), qg.t().contiguous().t(), sa, sb,
                               offs=group_offsets(padded, qx_NK.device), out_dtype=out_dtype)

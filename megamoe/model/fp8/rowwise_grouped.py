@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.model.fp8.block_gemm import device_capability, probed
+from megamoe.model.fp8.block_gemm import agrees, device_capability, probed
 from megamoe.model.fp8.block_pad import pad_block, round_up
 from megamoe.model.fp8.blocks import BlockQ, quantize_operand
 from megamoe.model.fp8.quantize import E4M3
@@ -43,8 +43,14 @@ def usable(recipe: str, device: torch.device, a_dtype, b_dtype, out_dtype, *dims
             and all(d % 16 == 0 for d in dims)):
         return False
     return probed(("scaled_grouped_mm_rowwise", device), lambda: _probe(device),
-                  f"FP8 rowwise experts: torch._scaled_grouped_mm failed its probe on "
-                  f"{device}; the per-expert loop runs there")
+                  lambda: f"FP8 rowwise experts: torch._scaled_grouped_mm failed its probe "
+                          f"on {device}; the per-expert loop runs there")
+
+
+def padded_group_sizes(sizes: list[int]) -> list[int]:
+    """Each 2-D x 2-D group's row count padded to the kernel's multiple, at least one
+    multiple (module doc: no K = 0 GEMM for an empty expert)."""
+    return [max(GROUP_MULTIPLE, round_up(n, GROUP_MULTIPLE)) for n in sizes]
 
 
 def group_offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
@@ -75,7 +81,7 @@ def rows_mm(qa: BlockQ, qbs: list[BlockQ], sizes: list[int], out_dtype) -> torch
 def wgrad_mm(qx_ts: list[BlockQ], qg_ts: list[BlockQ], recipe: str, out_dtype) -> torch.Tensor:
     """dW_e = x_e^T g_e for every expert: qx_ts[e] [K, n_e], qg_ts[e] [M, n_e], each tiled
     along n_e, padded to a positive multiple of 16 columns -> [E, K, M]."""
-    padded = [max(GROUP_MULTIPLE, round_up(q.data.shape[1], GROUP_MULTIPLE)) for q in qx_ts]
+    padded = padded_group_sizes([q.data.shape[1] for q in qx_ts])
     xs = [pad_block(q, q.data.shape[0], n, recipe) for q, n in zip(qx_ts, padded)]
     gs = [pad_block(q, q.data.shape[0], n, recipe) for q, n in zip(qg_ts, padded)]
     a = torch.cat([q.data for q in xs], dim=1)  # [K, sum n]: row-major
@@ -108,5 +114,4 @@ def _probe(device: torch.device) -> bool:
     deq = qx.dequantize()
     ref_y = torch.cat([deq[lo:hi] @ qws[e].dequantize().t() for e, (lo, hi) in enumerate(bounds)])
     ref_dw = torch.stack([q.dequantize() @ q.dequantize().t() for q in qx_ts])
-    return all(bool(((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
-               for got, ref in ((y, ref_y), (dw, ref_dw)))
+    return agrees(y, ref_y) and agrees(dw, ref_dw)
