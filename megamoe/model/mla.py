@@ -125,6 +125,11 @@ class MLASelfAttention(nn.Module):
         # 2CP-1-r of the sequence; core attention runs parallel/context_parallel.py's op.
         self.cp_group = None
         self.cp_comm_type = "p2p"
+        # Transformer Engine (model/te/mla.py sets these): the latent norms run fused inside
+        # the up projections (LayerNormLinear), and core attention is TE's
+        # DotProductAttention ((q, k, v) -> o in `core_attention`'s layouts)
+        self.fused_latent_norms = False
+        self.te_core_attention = None
         heads, h, std = config.num_attention_heads, config.hidden_size, config.init_method_std
         self.qk_head_dim, self.pe_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
@@ -179,15 +184,16 @@ class MLASelfAttention(nn.Module):
 
     def _down_proj(self, x_SBH: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(query up-projection input, normed kv latent, k_pe [S, B, P] full sequence)."""
+        """(query up-projection input, kv latent, k_pe [S, B, P] full sequence): the
+        latents normed here, or by the up projections when TE fuses the norms."""
         q_in = x_SBH
         if self.linear_q_down_proj is not None:
             q_in = self.linear_q_down_proj(x_SBH)
-            if self.q_layernorm is not None:
+            if self.q_layernorm is not None and not self.fused_latent_norms:
                 q_in = self.q_layernorm(q_in)
         kv_lat, k_pe = self.linear_kv_down_proj(x_SBH).split(
             [self.kv_lora_rank, self.pe_dim], dim=-1)
-        if self.kv_layernorm is not None:
+        if self.kv_layernorm is not None and not self.fused_latent_norms:
             kv_lat = self.kv_layernorm(kv_lat)
         if self.tp.sp:  # every rank's heads use the whole sequence's k_pe
             k_pe = gather_from_sequence(k_pe, self.tp.group)
@@ -217,8 +223,15 @@ class MLASelfAttention(nn.Module):
                        v_BNSV: torch.Tensor,
                        mask_B1SS: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal (or document-causal) SDPA with MLA's softmax scale. The flash kernel
-        needs equal q/k and v head dims: v is zero-padded for it and the output trimmed."""
+        needs equal q/k and v head dims: v is zero-padded for it and the output trimmed.
+        TE's DotProductAttention takes the two head dims as they are (kv_channels=(k, v))."""
         has_mask = mask_B1SS is not None
+        if self.te_core_attention is not None:
+            if has_mask:  # (the run's checks refuse --reset-attention-mask)
+                raise ValueError("not supported yet: --reset-attention-mask with "
+                                 "--transformer-impl transformer_engine")
+            with self.tp.dropout_rng(split=True):
+                return self.te_core_attention(q_BNSD, k_BNSD, v_BNSV)
         flash = is_flash_only(self.attention_backend, self.use_flash_attn, has_mask)
         v_dim = v_BNSV.shape[-1]
         if flash and v_dim != q_BNSD.shape[-1]:

@@ -7,6 +7,7 @@ each transformer layer TE's implementation of its parts, Megatron's TE spec
   input_layernorm + self_attention.linear_qkv -> LayerNormLinear (norm fused)
   self_attention.core_attention               -> DotProductAttention
   self_attention.linear_proj                  -> Linear
+  multi-latent attention (MLA's own TE spec)  -> te/mla.py
   dense MLP: pre_mlp_layernorm + linear_fc1   -> LayerNormLinear (norm fused); linear_fc2 -> Linear
   MoE: routed experts' fc1 / fc2              -> GroupedLinear each (TEGroupedMLP)
        shared experts' linear_fc1 / fc2       -> Linear
@@ -19,7 +20,7 @@ and the output layer stay megamoe's, as do every collective and the MoE dispatch
 
 Not built yet (refused by `check_supported` before anything is built, and here for
 library callers): tensor and context parallelism (TE's own TP/SP/CP collectives are not
-wired), multi-latent attention, document masks (--reset-attention-mask), --compile,
+wired), document masks (--reset-attention-mask), --compile,
 --recompute-modules layernorm (the norms are fused into the linears), and activation
 recompute under delayed FP8 scaling (a torch checkpoint's replay would update TE's amax
 state a second time; TE's own checkpoint is not wired).
@@ -40,6 +41,7 @@ from megamoe.model.fp8.policy import (
     high_precision_layer,
     set_router_padding,
 )
+from megamoe.model.mla import MLASelfAttention
 from megamoe.model.mlp import MLP
 from megamoe.model.mtp import MTPLayer
 from megamoe.model.te.attention import TeCoreAttention, set_backend_environment
@@ -47,6 +49,7 @@ from megamoe.model.te.experts import TeGroupedGemm
 from megamoe.model.te.extra_state import TeExtraState
 from megamoe.model.te.linears import TeLinearGemm, TeNormLinearGemm
 from megamoe.model.te.loader import TransformerEngine, load_transformer_engine
+from megamoe.model.te.mla import convert_mla
 from megamoe.model.te.recipe import autocast_factory
 from megamoe.model.transformer_block import TransformerLayer
 from megamoe.moe.experts import GroupedExperts
@@ -66,11 +69,9 @@ def _check_model(model: nn.Module) -> None:
         tp = getattr(m, "tp", None)
         if tp is not None and tp.size > 1:
             raise _refuse("--tensor-model-parallel-size > 1")
-        if isinstance(m, SelfAttention) and m.cp_group is not None:
+        if isinstance(m, (SelfAttention, MLASelfAttention)) and m.cp_group is not None:
             raise _refuse("--context-parallel-size > 1")
         if isinstance(m, TransformerLayer):
-            if not isinstance(m.self_attention, SelfAttention):
-                raise _refuse("--multi-latent-attention")
             if m.recompute_norms:
                 raise _refuse("--recompute-modules layernorm")
         if isinstance(m, MoELayer) and not isinstance(m.experts, GroupedExperts):
@@ -80,8 +81,8 @@ def _check_model(model: nn.Module) -> None:
                              "FP8 policy or Transformer Engine): install one, once")
 
 
-def _convert_layer(te: TransformerEngine, name: str, layer: TransformerLayer,
-                   autocast: Autocast, state: TeExtraState) -> None:
+def _convert_attention(te: TransformerEngine, name: str, layer: TransformerLayer,
+                       state: TeExtraState) -> None:
     attn = layer.self_attention
     attn.linear_qkv.fp8 = TeNormLinearGemm(te, layer.input_layernorm, attn.linear_qkv)
     layer.fused_input_norm = True
@@ -95,6 +96,15 @@ def _convert_layer(te: TransformerEngine, name: str, layer: TransformerLayer,
     state.add(f"{prefix}.linear_qkv", attn.linear_qkv.fp8.module)
     state.add(f"{prefix}.core_attention", attn.te_core_attention.module)
     state.add(f"{prefix}.linear_proj", attn.linear_proj.fp8.module)
+
+
+def _convert_layer(te: TransformerEngine, name: str, layer: TransformerLayer,
+                   autocast: Autocast, state: TeExtraState) -> None:
+    attn = layer.self_attention
+    if isinstance(attn, MLASelfAttention):  # its input norm stays apart (te/mla.py)
+        convert_mla(te, f"{name}.self_attention", attn, layer.layer_index + 1, state)
+    else:
+        _convert_attention(te, name, layer, state)
     mlp = layer.mlp
     if isinstance(mlp, MLP):
         mlp.linear_fc1.fp8 = TeNormLinearGemm(te, layer.pre_mlp_layernorm, mlp.linear_fc1)

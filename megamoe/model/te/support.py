@@ -8,7 +8,8 @@ again: exact for the stateless recipes, but under delayed scaling the replay wou
 and reduce amaxes a second time (TE's own checkpoint, which knows its recompute phase, is
 not wired). A selective region (mlp, moe, shared_experts) replays inside the layer,
 outside the layer's autocast, so it would recompute in high precision: refused under
-every FP8 recipe. (core_attn and moe_act recompute no TE GEMM.)
+every FP8 recipe; so would mla_up_proj's (MLA's up projections are recomputed in
+backward). (core_attn and moe_act recompute no TE GEMM.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from megamoe.config.run import RunConfig
 from megamoe.model.te.attention import environment_conflict
 from megamoe.model.te.recipe import RECIPE_CLASSES
 
-_SELECTIVE_WITH_TE_GEMMS = ("mlp", "moe", "shared_experts")
+_SELECTIVE_WITH_TE_GEMMS = ("mlp", "moe", "shared_experts", "mla_up_proj")
 
 
 def _refuse(what: str) -> ConfigError:
@@ -28,12 +29,12 @@ def _refuse(what: str) -> ConfigError:
 def check_run(run: RunConfig) -> None:
     """ConfigError (one line naming the flag) for what the TE path does not build yet."""
     p, m = run.parallel, run.model
+    if m.multi_latent_attention and p.tensor_model_parallel_size > 1:
+        raise _refuse("--multi-latent-attention with --tensor-model-parallel-size > 1")
     if p.tensor_model_parallel_size > 1:
         raise _refuse("--tensor-model-parallel-size > 1")
     if p.context_parallel_size > 1:
         raise _refuse("--context-parallel-size > 1")
-    if m.multi_latent_attention:
-        raise _refuse("--multi-latent-attention")
     if run.data.reset_attention_mask:
         raise _refuse("--reset-attention-mask")
     if run.train.compile:

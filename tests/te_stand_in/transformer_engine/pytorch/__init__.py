@@ -161,8 +161,13 @@ class GroupedLinear(_Module):
 class DotProductAttention(_Module):
     def __init__(self, *args, **kwargs) -> None:
         b = self._start("pytorch.DotProductAttention.__init__", args, kwargs)
-        self.heads, self.groups = b["num_attention_heads"], b["num_gqa_groups"]
+        self.heads = b["num_attention_heads"]
+        self.groups = b["num_gqa_groups"] or self.heads
+        kv = b["kv_channels"]  # TE: an int, or (k head dim, v head dim) (MLA)
+        self.dim_k, self.dim_v = (kv, kv) if isinstance(kv, int) else tuple(kv)
         self.dropout, self.scale = b["attention_dropout"], b["softmax_scale"]
+        if self.scale is None:  # TE's default: 1/sqrt(the k head dim)
+            self.scale = self.dim_k ** -0.5
         self.qkv_format, self.mask_type = b["qkv_format"], b["attn_mask_type"]
         if self.qkv_format != "sbhd" or self.mask_type != "causal":
             raise NotImplementedError("the stand-in models sbhd + causal only")
@@ -170,15 +175,18 @@ class DotProductAttention(_Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         b = checked("pytorch.DotProductAttention.forward", args, kwargs)
         q, k, v = b["query_layer"], b["key_layer"], b["value_layer"]
-        s, bsz, n, d = q.shape
-        if n != self.heads or k.shape[2] != (self.groups or self.heads):
+        s, bsz, n, _ = q.shape
+        if n != self.heads or k.shape[2] != self.groups or v.shape[2] != self.groups:
             raise ValueError("head counts differ from the constructor's")
+        # TE's forward asserts the head dims against kv_channels (dot_product_attention.py)
+        assert q.shape[-1] == k.shape[-1] == self.dim_k, "Keys have another head_dim!"
+        assert v.shape[-1] == self.dim_v, "Values have another head_dim!"
         self._record(q, k, v)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         o = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             scale=self.scale, enable_gqa=k.shape[1] != q.shape[1])
-        return o.permute(2, 0, 1, 3).reshape(s, bsz, n * d)
+        return o.permute(2, 0, 1, 3).reshape(s, bsz, n * self.dim_v)
 
 
 class RMSNorm(_Module):
