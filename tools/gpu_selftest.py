@@ -238,14 +238,20 @@ TE_MODEL = ("--num-layers 2 --hidden-size 256 --ffn-hidden-size 512 --num-attent
             "--moe-shared-expert-intermediate-size 256 --mock-data --tokenizer-type "
             "NullTokenizer --vocab-size 256 --micro-batch-size 4 --global-batch-size 4 "
             "--train-iters 1 --lr 1e-3 --seed 5")
+# The same with DeepSeek-V3's attention (MLA's TE spec: latent norms fused into the up
+# projections, DotProductAttention with q/k head dim 48 and v head dim 32).
+TE_MLA_MODEL = (TE_MODEL.replace("--group-query-attention --num-query-groups 4 ", "")
+                + " --multi-latent-attention --q-lora-rank 128 --kv-lora-rank 64 "
+                  "--qk-head-dim 32 --qk-pos-emb-head-dim 16 --v-head-dim 32 --qk-layernorm")
 
 
 def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def te_parity(device: torch.device, flags: str, te_flags: str = "") -> dict:
-    """One forward and backward of TE_MODEL + `flags`, local against --transformer-impl
+def te_parity(device: torch.device, flags: str, te_flags: str = "",
+              model_flags: str = TE_MODEL) -> dict:
+    """One forward and backward of `model_flags` + `flags`, local against --transformer-impl
     transformer_engine + `te_flags` (the same seed: the same weights): the norm-wise
     relative difference of the logits and the largest of the gradients'."""
     from megamoe.cli.mapping import run_config_from_args
@@ -257,7 +263,7 @@ def te_parity(device: torch.device, flags: str, te_flags: str = "") -> dict:
     labels = torch.randint(0, 256, (4, 128), generator=gen).to(device)
     out = []
     for impl in ("", f"--transformer-impl transformer_engine {te_flags}"):
-        args = parse_args(f"{TE_MODEL} {flags} {impl}".split(), world_size=1)
+        args = parse_args(f"{model_flags} {flags} {impl}".split(), world_size=1)
         model = build_model(run_config_from_args(args, 256), single_process_mesh(device))
         logits = model(tokens).detach()
         model(tokens, labels=labels).float().mean().backward()
@@ -268,7 +274,8 @@ def te_parity(device: torch.device, flags: str, te_flags: str = "") -> dict:
 
 
 def cmd_te(_: argparse.Namespace) -> int:
-    """Transformer Engine's path against the local path on this GPU: bf16 (both round to
+    """Transformer Engine's path against the local path on this GPU: bf16, also with MLA
+    (both round to
     bf16: within 2e-2 norm-wise, not yet calibrated on hardware) and, on sm89+, TE's
     tensor-wise FP8 against local bf16 within 0.25 (2u of E4M3's 2^-3 spacing, as
     docs/fp8.md's bound for megamoe's own FP8)."""
@@ -279,8 +286,10 @@ def cmd_te(_: argparse.Namespace) -> int:
     except TransformerEngineMissing as e:
         return _emit({"skipped": str(e)}, True)
     device = torch.device("cuda", torch.cuda.current_device())
-    report = {"bf16": te_parity(device, "--bf16")}
-    ok = report["bf16"]["logits"] < 2e-2 and report["bf16"]["grads"] < 2e-2
+    report = {"bf16": te_parity(device, "--bf16"),
+              "bf16_mla": te_parity(device, "--bf16", model_flags=TE_MLA_MODEL)}
+    ok = all(report[k]["logits"] < 2e-2 and report[k]["grads"] < 2e-2
+             for k in ("bf16", "bf16_mla"))
     if torch.cuda.get_device_capability(device) >= (8, 9):
         report["fp8_tensorwise"] = te_parity(device, "--bf16",
                                              "--fp8-format hybrid --fp8-recipe tensorwise")

@@ -70,14 +70,17 @@ def _compare(*args: str) -> int:
                           text=True, timeout=60, cwd=ROOT).returncode
 
 
-def test_te_check_runs_on_the_stand_in():
+@pytest.mark.parametrize("model", ["TE_MODEL", "TE_MLA_MODEL"])
+def test_te_check_runs_on_the_stand_in(model):
     """The GPU's Transformer Engine check, on the CPU against TE's stand-in (fp32, the same
     formulas): local and TE agree to fp32 rounding, and a TE path that computed anything
-    else would be seen (the check compares logits and every gradient)."""
+    else would be seen (the check compares logits and every gradient); its model and
+    the same with multi-latent attention."""
     from tests.te_stand_in import installed
 
     with installed():
-        report = gpu_selftest.te_parity(torch.device("cpu"), "")
+        report = gpu_selftest.te_parity(torch.device("cpu"), "",
+                                        model_flags=getattr(gpu_selftest, model))
     assert report["logits"] < 1e-5 and report["grads"] < 1e-4, report
 
 
