@@ -48,6 +48,11 @@ are chunks r and 2CP-1-r of the sequence; RoPE takes their positions from the ba
 parallel/context_parallel.py's `cp_attention` with MLA's softmax scale and document ids,
 its ring carrying K (qk + pe) and V (v_head_dim) at their own widths.
 
+--transformer-impl transformer_engine (model/te/mla.py, Megatron's MLA TE spec): TE's
+modules run the projections and core attention with these parameters; with
+--qk-layernorm the latent norms run fused inside the up projections (`fused_latent_norms`:
+this module then skips its own).
+
 --recompute-modules mla_up_proj (Megatron's meaning): the up projections and RoPE keep
 only their inputs; their outputs q, k, v are not kept by core attention and are
 recomputed in backward (parallel/checkpointing.py `discard_saved`).
