@@ -179,3 +179,24 @@ def test_an_mla_checkpoint_moves_between_local_and_transformer_engine(tmp_path):
                       (local_resumed, straight[2:])):
         assert len(got) == len(want) and all(
             abs(x - y) <= 1e-5 * abs(y) for x, y in zip(got, want)), (got, straight)
+
+
+@pytest.mark.slow
+def test_the_tiny_deepseek_v3_recipe_trains_alike_on_te():
+    """configs/tiny-deepseek-v3-cpu.yaml (MLA with both latents and their norms, YaRN,
+    sigmoid group-limited routing, a shared expert, an MTP depth): 3 steps on TE (the
+    stand-in) give the local run's losses (1e-5, as the checkpoint test)."""
+    flags = ("--config configs/tiny-deepseek-v3-cpu.yaml --mock-data --tokenizer-type "
+             "NullTokenizer --vocab-size 256 --num-workers 0 --seq-length 32 "
+             "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
+             "--lr 3e-3 --train-iters 3")
+
+    def losses(extra: str) -> list[float]:
+        args = parse_args(shlex.split(f"{flags} {extra}"), world_size=1)
+        return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
+
+    local = losses("")
+    with installed():
+        te = losses(TE)
+    assert len(te) == len(local) == 3
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(te, local)), (te, local)
