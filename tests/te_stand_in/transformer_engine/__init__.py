@@ -14,7 +14,9 @@ What it reproduces from TE v2.18 (commit 27486e03cfc1fa41f6932dcecdc47c71c47eac3
   `fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group)`.
 
 What it computes: megamoe's fp32 math (F.linear, F.rms_norm / F.layer_norm, per-group
-linears, causal SDPA with GQA), never FP8. Under an FP8 autocast each module records the
+linears, causal SDPA with GQA; DotProductAttention's kv_channels an int or TE's (k, v) pair
+with MLA's narrower values, checked against the inputs' head dims as TE's forward
+asserts), never FP8. Under an FP8 autocast each module records the
 recipe it ran under and, for DelayedScaling, its input amaxes in an amax history of the
 recipe's length: the state its extra state round-trips. So tests prove wiring (which
 module, which keywords, which parameters, which recipe, what a checkpoint carries), not
