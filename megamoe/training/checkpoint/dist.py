@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from megamoe.config import ModelConfig
+from megamoe.model.fp8.params import value
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.fields import check_fields
@@ -69,6 +70,7 @@ from megamoe.training.checkpoint.sharded_state import Entry, model_entries
 from megamoe.training.checkpoint.snapshot import snapshot
 from megamoe.training.checkpoint.strictness import KeyMismatch
 from megamoe.training.checkpoint.te_state import gather_te_states, restore_te_state
+from megamoe.training.optim.fp8_shards import fp8_weights_loading
 
 FORMAT_VERSION = 1
 
@@ -118,7 +120,8 @@ def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: boo
 
     def put(key: str, part, t: torch.Tensor) -> None:
         # No .contiguous(): DCP's writer copies a non-contiguous view one item at a time.
-        wrapped = part.wrap(part.local(t.detach()))
+        # (An FP8 primary weight is saved dequantised: the values its GEMMs use.)
+        wrapped = part.wrap(part.local(value(t).detach()))
         state[key] = _host_copy(wrapped) if copy else wrapped
 
     for e in entries:
@@ -391,6 +394,16 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     a single-process model in this process alone). Returns the common state; its
     "rng_restored" says whether this rank's RNG states were set, its "key_mismatch" the
     model keys --dist-ckpt-strictness let pass (strictness.py)."""
+    with fp8_weights_loading(optimizer):
+        return _load_dist(ckpt_dir, model, optimizer, scheduler, mesh, load_optim=load_optim,
+                          load_rng=load_rng, finetune=finetune, common=common, single=single,
+                          strictness=strictness)
+
+
+def _load_dist(ckpt_dir: str, model: nn.Module, optimizer, scheduler, mesh, *,
+               load_optim: bool, load_rng: bool, finetune: bool, common: Optional[dict],
+               single: bool, strictness: str) -> dict:
+    """load_dist_checkpoint's work (FP8 primary weights materialised around it)."""
     rank, world = _world(single)
     common = read_common(ckpt_dir) if common is None else common
     check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))
