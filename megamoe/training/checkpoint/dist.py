@@ -70,7 +70,6 @@ from megamoe.training.checkpoint.sharded_state import Entry, model_entries
 from megamoe.training.checkpoint.snapshot import snapshot
 from megamoe.training.checkpoint.strictness import KeyMismatch
 from megamoe.training.checkpoint.te_state import gather_te_states, restore_te_state
-from megamoe.training.optim.fp8_shards import fp8_weights_loading
 
 FORMAT_VERSION = 1
 
@@ -119,8 +118,7 @@ def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: boo
     state: dict[str, Any] = {}
 
     def put(key: str, part, t: torch.Tensor) -> None:
-        # No .contiguous(): DCP's writer copies a non-contiguous view one item at a time.
-        # (An FP8 primary weight is saved dequantised: the values its GEMMs use.)
+        # No .contiguous() (DCP copies a view item by item); FP8 weights: dequantised.
         wrapped = part.wrap(part.local(value(t).detach()))
         state[key] = _host_copy(wrapped) if copy else wrapped
 
@@ -393,17 +391,8 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     """Load `ckpt_dir` (an iter_N directory) into this rank's shards (collective; `single`:
     a single-process model in this process alone). Returns the common state; its
     "rng_restored" says whether this rank's RNG states were set, its "key_mismatch" the
-    model keys --dist-ckpt-strictness let pass (strictness.py)."""
-    with fp8_weights_loading(optimizer):
-        return _load_dist(ckpt_dir, model, optimizer, scheduler, mesh, load_optim=load_optim,
-                          load_rng=load_rng, finetune=finetune, common=common, single=single,
-                          strictness=strictness)
-
-
-def _load_dist(ckpt_dir: str, model: nn.Module, optimizer, scheduler, mesh, *,
-               load_optim: bool, load_rng: bool, finetune: bool, common: Optional[dict],
-               single: bool, strictness: str) -> dict:
-    """load_dist_checkpoint's work (FP8 primary weights materialised around it)."""
+    model keys --dist-ckpt-strictness let pass (strictness.py). FP8 primary weights
+    (--fp8-param-gather) load inside optim/fp8_shards.fp8_weights_loading."""
     rank, world = _world(single)
     common = read_common(ckpt_dir) if common is None else common
     check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))

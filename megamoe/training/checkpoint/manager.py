@@ -39,6 +39,7 @@ from megamoe.training.checkpoint.single_file import (
     write_checkpoint,
 )
 from megamoe.training.nonfinite import check_params_before_save
+from megamoe.training.optim.fp8_shards import fp8_weights_loading
 
 
 class CheckpointManager:
@@ -174,10 +175,11 @@ class CheckpointManager:
         """Any layout; RNG states come back only under the layout they were saved from,
         otherwise the streams are reseeded from --seed and the iteration."""
         c, seed = self.config, self.run.train.seed
-        common = load_dist_checkpoint(found, self.model, self.optimizer, self.scheduler,
-                                      self.mesh, load_optim=not c.no_load_optim,
-                                      load_rng=not c.no_load_rng, finetune=c.finetune,
-                                      strictness=c.dist_ckpt_strictness)
+        with fp8_weights_loading(self.optimizer):  # (--fp8-param-gather)
+            common = load_dist_checkpoint(found, self.model, self.optimizer, self.scheduler,
+                                          self.mesh, load_optim=not c.no_load_optim,
+                                          load_rng=not c.no_load_rng, finetune=c.finetune,
+                                          strictness=c.dist_ckpt_strictness)
         if c.finetune:
             return 0, 0
         iteration = int(common["iteration"])
