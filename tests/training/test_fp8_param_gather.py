@@ -84,10 +84,10 @@ def test_weights_hold_fp8_bytes_only():
     assert sum(storages.values()) == numel  # 1 byte per value, one buffer (one rank: no padding)
 
 
-def _dp_worker(rank: int, world_size: int, recipe: str) -> tuple[list, list]:
+def _dp_worker(rank: int, world_size: int, recipe: str, extra: str) -> tuple[list, list]:
     from megamoe.training.optim import flat_shards, fp8_shards
 
-    plain = _history(RECIPES[recipe], world_size)
+    plain = _history(f"{RECIPES[recipe]} {extra}", world_size)
     sent: list[torch.dtype] = []
     gather = fp8_shards.all_gather
 
@@ -97,24 +97,33 @@ def _dp_worker(rank: int, world_size: int, recipe: str) -> tuple[list, list]:
 
     fp8_shards.all_gather = recording
     try:
-        primary = _history(f"{RECIPES[recipe]} --fp8-param-gather", world_size)
+        primary = _history(f"{RECIPES[recipe]} {extra} --fp8-param-gather", world_size)
     finally:
         fp8_shards.all_gather = gather
-    assert sent and set(sent) == {torch.uint8}, sent
+    assert set(sent) == ({torch.uint8} if "tensor-model" not in extra else set()), sent
     assert flat_shards.all_gather is gather  # the other buffers' gathers are the usual ones
     return plain, primary
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("delayed",
-                                                                marks=pytest.mark.slow)])
-def test_data_parallel_gathers_fp8_and_trains_as_without_the_flag(recipe):
+@pytest.mark.parametrize("recipe,extra", [
+    ("tensorwise", ""),
+    pytest.param("delayed", "", marks=pytest.mark.slow),
+    pytest.param("tensorwise", "--overlap-grad-reduce --overlap-param-gather "
+                 "--ddp-bucket-size 2000", marks=pytest.mark.slow),
+    pytest.param("delayed", "--expert-model-parallel-size 2", marks=pytest.mark.slow),
+    pytest.param("tensorwise", "--tensor-model-parallel-size 2 --sequence-parallel",
+                 marks=pytest.mark.slow),
+])
+def test_data_parallel_gathers_fp8_and_trains_as_without_the_flag(recipe, extra):
     """DP2: dense and expert weights sharded over two ranks (pieces cross expert
     boundaries), each weight's scale from the max-reduced amax of its pieces, FP8 bytes
     all-gathered: the losses of DP2 without the flag, bitwise (grad norms to fp32
-    rounding: the flag adds buffers, which changes the norm's summation order)."""
+    rounding: the flag adds buffers, which changes the norm's summation order). Slow:
+    delayed, the gathers overlapped with the forward in buckets, EP2 (experts unsharded:
+    EDP 1) and TP2+SP (DP 1: nothing gathered; per-shard scales, as without the flag)."""
     from tests.distributed import run_distributed
 
-    for plain, primary in run_distributed(_dp_worker, 2, 240, recipe):
+    for plain, primary in run_distributed(_dp_worker, 2, 240, recipe, extra):
         assert [h[0] for h in primary] == [h[0] for h in plain], (plain, primary)
         assert _close(plain, primary, 1e-6), (plain, primary)
 
