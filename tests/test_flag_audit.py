@@ -465,6 +465,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--fp8-amax-compute-algo": ("--fp8-format e4m3 --fp8-amax-compute-algo max", 1, "max"),
     "--tp-only-amax-red": ("--fp8-format e4m3 --tp-only-amax-red", 1, True),
     "--no-fp8-wgrad": ("--fp8-format hybrid --no-fp8-wgrad", 1, False),
+    "--fp8-param-gather": ("--fp8-format e4m3 --fp8-param-gather --use-distributed-optimizer",
+                           1, True),
     "--moe-router-padding-for-quantization": (
         "--fp8-format e4m3 --moe-router-padding-for-quantization", 1, True),
     "--first-last-layers-bf16": (f"{FP8_TW} --first-last-layers-bf16", 1, True),

@@ -25,6 +25,12 @@ high precision while forward and dgrad stay FP8 (TE's override_linear_precision 
 False, True)); Megatron gives it to DelayedScaling only, so another recipe refuses it.
 `router_padding` (--moe-router-padding-for-quantization, alias --moe-router-padding-for-fp8):
 moe/quantization_padding.py.
+
+`param_gather` (--fp8-param-gather, Megatron's "keep the compute param in fp8 and perform
+the param all-gather in fp8"): the FP8 GEMMs' weights live in FP8 in the distributed
+optimizer's parameter buffer, quantised from the fp32 main shards after each step
+(model/fp8/params.py, training/optim/fp8_shards.py). Built for the per-tensor recipes
+(tensorwise, delayed); Megatron requires the distributed optimizer (config/run.py checks).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ FORMATS = ("e4m3", "hybrid")
 # Megatron-LM's choices, then megamoe's extension (rowwise: torchao's row-wise recipe)
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")
 BUILT_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "rowwise")
+# --fp8-param-gather: the per-tensor recipes (one scale per weight, or per expert)
+PARAM_GATHER_RECIPES = ("tensorwise", "delayed")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 MAX_AMAX_HISTORY_LEN = 1 << 16  # TE keeps one fp32 per entry per tensor: bounded
 
@@ -56,6 +64,7 @@ class Fp8Config:
     first_last_layers_bf16: bool = flag("--first-last-layers-bf16", False)
     num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", 1)
     num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", 1)
+    param_gather: bool = flag("--fp8-param-gather", False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,8 +94,15 @@ class Fp8Config:
         require(not (self.router_padding and self.format is None),
                 "--moe-router-padding-for-quantization needs --fp8-format (Megatron-LM: "
                 "fp8/fp4 must be specified)")
+        require(not (self.param_gather and self.format is None),
+                "--fp8-param-gather must be used together with --fp8-format (Megatron-LM: "
+                "fp8_param must be used together with fp8 mode)")
         if self.format is None:
             return
+        require(not self.param_gather or self.recipe in PARAM_GATHER_RECIPES
+                or self.recipe not in BUILT_RECIPES,
+                f"not supported yet: --fp8-param-gather with --fp8-recipe {self.recipe} "
+                f"(built: {', '.join(PARAM_GATHER_RECIPES)})")
         require(self.fp8_wgrad or self.recipe == "delayed",
                 f"--no-fp8-wgrad applies to --fp8-recipe delayed only (Megatron passes it "
                 f"to Transformer Engine's DelayedScaling only), got {self.recipe}")

@@ -261,6 +261,19 @@ class RunConfig:
                 "--ckpt-format torch (single file) cannot save with --use-distributed-"
                 "optimizer and data-parallel size > 1: use --ckpt-format torch_dist")
 
+    def _validate_fp8_param_gather(self) -> None:
+        """--fp8-param-gather: the distributed optimizer holds the FP8 weights (Megatron's
+        rule); the layouts and formats its FP8 buffers are not built for are named."""
+        require(self.parallel.use_distributed_optimizer,
+                "--fp8-param-gather only supported with distributed optimizer (Megatron-LM: "
+                "add --use-distributed-optimizer)")
+        require(self.model.transformer_impl == "local",
+                "not supported yet: --fp8-param-gather with --transformer-impl "
+                "transformer_engine")
+        require(not (self.checkpoint.save and self.checkpoint.ckpt_format == "torch"),
+                "not supported yet: --fp8-param-gather with --ckpt-format torch (use "
+                "torch_dist)")
+
     def _validate_fp8(self) -> None:
         """FP8 combinations not built yet (config/fp8.py checks the FP8 flags themselves)."""
         require(not (self.fp8.recipe == "delayed" and self.checkpoint.save
@@ -269,6 +282,8 @@ class RunConfig:
                 "histories are saved in torch_dist checkpoints only)")
         require(not (self.model.moe is not None and self.moe_execution.adaptive_parallelism),
                 "not supported yet: --fp8-format with --moe-adaptive-parallelism")
+        if self.fp8.param_gather:
+            self._validate_fp8_param_gather()
         if self.fp8.router_padding:
             moe = self.model.moe
             require(moe is not None, "--moe-router-padding-for-quantization needs an MoE "

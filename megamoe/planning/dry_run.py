@@ -79,9 +79,18 @@ def fp8_step_times(run: RunConfig) -> dict:
             "bf16": step_time(run.model, layout, hw, seq, gbs)["total"], "gpu": hw.gpu}
 
 
-def _add_fp8_copies(memory: dict, copies: int) -> None:
-    """The FP8 copies autograd keeps are activations: added to them and to the total."""
-    memory["activations"] += copies
+def _add_fp8_memory(memory: dict, fp8: dict, run: RunConfig) -> None:
+    """The FP8 copies autograd keeps are activations: added to them and to the total.
+    --fp8-param-gather: its weights take 1 byte per value, not the model dtype's; in an
+    fp32 model they get an fp32 main slice (1/DP x CP of them; experts' 1/EDP taken as
+    that: an upper bound)."""
+    memory["activations"] += fp8["fp8_copy_bytes_per_rank"]
+    held = fp8["fp8_primary_weight_values_per_rank"]
+    bytes_per = 2 if run.optim.bf16 or run.optim.fp16 else 4
+    memory["weights"] -= (bytes_per - 1) * held
+    if bytes_per == 4:
+        memory["optimizer"] += 4 * held // (run.parallel.data_parallel_size
+                                            * run.parallel.context_parallel_size)
     memory["total"] = sum(memory[k] for k in ("weights", "gradients", "optimizer")) + max(
         memory["activations"], memory["optimizer_step_transient"],
         memory["checkpoint_save_transient"])
@@ -164,7 +173,7 @@ def dry_run(run: RunConfig, print_fn: Callable[[str], None] = print,
               "per_rank_checkpoint_host_bytes": int(transient["save_host"])}
     if run.fp8.enabled:  # amax histories and FP8 copies (planning/fp8_memory.py)
         report["fp8"] = fp8_report(run, model)
-        _add_fp8_copies(memory, report["fp8"]["fp8_copy_bytes_per_rank"])
+        _add_fp8_memory(memory, report["fp8"], run)
         report["fp8"]["step_time_s"] = fp8_step_times(run)
         report["per_rank_memory_gib"] = round(memory["total"] / 2**30, 3)
     if as_json:

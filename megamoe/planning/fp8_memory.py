@@ -16,6 +16,10 @@ activation model counts (planning/activations.py) are not removed: most of them 
 anyway (a norm keeps its output, SwiGLU its input), so the sum is an upper bound. Routed
 tokens are counted balanced over the experts (topk copies per token); MTP layers' GEMMs
 are not counted; decoder layers --first-last-layers-bf16 keeps in bf16 keep no FP8 copies.
+
+--fp8-param-gather: the GEMMs keep the optimizer's FP8 weights, so no weight copies; those
+weights take 1 byte per value instead of the model dtype's (`fp8_primary_values`, applied
+by dry_run.py and the planner), and in an fp32 model they get an fp32 main slice.
 """
 
 from __future__ import annotations
@@ -58,8 +62,11 @@ def _gemm_shapes(m: nn.Module, tp: int, ep: int, etp: int, topk: int) -> list[tu
 
 
 def _per_layer(run: RunConfig, model: nn.Module, with_scales: bool
-               ) -> dict[int, tuple[float, float]]:
-    """Decoder layer index -> (FP8 copy bytes per token, per micro-batch fixed bytes)."""
+               ) -> dict[int, tuple[float, float, float]]:
+    """Decoder layer index -> (FP8 copy bytes per token, per micro-batch fixed bytes, FP8
+    weight values). Under --fp8-param-gather the weights are not copied (the GEMMs keep
+    the optimizer's FP8 bytes): no fixed bytes."""
+    copies_weights = not run.fp8.param_gather
     f, par, m = run.fp8, run.parallel, run.model
     tp, ep = par.tensor_model_parallel_size, par.expert_model_parallel_size
     etp = par.expert_tensor_parallel_size or tp
@@ -70,13 +77,40 @@ def _per_layer(run: RunConfig, model: nn.Module, with_scales: bool
         if parts[:2] != ["decoder", "layers"]:
             continue  # MTP layers: not counted (module doc)
         i = int(parts[2])
-        per_token, fixed = out.get(i, (0.0, 0.0))
+        per_token, fixed, held = out.get(i, (0.0, 0.0, 0.0))
         for values, weights, k in _gemm_shapes(mod, tp, ep, etp, topk):
             scales = with_scales * scale_bytes_per_value(f.recipe, k, False)
             per_token += values * (1 + scales)
-            fixed += weights * (1 + with_scales * scale_bytes_per_value(f.recipe, k, True))
-        out[i] = (per_token, fixed)
+            fixed += copies_weights * weights * (
+                1 + with_scales * scale_bytes_per_value(f.recipe, k, True))
+            held += weights
+        out[i] = (per_token, fixed, held)
     return out
+
+
+def _layers(run: RunConfig, model: nn.Module, with_scales: bool, cache: dict | None):
+    par = run.parallel
+    key = (par.tensor_model_parallel_size, par.expert_model_parallel_size,
+           par.expert_tensor_parallel_size, with_scales)
+    layers = cache.get(key) if cache is not None else None
+    if layers is None:
+        layers = _per_layer(run, model, with_scales)
+        if cache is not None:
+            cache[key] = layers
+    return layers
+
+
+def fp8_primary_values(run: RunConfig, model: nn.Module | None,
+                       cache: dict | None = None) -> int:
+    """--fp8-param-gather: the FP8 GEMMs' weight values one rank of the largest pipeline
+    stage holds in FP8 (1 byte each instead of the model dtype's; decoder layers only, as
+    the copies)."""
+    if model is None or not run.fp8.enabled or not run.fp8.param_gather:
+        return 0
+    layers = _layers(run, model, False, cache)
+    return int(max(sum(layers.get(i, (0, 0, 0))[2] for lo, hi in chunks
+                       for i in range(lo, hi))
+                   for chunks in run.parallel.layer_ranges(run.model.num_layers)))
 
 
 def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = True,
@@ -89,20 +123,14 @@ def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = 
         return 0
     par, m = run.parallel, run.model
     tokens = m.seq_length // par.context_parallel_size * run.train.micro_batch_size
-    key = (par.tensor_model_parallel_size, par.expert_model_parallel_size,
-           par.expert_tensor_parallel_size, with_scales)
-    layers = cache.get(key) if cache is not None else None
-    if layers is None:
-        layers = _per_layer(run, model, with_scales)
-        if cache is not None:
-            cache[key] = layers
+    layers = _layers(run, model, with_scales, cache)
     ranks = par.layer_ranges(m.num_layers)
     pp = len(ranks)
     worst = 0.0
     for r, chunks in enumerate(ranks):
         vpp = len(chunks)
         flight = pp + (pp - 1 - 2 * r) / vpp if vpp > 1 else pp - r
-        stage = sum(tokens * layers.get(i, (0, 0))[0] + layers.get(i, (0, 0))[1]
+        stage = sum(tokens * layers.get(i, (0, 0, 0))[0] + layers.get(i, (0, 0, 0))[1]
                     for lo, hi in chunks for i in range(lo, hi))
         worst = max(worst, flight * stage)
     return int(worst)
@@ -136,4 +164,5 @@ def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
     state = (f.amax_history_len + 1) * 4 if f.recipe == "delayed" else 0
     return {"format": f.format, "recipe": f.recipe, "gemms": gemms,
             "amax_history_bytes_per_rank": int(per_rank * state),
-            "fp8_copy_bytes_per_rank": fp8_copy_bytes(run, model)}
+            "fp8_copy_bytes_per_rank": fp8_copy_bytes(run, model),
+            "fp8_primary_weight_values_per_rank": fp8_primary_values(run, model)}

@@ -41,7 +41,7 @@ from megamoe.parallel.context_parallel import ring_bytes_per_layer
 from megamoe.parallel.cp_a2a import a2a_bytes_per_layer
 from megamoe.planning.activations import RECOMPUTE_MODES, recompute_config, recompute_flags
 from megamoe.planning.calibration import H100_COMM_EFFICIENCY, H100_GEMM_EFFICIENCY
-from megamoe.planning.fp8_memory import fp8_copy_bytes
+from megamoe.planning.fp8_memory import fp8_copy_bytes, fp8_primary_values
 from megamoe.planning.fp8_time import check_fp8_peak, fp8_gemm_flops_per_token, fp8_on
 from megamoe.planning.gpu_peaks import H100_SXM_BF16_TFLOPS, H100_SXM_FP8_TFLOPS
 from megamoe.planning.memory import Layout, activation_bytes, model_bytes
@@ -280,6 +280,9 @@ def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: i
     for lay in legal_layouts(model, hw.gpus, global_batch_size, seq_length, hw.gpus_per_node,
                              fp8):
         mem = model_bytes(model, lay)
+        if fp8_on(fp8) and fp8.param_gather:  # FP8 weights: 1 byte per value, not bf16's 2
+            mem["weights"] -= fp8_primary_values(
+                layout_run(model, lay, hw.gpus, global_batch_size, fp8), meta, cache=fp8_cache)
         act = activation_bytes(model, lay, seq_length)
         transient = largest_stage_transients(model, lay)
         opt_peak = max(transient["step"], transient["save_device"])

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megamoe.model.fp8.params import value
 from megamoe.parallel.mesh import Mesh
 
 FLAG = "--check-weight-hash-across-dp-replicas-interval"
@@ -86,7 +87,7 @@ def check_weight_hashes(model: torch.nn.Module, mesh: Mesh, iteration: int) -> b
                           if getattr(p, "expert_parallel", False) == expert])
               for g, label, expert in kinds if mesh.size(g) > 1]
     checks = [c for c in checks if c[2]]
-    found = [_first_mismatch(torch.stack([param_hash(p) for _, p in params]),
+    found = [_first_mismatch(torch.stack([param_hash(value(p)) for _, p in params]),
                              mesh.group(g), mesh.size(g)) for g, _, params in checks]
     # every rank stops, also those whose own groups agree: the first global rank that saw
     # a difference, agreed over the world (its only host read)

@@ -216,3 +216,29 @@ def test_docs_hold_the_modelled_fp8_gain():
     assert (f"models {bf16['total'] / fp8['total']:.2f}x in FP8 ({fp8['total']:.1f} s "
             f"against {bf16['total']:.1f} s") in doc.replace("\n", " ")
     assert f"falls {bf16['compute'] / fp8['compute']:.2f}x" in doc.replace("\n", " ")
+
+
+def test_fp8_param_gather_plans_distributed_optimizer_layouts_with_fp8_weights():
+    """--fp8-param-gather: only distributed-optimizer layouts (Megatron's rule), each with
+    its FP8 weights at 1 byte per value and no FP8 weight copies in the activations
+    (break: skip the weights' adjustment in plan() -> the weights equal the plain FP8
+    plan's and this fails)."""
+    from megamoe.planning.fp8_memory import fp8_primary_values
+
+    model = _model()
+    hw = Hardware(gpus=2, gpu_memory_gb=80)
+    kw = dict(seq_length=64, global_batch_size=8, top=100)
+    pg = Fp8Config(format="e4m3", recipe="tensorwise", param_gather=True)
+    plain = {json.dumps(r["layout"]): r for r in plan(model, hw, fp8=FP8, **{**kw, "top": 1000})}
+    held = plan(model, hw, fp8=pg, **kw)
+    assert held and all(r["layout"]["distributed_optimizer"] for r in held)
+    with torch.device("meta"):
+        gpt = GPTModel(model)
+    for r in held:
+        lay = Layout(**r["layout"])
+        p = plain[json.dumps(r["layout"])]
+        values = fp8_primary_values(layout_run(model, lay, 2, 8, pg), gpt)
+        assert values > 0
+        assert r["memory_gb"]["weights"] == pytest.approx(
+            p["memory_gb"]["weights"] - values / 1e9, rel=1e-12)
+        assert r["memory_gb"]["activations"] < p["memory_gb"]["activations"]

@@ -114,11 +114,14 @@ def _quantize_rows(meta, x_NK: torch.Tensor, sizes: list[int]):
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int],
-                scaling: LinearScaling):
+                scaling: LinearScaling, fp8_w):
         qx, sx = _quantize_rows(scaling.x, x_NK, sizes)
-        amax_w = w_EKM.detach().abs().amax(dim=(1, 2)).float()
-        sw = scaling.w.scale_for(amax_w)
-        qw = quantize(w_EKM, sw.view(-1, 1, 1), scaling.w.dtype)
+        if fp8_w is None:
+            amax_w = w_EKM.detach().abs().amax(dim=(1, 2)).float()
+            sw = scaling.w.scale_for(amax_w)
+            qw = quantize(w_EKM, sw.view(-1, 1, 1), scaling.w.dtype)
+        else:  # an FP8 primary weight (--fp8-param-gather): quantised by the optimizer
+            qw, sw = fp8_w
         # --no-fp8-wgrad: wgrad needs the high-precision rows, not the FP8 ones
         ctx.save_for_backward(qx if scaling.fp8_wgrad else x_NK.detach(), sx, qw, sw)
         ctx.sizes, ctx.scaling = sizes, scaling
@@ -157,7 +160,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             for e, (q_x, q_g) in enumerate(zip(qx.split(sizes), qg.split(sizes))):
                 if sizes[e]:
                     dw[e] = scaled_mm(q_x.t(), sx[e], q_g, sg[e], ctx.w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def _high_precision_wgrad(x_NK: torch.Tensor, g_NM: torch.Tensor, sizes: list[int],
@@ -173,11 +176,15 @@ def _high_precision_wgrad(x_NK: torch.Tensor, g_NM: torch.Tensor, sizes: list[in
 
 
 def fp8_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int],
-                   scaling: LinearScaling) -> torch.Tensor:
+                   scaling: LinearScaling, fp8_w=None) -> torch.Tensor:
     """Rows grouped by expert (sizes[e] rows of expert e, in order) @ that expert's
-    [K, M] weight, in FP8."""
+    [K, M] weight, in FP8. `fp8_w`: (FP8 weight [E, K, M], scales [E]) of an FP8 primary
+    weight (model/fp8/params.py), read as it is."""
     if scaling.x.recipe in BLOCK_RECIPES:
+        if fp8_w is not None:
+            raise ValueError(f"--fp8-param-gather is not built for --fp8-recipe "
+                             f"{scaling.x.recipe}")
         if not scaling.fp8_wgrad:
             raise ValueError(f"--no-fp8-wgrad is not built for --fp8-recipe {scaling.x.recipe}")
         return block_fp8_grouped_mm(x_NK, w_EKM, sizes, scaling)
-    return _Fp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling)
+    return _Fp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling, fp8_w)

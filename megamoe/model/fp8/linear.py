@@ -66,9 +66,11 @@ def quantize_with(meta: Fp8Meta, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TK: torch.Tensor, w_NK: torch.Tensor, scaling: LinearScaling):
+    def forward(ctx, x_TK: torch.Tensor, w_NK: torch.Tensor, scaling: LinearScaling,
+                fp8_w: Optional[tuple[torch.Tensor, torch.Tensor]]):
         qx, sx = quantize_with(scaling.x, x_TK)
-        qw, sw = quantize_with(scaling.w, w_NK)
+        # an FP8 primary weight (--fp8-param-gather) is already quantised: read as it is
+        qw, sw = quantize_with(scaling.w, w_NK) if fp8_w is None else fp8_w
         # --no-fp8-wgrad: wgrad needs the high-precision input, not the FP8 one
         ctx.save_for_backward(qx if scaling.fp8_wgrad else x_TK.detach(), sx, qw, sw)
         ctx.scaling, ctx.x_dtype, ctx.w_dtype = scaling, x_TK.dtype, w_NK.dtype
@@ -85,20 +87,26 @@ class _Fp8Linear(torch.autograd.Function):
             dw = scaled_mm(qg.t(), sg, saved_x, sx, ctx.w_dtype)  # [N, T] @ [T, K]
         elif ctx.needs_input_grad[1]:
             dw = (g_TN.t() @ saved_x).to(ctx.w_dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, bias: Optional[torch.Tensor],
-               scaling: LinearScaling) -> torch.Tensor:
-    """F.linear(x, weight, bias) with the GEMMs in FP8; x is [..., K]."""
+               scaling: LinearScaling,
+               fp8_w: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with the GEMMs in FP8; x is [..., K]. `fp8_w`: the
+    weight already in FP8 with its scale (an FP8 primary weight, model/fp8/params.py);
+    `weight_NK` then only carries the gradient."""
     lead = x.shape[:-1]
     x_TK = x.reshape(-1, x.shape[-1])
     if scaling.x.recipe in BLOCK_RECIPES:
         if not scaling.fp8_wgrad:
             raise ValueError(f"--no-fp8-wgrad is not built for --fp8-recipe {scaling.x.recipe}")
+        if fp8_w is not None:
+            raise ValueError(f"--fp8-param-gather is not built for --fp8-recipe "
+                             f"{scaling.x.recipe}")
         y = block_fp8_linear(x_TK, weight_NK, scaling)
     else:
-        y = _Fp8Linear.apply(x_TK, weight_NK, scaling)
+        y = _Fp8Linear.apply(x_TK, weight_NK, scaling, fp8_w)
     y = y.reshape(*lead, weight_NK.shape[0])
     return y if bias is None else y + bias
 

@@ -26,6 +26,7 @@ from torch import nn
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.fp8.grouped import fp8_grouped_mm
 from megamoe.model.fp8.linear import LinearScaling, fp8_linear
+from megamoe.model.fp8.params import Fp8Primary, primary
 from megamoe.model.fp8.quantize import format_dtypes
 from megamoe.model.fp8.scaling import Fp8Meta
 from megamoe.model.mtp import MTPLayer
@@ -48,7 +49,9 @@ class Fp8Gemm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return fp8_linear(x, weight, bias, self.scaling)
+        prim = primary(weight)
+        return fp8_linear(x, weight, bias, self.scaling,
+                          None if prim is None else prim.operand())
 
 
 def high_precision_layer(config: Fp8Config, layer_index: int, num_layers: int) -> bool:
@@ -172,8 +175,30 @@ def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
             m.fp8 = _ExpertsGemm(m)
         else:
             m.fp8 = Fp8Gemm(state.new_scaling(name, 1, device))
+    if config.param_gather:  # the distributed optimizer quantises and holds these weights
+        mark_fp8_primary(model)
     model.fp8_state = state
     return state
+
+
+def mark_fp8_primary(model: nn.Module) -> list[nn.Parameter]:
+    """--fp8-param-gather: give every weight of an FP8 GEMM (`m.fp8` set by apply_fp8) its
+    Fp8Primary (model/fp8/params.py); the marked parameters, in module order."""
+    marked = []
+    for m in model.modules():
+        gemm = getattr(m, "fp8", None)
+        if isinstance(gemm, Fp8Gemm):
+            pairs = [(m.weight, gemm.scaling.w, 1)]
+        elif isinstance(gemm, _ExpertsGemm):
+            pairs = [(m.fc1_weight, m.fp8_fc1.w, m.num_local_experts),
+                     (m.fc2_weight, m.fp8_fc2.w, m.num_local_experts)]
+        else:
+            continue
+        for p, meta, groups in pairs:
+            if primary(p) is None:
+                p.fp8_primary = Fp8Primary(meta, groups)
+                marked.append(p)
+    return marked
 
 
 class _ExpertsGemm:
@@ -185,4 +210,6 @@ class _ExpertsGemm:
     def __call__(self, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes) -> torch.Tensor:
         e = self.experts
         scaling = e.fp8_fc1 if w_EKM is e.fc1_weight else e.fp8_fc2
-        return fp8_grouped_mm(x_NK, w_EKM, as_group_sizes(sizes).host_list(), scaling)
+        prim = primary(w_EKM)
+        return fp8_grouped_mm(x_NK, w_EKM, as_group_sizes(sizes).host_list(), scaling,
+                              None if prim is None else prim.operand())

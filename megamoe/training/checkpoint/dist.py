@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from megamoe.config import ModelConfig
+from megamoe.model.fp8.params import value
 from megamoe.model.gpt_model import GPTModel
 from megamoe.training.checkpoint.config_check import check_model_config
 from megamoe.training.checkpoint.fields import check_fields
@@ -117,8 +118,8 @@ def _tensor_state(model: nn.Module, optimizer, mesh, world: int, save_optim: boo
     state: dict[str, Any] = {}
 
     def put(key: str, part, t: torch.Tensor) -> None:
-        # No .contiguous(): DCP's writer copies a non-contiguous view one item at a time.
-        wrapped = part.wrap(part.local(t.detach()))
+        # No .contiguous() (DCP copies a view item by item); FP8 weights: dequantised.
+        wrapped = part.wrap(part.local(value(t).detach()))
         state[key] = _host_copy(wrapped) if copy else wrapped
 
     for e in entries:
@@ -390,7 +391,8 @@ def load_dist_checkpoint(ckpt_dir: str, model: nn.Module, optimizer, scheduler, 
     """Load `ckpt_dir` (an iter_N directory) into this rank's shards (collective; `single`:
     a single-process model in this process alone). Returns the common state; its
     "rng_restored" says whether this rank's RNG states were set, its "key_mismatch" the
-    model keys --dist-ckpt-strictness let pass (strictness.py)."""
+    model keys --dist-ckpt-strictness let pass (strictness.py). FP8 primary weights
+    (--fp8-param-gather) load inside optim/fp8_shards.fp8_weights_loading."""
     rank, world = _world(single)
     common = read_common(ckpt_dir) if common is None else common
     check_model_config(ckpt_dir, common.get("model_config"), getattr(model, "config", None))

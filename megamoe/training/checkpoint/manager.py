@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from megamoe.config import RunConfig, to_dict
+from megamoe.model.fp8.params import value
 from megamoe.parallel.mesh import Mesh
 from megamoe.parallel.rng import PIPELINE_SEED_STRIDE
 from megamoe.training.checkpoint.dist import (
@@ -38,6 +39,7 @@ from megamoe.training.checkpoint.single_file import (
     write_checkpoint,
 )
 from megamoe.training.nonfinite import check_params_before_save
+from megamoe.training.optim.fp8_shards import fp8_weights_loading
 
 
 class CheckpointManager:
@@ -61,7 +63,8 @@ class CheckpointManager:
         instead when a parameter holds NaN/Inf (with the NaN check on)."""
         c = self.config
         if self.run.train.check_for_nan_in_loss_and_grad:
-            check_params_before_save(self.model.parameters(), iteration, self.mesh.rank,
+            check_params_before_save(map(value, self.model.parameters()), iteration,
+                                     self.mesh.rank,
                                      self.mesh.world_size, self.mesh.device)
         if self.dist_format:
             save_fn = self.writer.save if self.writer is not None else save_dist_checkpoint
@@ -159,10 +162,11 @@ class CheckpointManager:
         mesh, c = self.mesh, self.config
         sharded = mesh.tp_size > 1 or mesh.pp_size > 1 or mesh.ep_size > 1 or (
             self.run.parallel.use_distributed_optimizer and mesh.dp_size * mesh.edp_size > 1)
-        if sharded:
+        if sharded or self.run.fp8.param_gather:
             raise CheckpointError(f"{found}: a single-file (--ckpt-format torch) checkpoint "
-                                  "loads only without tensor/pipeline/expert parallelism and "
-                                  "the distributed optimizer; save it with torch_dist")
+                                  "loads only without tensor/pipeline/expert parallelism, "
+                                  "the distributed optimizer and --fp8-param-gather; save it "
+                                  "with torch_dist")
         return load_checkpoint(found, self.model, self.optimizer, self.scheduler,
                                load_optim=not c.no_load_optim, load_rng=not c.no_load_rng,
                                finetune=c.finetune)
@@ -171,10 +175,11 @@ class CheckpointManager:
         """Any layout; RNG states come back only under the layout they were saved from,
         otherwise the streams are reseeded from --seed and the iteration."""
         c, seed = self.config, self.run.train.seed
-        common = load_dist_checkpoint(found, self.model, self.optimizer, self.scheduler,
-                                      self.mesh, load_optim=not c.no_load_optim,
-                                      load_rng=not c.no_load_rng, finetune=c.finetune,
-                                      strictness=c.dist_ckpt_strictness)
+        with fp8_weights_loading(self.optimizer):  # (--fp8-param-gather)
+            common = load_dist_checkpoint(found, self.model, self.optimizer, self.scheduler,
+                                          self.mesh, load_optim=not c.no_load_optim,
+                                          load_rng=not c.no_load_rng, finetune=c.finetune,
+                                          strictness=c.dist_ckpt_strictness)
         if c.finetune:
             return 0, 0
         iteration = int(common["iteration"])

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from megamoe.config import OptimizerConfig
+from megamoe.model.fp8.params import primary
 from megamoe.parallel.mesh import Mesh
 from megamoe.training.optim.distributed import DistributedOptimizer
 from megamoe.training.optim.grads import model_parallel_grad_norm, reduce_gradients
@@ -30,8 +31,11 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig,
     launched from the backward; its `param_gather` needs the distributed optimizer."""
     if mesh is None or reduce_grads_fn is not None:
         overlap = None
+    # FP8 primary weights (--fp8-param-gather) live in the distributed optimizer's
+    # buffers, with one rank too
+    fp8_primary = any(primary(p) is not None for p in model.parameters())
     if distributed and mesh is not None and reduce_grads_fn is None and (
-            mesh.dp_size * mesh.cp_size > 1 or mesh.edp_size > 1):
+            mesh.dp_size * mesh.cp_size > 1 or mesh.edp_size > 1 or fp8_primary):
         return DistributedOptimizer(
             model, config, tp_group=mesh.group("tp"), dp_group=_dense_dp(mesh),
             pp_group=mesh.group("pp"), embd_group=mesh.group("embd"),

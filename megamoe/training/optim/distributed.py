@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.config import OptimizerConfig
+from megamoe.model.fp8.params import primary
 from megamoe.parallel.comm import group_size
 from megamoe.training.nonfinite import NonFiniteCheck, Riders, read_grad_norm
 from megamoe.training.optim.common import (
@@ -45,6 +46,7 @@ from megamoe.training.optim.common import (
     step_count,
 )
 from megamoe.training.optim.flat_shards import FlatShards, Piece
+from megamoe.training.optim.fp8_shards import Fp8FlatShards
 from megamoe.training.optim.grad_scaler import build_grad_scaler, unscale_and_check
 from megamoe.training.optim.grads import clip_coefficient, square_sum, sum_marked
 from megamoe.training.optim.overlap import (
@@ -70,18 +72,21 @@ def _shard_groups(params: list[torch.nn.Parameter], dp_group: Group, edp_group: 
     alone in its bucket, so the first and last pipeline stage shard it the same way and
     its reduce-scattered shards can be summed over the embedding group. `bf16_grads`
     (--main-grads-dtype bf16): bf16 parameters' grad buffers are bf16."""
-    split: dict[tuple[bool, torch.dtype], list[tuple[int, torch.nn.Parameter]]] = {}
+    split: dict[tuple[bool, torch.dtype, bool], list[tuple[int, torch.nn.Parameter]]] = {}
     for i in range(len(params)) if order is None else order:
         p = params[i]
-        split.setdefault((bool(getattr(p, "expert_parallel", False)), p.dtype), []).append((i, p))
+        key = (bool(getattr(p, "expert_parallel", False)), p.dtype, primary(p) is not None)
+        split.setdefault(key, []).append((i, p))
     def grad_dtype(dtype: torch.dtype) -> torch.dtype:
         return dtype if bf16_grads and dtype == torch.bfloat16 else torch.float32
 
+    def shards(members, expert: bool, dtype: torch.dtype, fp8: bool) -> FlatShards:
+        kind = Fp8FlatShards if fp8 else FlatShards  # --fp8-param-gather: FP8 bytes
+        return kind(members, edp_group if expert else dp_group, expert, grad_dtype(dtype))
+
     if bucket_size is None:
-        return [FlatShards(members, edp_group if expert else dp_group, expert, grad_dtype(dt))
-                for (expert, dt), members in split.items()]
-    return [FlatShards(part, edp_group if expert else dp_group, expert, grad_dtype(dt))
-            for (expert, dt), members in split.items()
+        return [shards(members, *key) for key, members in split.items()]
+    return [shards(part, *key) for key, members in split.items()
             for part in split_buckets(members, lambda m: m[1].numel(), bucket_size,
                                       lambda m: getattr(m[1], "shared_embedding", False))]
 
@@ -106,11 +111,15 @@ class DistributedOptimizer:
         self.agree_found_inf = dist.is_initialized() and dist.get_world_size() > 1
         groups = param_groups(model, config.weight_decay)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
-        self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
         self.buffers = _shard_groups(
             self.model_params, dp_group, edp_group,
             None if overlap is None else backward_order(model, self.model_params),
             None if overlap is None else overlap.bucket_size, bf16_main_grads(config))
+        # (FP8 primary weights keep an fp32 main whatever the model dtype: it is saved)
+        self.separate_main = any(buf.separate_main for buf in self.buffers)
+        for buf in self.buffers:  # FP8 primary weights: quantised before the first forward
+            if isinstance(buf, Fp8FlatShards):
+                buf.all_gather_params()
         self.grad_sync, self.param_gather = self._overlap(model, overlap)
         self.grad_buffers = [buf.grad_buffer for buf in self.buffers]
         self._where = {i: (buf, k) for buf in self.buffers
@@ -398,12 +407,12 @@ class DistributedOptimizer:
         the parameters this rank holds a piece of are read) -> this rank's slices; "main"
         optional (else the loaded parameter)."""
         self.wait_param_gather()
-        for piece in self._pieces():
+        for buf, piece in ((b, pc) for b in self.buffers for pc in b.pieces):
             st = states[piece.index]
             if "main" in st:
                 piece.main.copy_(st["main"].reshape(-1)[piece.start:piece.end])
-            elif piece.param.dtype != torch.float32:  # (fp32: the main is the parameter)
-                piece.main.copy_(piece.param.detach().reshape(-1)[piece.start:piece.end])
+            elif buf.separate_main:  # (else the main is the parameter)
+                piece.main.copy_(buf.piece_values(piece))
             tensors = {k: v.reshape(-1)[piece.start:piece.end].clone()
                        for k, v in st.items() if k != "main"}
             if tensors:
@@ -417,6 +426,4 @@ class DistributedOptimizer:
     def reload_model_params(self) -> None:
         self.wait_param_gather()
         for buf in self.buffers:
-            if buf.separate_main:
-                own = buf.param_buffer[buf.lo:buf.lo + buf.shard_numel]
-                buf.main_shard.copy_(own)
+            buf.main_from_params()

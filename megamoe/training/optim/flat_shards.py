@@ -33,7 +33,7 @@ from megamoe.parallel.comm import group_rank, group_size
 Group = Optional[dist.ProcessGroup]
 # torch >= 2.10 names (the *_tensor spellings are deprecated aliases).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -75,18 +75,12 @@ class FlatShards:
         self.shard_numel = self.numel // self.size
         self.lo = self.rank * self.shard_numel
         first = params[0][1]
-        self.separate_main = first.dtype != torch.float32
-        self.param_buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
         self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=first.device)
         with torch.no_grad():
+            self.main_shard = self._install_params()
             for (_, p), off in zip(params, self.offsets):
-                view = self.param_buffer[off:off + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
                 grad = self.grad_buffer[off:off + p.numel()].view(p.shape)
                 p.register_post_accumulate_grad_hook(_accumulate_hook(grad))
-        own = self.param_buffer[self.lo:self.lo + self.shard_numel]
-        self.main_shard = own.float() if self.separate_main else own  # fp32 copy / view
         self.grad_shard = self.grad_buffer[self.lo:self.lo + self.shard_numel]
         self.pieces: list[Piece] = []
         self.piece_at: dict[int, Piece] = {}  # position in `params` -> this rank's piece
@@ -99,6 +93,29 @@ class FlatShards:
                                self.grad_shard[so:so + end - start])
                 self.pieces.append(piece)
                 self.piece_at[k] = piece
+
+    def _install_params(self) -> torch.Tensor:
+        """Make the parameters views of a new flat param buffer of their dtype (holding
+        their values); return the fp32 main shard: a copy of this rank's slice, or the
+        slice itself for fp32 parameters."""
+        first = self.params[0][1]
+        self.separate_main = first.dtype != torch.float32
+        self.param_buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        for (_, p), off in zip(self.params, self.offsets):
+            view = self.param_buffer[off:off + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(p.shape)
+        own = self.param_buffer[self.lo:self.lo + self.shard_numel]
+        return own.float() if self.separate_main else own  # fp32 copy / view
+
+    def piece_values(self, piece: Piece) -> torch.Tensor:
+        """A piece's values in its parameter."""
+        return piece.param.detach().reshape(-1)[piece.start:piece.end]
+
+    def main_from_params(self) -> None:
+        """The main shard from the parameters' values (a load without optimizer states)."""
+        if self.separate_main:
+            self.main_shard.copy_(self.param_buffer[self.lo:self.lo + self.shard_numel])
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero_()
@@ -134,7 +151,7 @@ class FlatShards:
             own.copy_(self.main_shard)  # rounds to the model dtype
         if self.size == 1:
             return None
-        return _all_gather(self.param_buffer, own, group=self.group, async_op=True)
+        return all_gather(self.param_buffer, own, group=self.group, async_op=True)
 
     def _span(self, k: int) -> tuple[int, int]:
         """Group ranks holding a piece of parameter k: first and last."""

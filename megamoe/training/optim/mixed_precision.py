@@ -279,11 +279,15 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor]],
                           step: Optional[torch.Tensor]) -> None:
-        """Inverse of `param_states` ("main" optional: else taken from the parameter)."""
+        """Inverse of `param_states` ("main" optional: else taken from the parameter). An
+        fp32 model takes a saved "main" as its parameter: the exact value where the saving
+        run held its weights rounded (bf16, or FP8 under --fp8-param-gather)."""
         for p, main, st in zip(self.model_params, self.main_params, states):
             if self.separate_main:
                 main.copy_(st["main"] if "main" in st else p.float())
                 p.copy_(main)
+            elif "main" in st:
+                p.copy_(st["main"])
             tensors = {k: v.detach().clone() for k, v in st.items() if k != "main"}
             if tensors:
                 set_step_count(self.optimizer, step)

@@ -1,0 +1,139 @@
+"""The distributed optimizer's buffers of FP8 primary weights (--fp8-param-gather;
+Megatron's param buffers of FP8 parameters, Transformer Engine's cast_master_weights_to_fp8).
+
+An `Fp8FlatShards` lays its weights out as FlatShards does, but its param buffer holds FP8
+bytes (uint8, 1 per value): each weight's `Fp8Primary.data` (model/fp8/params.py) is an
+FP8 view of its range, and the parameter itself keeps no values (`release`). The fp32
+main shard is always separate (the FP8 bytes are not the weights' exact values), so it is
+saved in checkpoints whatever the model dtype.
+
+After each step, `start_all_gather_params` quantises this rank's main shard into its own
+slice of the buffer and all-gathers the bytes. The scales, one per weight (per local
+expert for an [E, K, M] expert weight):
+- tensorwise: amax of each fp32 main weight, this rank's pieces max-reduced over the shard
+  group (one all-reduce per buffer), scale = fp8_max / amax (quantize.current_scale), so
+  every rank holds every scale and only bytes are gathered;
+- delayed: the weight's current delayed scale (Fp8Meta.scale, equal on the amax group);
+  this rank's piece amaxes go into the current amax-history slot, which the step's
+  update reduces over the amax group (TP x DP x CP, a superset of the shard group).
+Quantising from the fp32 main rather than a bf16 copy is TE's choice (TE >= 2.2); in an
+fp32 model the FP8 weights are then exactly those the forward would have quantised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megamoe.model.fp8.params import materialize, primary, release
+from megamoe.model.fp8.quantize import current_scale, quantize
+from megamoe.training.optim.flat_shards import FlatShards, Piece, all_gather
+
+
+def _released(p: torch.Tensor) -> bool:
+    return p.numel() > 1 and p.untyped_storage().nbytes() <= p.element_size()
+
+
+class Fp8FlatShards(FlatShards):
+    """FlatShards of FP8 primary weights (all of one dtype and shard group)."""
+
+    def _install_params(self) -> torch.Tensor:
+        first = self.params[0][1]
+        self.separate_main = True
+        self.param_buffer = torch.zeros(self.numel, dtype=torch.uint8, device=first.device)
+        main = torch.zeros(self.shard_numel, dtype=torch.float32, device=first.device)
+        hi = self.lo + self.shard_numel
+        self.scale_offsets: list[int] = []
+        groups = 0
+        for (_, p), off in zip(self.params, self.offsets):
+            a, b = max(self.lo, off), min(hi, off + p.numel())
+            if a < b:
+                main[a - self.lo:b - self.lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+            prim = primary(p)
+            prim.data = (self.param_buffer[off:off + p.numel()].view(prim.meta.dtype)
+                         .view(p.shape))
+            self.scale_offsets.append(groups)
+            groups += prim.groups
+            release(p)
+        self.num_scales = groups
+        return main
+
+    def piece_values(self, piece: Piece) -> torch.Tensor:
+        """A piece's values in its materialised parameter (checkpoint loads only)."""
+        if _released(piece.param):
+            raise RuntimeError("an FP8 primary weight was read without its values "
+                               "(model/fp8/params.py materialize)")
+        return piece.param.detach().reshape(-1)[piece.start:piece.end]
+
+    def main_from_params(self) -> None:
+        for piece in self.pieces:
+            piece.main.copy_(self.piece_values(piece))
+
+    def _segments(self, piece: Piece, k: int) -> Iterator[tuple[int, int, int]]:
+        """(scale index within the buffer, start, end in piece.main) of each scale group
+        the piece crosses (groups split a weight along dim 0, equally)."""
+        p = piece.param
+        size = p.numel() // primary(p).groups
+        for g in range(piece.start // size, (piece.end - 1) // size + 1):
+            a, b = max(piece.start, g * size), min(piece.end, (g + 1) * size)
+            yield self.scale_offsets[k] + g, a - piece.start, b - piece.start
+
+    def _scales(self) -> torch.Tensor:
+        """Every weight's scales [num_scales] (module doc), this rank's piece amaxes
+        recorded under delayed scaling."""
+        device = self.param_buffer.device
+        amax = torch.zeros(self.num_scales, dtype=torch.float32, device=device)
+        for k, piece in self.piece_at.items():
+            for g, a, b in self._segments(piece, k):
+                torch.maximum(amax[g], piece.main[a:b].abs().amax(), out=amax[g])
+        metas = [primary(p).meta for _, p in self.params]
+        if not metas[0].delayed:
+            if self.size > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+            return current_scale(amax, metas[0].fp8_max)
+        # each meta records this rank's amaxes and returns a snapshot of its scales
+        return torch.cat([meta.scale_for(amax[lo:lo + primary(p).groups])
+                          for (_, p), lo, meta in zip(self.params, self.scale_offsets, metas)])
+
+    @torch.no_grad()
+    def cast(self) -> None:
+        """Quantise this rank's main shard into its slice of the FP8 buffer and give every
+        weight its new scales (collective over the shard group under tensorwise)."""
+        scales = self._scales()
+        own = self.param_buffer.view(primary(self.params[0][1]).meta.dtype)
+        for k, piece in self.piece_at.items():
+            dtype = primary(piece.param).meta.dtype
+            for g, a, b in self._segments(piece, k):
+                lo = piece.shard_offset + self.lo
+                own[lo + a:lo + b].copy_(quantize(piece.main[a:b], scales[g], dtype))
+        for (_, p), lo in zip(self.params, self.scale_offsets):
+            prim = primary(p)
+            prim.scale = scales[lo:lo + prim.groups].clone()
+            if not _released(p):
+                release(p)
+
+    @torch.no_grad()
+    def start_all_gather_params(self) -> Optional[dist.Work]:
+        self.cast()
+        if self.size == 1:
+            return None
+        own = self.param_buffer[self.lo:self.lo + self.shard_numel]
+        return all_gather(self.param_buffer, own, group=self.group, async_op=True)
+
+
+@contextlib.contextmanager
+def fp8_weights_loading(optimizer) -> Iterator[None]:
+    """Around a checkpoint load: the FP8 primary weights get real storage holding their
+    values (the load writes into them, and a load without optimizer states takes the main
+    parameters from them); afterwards the optimizer quantises its main shards again (with
+    the FP8 scaling state the load restored) and all-gathers them."""
+    buffers = [b for b in getattr(optimizer, "buffers", []) if isinstance(b, Fp8FlatShards)]
+    for buf in buffers:
+        for _, p in buf.params:
+            materialize(p)
+    yield
+    for buf in buffers:
+        buf.all_gather_params()
