@@ -29,8 +29,9 @@ moe/quantization_padding.py.
 `param_gather` (--fp8-param-gather, Megatron's "keep the compute param in fp8 and perform
 the param all-gather in fp8"): the FP8 GEMMs' weights live in FP8 in the distributed
 optimizer's parameter buffer, quantised from the fp32 main shards after each step
-(model/fp8/params.py, training/optim/fp8_shards.py). Built for the per-tensor recipes
-(tensorwise, delayed); Megatron requires the distributed optimizer (config/run.py checks).
+(model/fp8/params.py, training/optim/fp8_shards.py). Built for tensorwise, delayed and
+blockwise (whose 128x128 weight blocks serve forward and dgrad alike); Megatron requires
+the distributed optimizer (config/run.py checks).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ FORMATS = ("e4m3", "hybrid")
 # Megatron-LM's choices, then megamoe's extension (rowwise: torchao's row-wise recipe)
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")
 BUILT_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "rowwise")
-# --fp8-param-gather: the per-tensor recipes (one scale per weight, or per expert)
-PARAM_GATHER_RECIPES = ("tensorwise", "delayed")
+# --fp8-param-gather: one scale per weight (per expert), or per 128x128 weight block
+PARAM_GATHER_RECIPES = ("tensorwise", "delayed", "blockwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 MAX_AMAX_HISTORY_LEN = 1 << 16  # TE keeps one fp32 per entry per tensor: bounded
 

@@ -20,6 +20,9 @@ from tests.training.test_pretrain import TINY_MOE
 
 PG = "--use-distributed-optimizer --train-iters 4"
 RECIPES = {"tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
+           # weights of 2 x 2 blocks of 128 (partial ones), which DP2's pieces cut
+           "blockwise": "--fp8-format e4m3 --fp8-recipe blockwise --hidden-size 160 "
+                        "--moe-ffn-hidden-size 144",
            "delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4"}
 
 
@@ -33,7 +36,7 @@ def _close(a: list, b: list, rel: float) -> bool:
     return all(abs(x - y) <= rel * abs(x) for u, v in zip(a, b) for x, y in zip(u, v))
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 def test_fp8_primary_weights_train_as_quantising_in_the_forward(recipe):
     """One process: the same losses bitwise; grad norms to fp32 rounding (with the flag
     the distributed optimizer runs even on one rank, and sums the norm in another order)."""
@@ -75,13 +78,46 @@ def test_weights_hold_fp8_bytes_only():
         storages[prim.data.untyped_storage().data_ptr()] = prim.data.untyped_storage().nbytes()
         numel += p.numel()
         deq = prim.dequantized(torch.float32)
-        groups = deq.reshape(prim.groups, -1)
-        amax = before[name].reshape(prim.groups, -1).abs().amax(dim=1)
+        groups = deq.reshape(prim.num_scales, -1)
+        amax = before[name].reshape(prim.num_scales, -1).abs().amax(dim=1)
         # tensorwise: each weight (expert) scaled by its own amax: E4M3's 3 mantissa bits
-        assert ((groups - before[name].reshape(prim.groups, -1)).abs()
+        assert ((groups - before[name].reshape(prim.num_scales, -1)).abs()
                 <= amax[:, None] / 16 + 1e-12).all(), name
         assert torch.allclose(groups.abs().amax(dim=1), amax, rtol=1 / 16), name
     assert sum(storages.values()) == numel  # 1 byte per value, one buffer (one rank: no padding)
+
+
+def test_blockwise_primary_weights_are_the_forwards_128x128_blocks():
+    """Blockwise: each weight (each expert's [K, M]) holds exactly the 128x128-block
+    quantisation the forward makes without the flag (power-of-2 block scales; weights of
+    160 x 160-ish cut into full and partial blocks)."""
+    from megamoe.cli.mapping import run_config_from_args
+    from megamoe.model.fp8.blocks import quantize_operand
+    from megamoe.model.fp8.params import primary
+    from megamoe.parallel.mesh import single_process_mesh
+    from megamoe.training.build import build_model
+    from megamoe.training.optim import build_optimizer
+
+    args = parse_args(shlex.split(f"{TINY_MOE} {PG} {RECIPES['blockwise']} "
+                                  "--fp8-param-gather"), world_size=1)
+    run = run_config_from_args(args, 97)
+    model = build_model(run)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    build_optimizer(model, run.optim, mesh=single_process_mesh(), distributed=True)
+    seen = 0
+    for name, p in model.named_parameters():
+        prim = primary(p)
+        if prim is None:
+            continue
+        w = before[name]
+        if w.dim() == 2:
+            ref = quantize_operand(w, "blockwise", torch.float8_e4m3fn, weight=True).dequantize()
+        else:  # the forward quantises each expert's W_e^T [M, K]: the same blocks
+            ref = torch.stack([quantize_operand(w_e.t(), "blockwise", torch.float8_e4m3fn,
+                                                weight=True).dequantize().t() for w_e in w])
+        assert torch.equal(prim.dequantized(torch.float32), ref), name
+        seen += prim.num_scales > prim.lead
+    assert seen  # some weight has several blocks
 
 
 def _dp_worker(rank: int, world_size: int, recipe: str, extra: str) -> tuple[list, list]:
@@ -107,6 +143,7 @@ def _dp_worker(rank: int, world_size: int, recipe: str, extra: str) -> tuple[lis
 
 @pytest.mark.parametrize("recipe,extra", [
     ("tensorwise", ""),
+    ("blockwise", ""),
     pytest.param("delayed", "", marks=pytest.mark.slow),
     pytest.param("tensorwise", "--overlap-grad-reduce --overlap-param-gather "
                  "--ddp-bucket-size 2000", marks=pytest.mark.slow),
@@ -153,8 +190,8 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
      "--fp8-param-gather must be used together with --fp8-format"),
     ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-param-gather",
      "--fp8-param-gather only supported with distributed optimizer"),
-    ("--fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather --use-distributed-optimizer",
-     "not supported yet: --fp8-param-gather with --fp8-recipe blockwise"),
+    ("--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-param-gather --use-distributed-optimizer",
+     "not supported yet: --fp8-param-gather with --fp8-recipe mxfp8"),
     ("--fp8-format e4m3 --fp8-param-gather --use-distributed-optimizer "
      "--transformer-impl transformer_engine",
      "not supported yet: --fp8-param-gather with --transformer-impl transformer_engine"),

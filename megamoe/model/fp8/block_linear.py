@@ -31,6 +31,14 @@ def _weight_t(w_NK: torch.Tensor, qw: BlockQ, recipe: str, dtype: torch.dtype) -
     return quantize_operand(w_NK.t(), recipe, dtype, weight=True)
 
 
+def primary_blocks(data: torch.Tensor, scale: torch.Tensor) -> BlockQ:
+    """An FP8 primary weight (--fp8-param-gather, blockwise) [R, C] with its 128x128
+    block scales (flat, x ~= data / scale) as the forward's operand."""
+    r, c = data.shape
+    grid = (-(-r // 128), -(-c // 128))
+    return BlockQ(data, (1.0 / scale).view(grid), (128, 128))  # exact: powers of 2
+
+
 def _pack(*qs: BlockQ) -> list[torch.Tensor]:
     return [t for q in qs for t in (q.data, q.scale_inv)]
 
@@ -41,9 +49,10 @@ def _unpack(tensors, tiles) -> list[BlockQ]:
 
 class _BlockFp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TK: torch.Tensor, w_NK: torch.Tensor, scaling):
+    def forward(ctx, x_TK: torch.Tensor, w_NK: torch.Tensor, scaling, fp8_w):
         recipe, fwd = scaling.x.recipe, scaling.x.dtype
-        qw = quantize_operand(w_NK, recipe, scaling.w.dtype, weight=True)
+        qw = (quantize_operand(w_NK, recipe, scaling.w.dtype, weight=True) if fp8_w is None
+              else primary_blocks(*fp8_w))  # an FP8 primary weight: as the optimizer cast it
         y = block_mm(quantize_operand(x_TK, recipe, fwd), qw, x_TK.dtype, recipe)
         qx_t = quantize_operand(x_TK.t(), recipe, fwd)  # [K, T]: tiles along T
         qw_t = _weight_t(w_NK, qw, recipe, scaling.w.dtype)  # [K, N]: tiles along N
@@ -62,12 +71,14 @@ class _BlockFp8Linear(torch.autograd.Function):
             dx = block_mm(quantize_operand(g_TN, r, ctx.g_dtype), qw_t, ctx.x_dtype, r)
         if ctx.needs_input_grad[1]:  # [N, T] @ [T, K], contraction over T
             dw = block_mm(quantize_operand(g_TN.t(), r, ctx.g_dtype), qx_t, ctx.w_dtype, r)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def block_fp8_linear(x_TK: torch.Tensor, w_NK: torch.Tensor, scaling) -> torch.Tensor:
-    """x [T, K] @ W [N, K]^T in FP8 under scaling's block recipe."""
-    return _BlockFp8Linear.apply(x_TK, w_NK, scaling)
+def block_fp8_linear(x_TK: torch.Tensor, w_NK: torch.Tensor, scaling,
+                     fp8_w=None) -> torch.Tensor:
+    """x [T, K] @ W [N, K]^T in FP8 under scaling's block recipe; `fp8_w`: (FP8 weight,
+    block scales) of an FP8 primary weight (blockwise only)."""
+    return _BlockFp8Linear.apply(x_TK, w_NK, scaling, fp8_w)
 
 
 class _BlockFp8GroupedMM(torch.autograd.Function):
@@ -77,10 +88,15 @@ class _BlockFp8GroupedMM(torch.autograd.Function):
     torch._scaled_grouped_mm (rowwise_grouped.py) where the device has it."""
 
     @staticmethod
-    def forward(ctx, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int], scaling):
+    def forward(ctx, x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int], scaling,
+                fp8_w):
         recipe, fwd, wd = scaling.x.recipe, scaling.x.dtype, scaling.w.dtype
         E, K, M = w_EKM.shape
-        qws = [quantize_operand(w_EKM[e].t(), recipe, wd, weight=True) for e in range(E)]
+        if fp8_w is None:
+            qws = [quantize_operand(w_EKM[e].t(), recipe, wd, weight=True) for e in range(E)]
+        else:  # an FP8 primary weight: each expert's [K, M] blocks, transposed (exact)
+            data, scale = fp8_w
+            qws = [primary_blocks(data[e], s).t() for e, s in enumerate(scale.chunk(E))]
         xs, live = x_NK.split(sizes), [e for e in range(E) if sizes[e]]
         saved = [q for e in live for q in (quantize_operand(xs[e].t(), recipe, fwd),  # [K, n]
                                            _weight_t(w_EKM[e].t(), qws[e], recipe, wd))]
@@ -111,12 +127,12 @@ class _BlockFp8GroupedMM(torch.autograd.Function):
             dx = torch.cat(dxs) if dxs else g_NM.new_zeros(0, K, dtype=ctx.x_dtype)
         qg_ts = [quantize_operand(g_e.t(), r, gd) for g_e in gs]  # [M, n]: along n
         if rows and rowwise_grouped.usable(r, g_NM.device, xd, gd, ctx.w_dtype, K, M):
-            return dx, rowwise_grouped.wgrad_mm(qx_ts, qg_ts, r, ctx.w_dtype), None, None
+            return dx, rowwise_grouped.wgrad_mm(qx_ts, qg_ts, r, ctx.w_dtype), None, None, None
         dw = torch.zeros(E, K, M, dtype=ctx.w_dtype, device=g_NM.device)
         for e in range(E):
             if sizes[e]:
                 dw[e] = expert_wgrad_mm(qx_ts[e], qg_ts[e], ctx.w_dtype, r)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def _row_slices(q: BlockQ, sizes: list[int]) -> list[BlockQ]:
@@ -150,6 +166,7 @@ def _per_expert(saved: list[BlockQ], sizes: list[int], K: int, M: int, recipe: s
 
 
 def block_fp8_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int],
-                         scaling) -> torch.Tensor:
-    """Rows grouped by expert @ that expert's [K, M] weight, in FP8 under a block recipe."""
-    return _BlockFp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling)
+                         scaling, fp8_w=None) -> torch.Tensor:
+    """Rows grouped by expert @ that expert's [K, M] weight, in FP8 under a block recipe;
+    `fp8_w`: (FP8 weight, block scales) of an FP8 primary weight (blockwise only)."""
+    return _BlockFp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling, fp8_w)

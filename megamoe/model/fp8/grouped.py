@@ -181,10 +181,10 @@ def fp8_grouped_mm(x_NK: torch.Tensor, w_EKM: torch.Tensor, sizes: list[int],
     [K, M] weight, in FP8. `fp8_w`: (FP8 weight [E, K, M], scales [E]) of an FP8 primary
     weight (model/fp8/params.py), read as it is."""
     if scaling.x.recipe in BLOCK_RECIPES:
-        if fp8_w is not None:
+        if fp8_w is not None and scaling.x.recipe != "blockwise":
             raise ValueError(f"--fp8-param-gather is not built for --fp8-recipe "
                              f"{scaling.x.recipe}")
         if not scaling.fp8_wgrad:
             raise ValueError(f"--no-fp8-wgrad is not built for --fp8-recipe {scaling.x.recipe}")
-        return block_fp8_grouped_mm(x_NK, w_EKM, sizes, scaling)
+        return block_fp8_grouped_mm(x_NK, w_EKM, sizes, scaling, fp8_w)
     return _Fp8GroupedMM.apply(x_NK, w_EKM, list(sizes), scaling, fp8_w)

@@ -101,10 +101,10 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, bias: Optional[torch.Te
     if scaling.x.recipe in BLOCK_RECIPES:
         if not scaling.fp8_wgrad:
             raise ValueError(f"--no-fp8-wgrad is not built for --fp8-recipe {scaling.x.recipe}")
-        if fp8_w is not None:
+        if fp8_w is not None and scaling.x.recipe != "blockwise":
             raise ValueError(f"--fp8-param-gather is not built for --fp8-recipe "
                              f"{scaling.x.recipe}")
-        y = block_fp8_linear(x_TK, weight_NK, scaling)
+        y = block_fp8_linear(x_TK, weight_NK, scaling, fp8_w)
     else:
         y = _Fp8Linear.apply(x_TK, weight_NK, scaling, fp8_w)
     y = y.reshape(*lead, weight_NK.shape[0])

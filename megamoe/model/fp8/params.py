@@ -25,6 +25,7 @@ update, policy.Fp8State).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,27 +37,58 @@ from megamoe.model.fp8.scaling import Fp8Meta
 
 @dataclass(eq=False)
 class Fp8Primary:
-    """The FP8 storage of one weight: `meta` is its GEMM's weight scaling, `groups` the
-    number of scales (1, or one per local expert along dim 0). `data` (FP8, the weight's
-    shape, a view of the optimizer's buffer) and `scale` ([groups] fp32) are set by the
-    optimizer."""
+    """The FP8 storage of one weight of `shape`: `meta` is its GEMM's weight scaling. Its
+    scales: one per weight, or per leading slice (`lead`: the local experts of an
+    [E, K, M] weight), each split in `block` x `block` tiles of its last two dims under
+    blockwise (128; 0: none). `data` (FP8, the weight's shape, a view of the optimizer's
+    buffer) and `scale` ([num_scales] fp32, x ~= data / scale) are set by the optimizer."""
 
     meta: Fp8Meta
-    groups: int
+    shape: tuple[int, ...]
+    lead: int = 1
+    block: int = 0
     data: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
 
+    def grid(self) -> tuple[int, int, int]:
+        """(slices, tile rows, tile columns) of the scales."""
+        if not self.block:
+            return self.lead, 1, 1
+        r, c = self.shape[-2:]
+        return self.lead, -(-r // self.block), -(-c // self.block)
+
+    @property
+    def num_scales(self) -> int:
+        e, r, c = self.grid()
+        return e * r * c
+
+    def scale_index(self, pos: torch.Tensor) -> torch.Tensor:
+        """The scale of each flat element position `pos` (int64) of the weight."""
+        per = math.prod(self.shape) // self.lead
+        e, rem = pos // per, pos % per
+        if not self.block:
+            return e
+        cols = self.shape[-1]
+        _, nr, nc = self.grid()
+        return (e * nr + rem // cols // self.block) * nc + rem % cols // self.block
+
     def operand(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(FP8 weight, scale): what the GEMM reads in place of quantising the weight."""
+        """(FP8 weight, scales [num_scales]): what the GEMM reads in place of quantising
+        the weight."""
         if self.data is None or self.scale is None:
             raise RuntimeError("an FP8 primary weight was used before the distributed "
                                "optimizer quantised it (--fp8-param-gather)")
         return self.data, self.scale
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight's values (q / scale) in `dtype`."""
+        """The weight's values (q / scale of each element) in `dtype`."""
         q, s = self.operand()
-        return (q.float() / s.view(-1, *[1] * (q.dim() - 1))).to(dtype)
+        e, nr, nc = self.grid()
+        if not self.block:
+            return (q.float().reshape(e, -1) / s.view(e, 1)).reshape(q.shape).to(dtype)
+        (r, c), b = self.shape[-2:], self.block
+        full = s.view(e, nr, nc).repeat_interleave(b, 1)[:, :r].repeat_interleave(b, 2)
+        return (q.float().reshape(e, r, c) / full[:, :, :c]).reshape(q.shape).to(dtype)
 
 
 def primary(p: torch.Tensor) -> Optional[Fp8Primary]:

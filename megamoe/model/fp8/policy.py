@@ -194,9 +194,10 @@ def mark_fp8_primary(model: nn.Module) -> list[nn.Parameter]:
                      (m.fc2_weight, m.fp8_fc2.w, m.num_local_experts)]
         else:
             continue
-        for p, meta, groups in pairs:
+        for p, meta, lead in pairs:
             if primary(p) is None:
-                p.fp8_primary = Fp8Primary(meta, groups)
+                block = 128 if meta.recipe == "blockwise" else 0  # 128x128 weight blocks
+                p.fp8_primary = Fp8Primary(meta, tuple(p.shape), lead, block)
                 marked.append(p)
     return marked
 

@@ -8,14 +8,18 @@ main shard is always separate (the FP8 bytes are not the weights' exact values),
 saved in checkpoints whatever the model dtype.
 
 After each step, `start_all_gather_params` quantises this rank's main shard into its own
-slice of the buffer and all-gathers the bytes. The scales, one per weight (per local
-expert for an [E, K, M] expert weight):
+slice of the buffer and all-gathers the bytes. The scales, per weight (per local expert
+for an [E, K, M] expert weight):
 - tensorwise: amax of each fp32 main weight, this rank's pieces max-reduced over the shard
   group (one all-reduce per buffer), scale = fp8_max / amax (quantize.current_scale), so
   every rank holds every scale and only bytes are gathered;
 - delayed: the weight's current delayed scale (Fp8Meta.scale, equal on the amax group);
   this rank's piece amaxes go into the current amax-history slot, which the step's
-  update reduces over the amax group (TP x DP x CP, a superset of the shard group).
+  update reduces over the amax group (TP x DP x CP, a superset of the shard group);
+- blockwise: one power-of-2 scale per 128x128 block of each weight (of each expert's
+  [K, M]), from the block's amax over the pieces that cross it, max-reduced as
+  tensorwise's (TE's fp8_block_scaling_compute_partial_amax / partial_cast).
+Each element finds its scale by its position (Fp8Primary.scale_index), in chunks.
 Quantising from the fp32 main rather than a bf16 copy is TE's choice (TE >= 2.2); in an
 fp32 model the FP8 weights are then exactly those the forward would have quantised.
 """
@@ -28,9 +32,12 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megamoe.model.fp8.blocks import pow2_scale
 from megamoe.model.fp8.params import materialize, primary, release
 from megamoe.model.fp8.quantize import current_scale, quantize
 from megamoe.training.optim.flat_shards import FlatShards, Piece, all_gather
+
+CHUNK = 1 << 22  # elements per pass of the cast
 
 
 def _released(p: torch.Tensor) -> bool:
@@ -47,7 +54,7 @@ class Fp8FlatShards(FlatShards):
         main = torch.zeros(self.shard_numel, dtype=torch.float32, device=first.device)
         hi = self.lo + self.shard_numel
         self.scale_offsets: list[int] = []
-        groups = 0
+        scales = 0
         for (_, p), off in zip(self.params, self.offsets):
             a, b = max(self.lo, off), min(hi, off + p.numel())
             if a < b:
@@ -55,10 +62,10 @@ class Fp8FlatShards(FlatShards):
             prim = primary(p)
             prim.data = (self.param_buffer[off:off + p.numel()].view(prim.meta.dtype)
                          .view(p.shape))
-            self.scale_offsets.append(groups)
-            groups += prim.groups
+            self.scale_offsets.append(scales)
+            scales += prim.num_scales
             release(p)
-        self.num_scales = groups
+        self.num_scales = scales
         return main
 
     def piece_values(self, piece: Piece) -> torch.Tensor:
@@ -72,14 +79,14 @@ class Fp8FlatShards(FlatShards):
         for piece in self.pieces:
             piece.main.copy_(self.piece_values(piece))
 
-    def _segments(self, piece: Piece, k: int) -> Iterator[tuple[int, int, int]]:
-        """(scale index within the buffer, start, end in piece.main) of each scale group
-        the piece crosses (groups split a weight along dim 0, equally)."""
-        p = piece.param
-        size = p.numel() // primary(p).groups
-        for g in range(piece.start // size, (piece.end - 1) // size + 1):
-            a, b = max(piece.start, g * size), min(piece.end, (g + 1) * size)
-            yield self.scale_offsets[k] + g, a - piece.start, b - piece.start
+    def _chunks(self, k: int, piece: Piece) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(scale index within the buffer of each element, start, end in piece.main) per
+        chunk of a piece (chunks bound the index tensor, 8 bytes per element)."""
+        prim, n = primary(piece.param), piece.end - piece.start
+        for a in range(0, n, CHUNK):
+            b = min(a + CHUNK, n)
+            pos = torch.arange(piece.start + a, piece.start + b, device=piece.main.device)
+            yield self.scale_offsets[k] + prim.scale_index(pos), a, b
 
     def _scales(self) -> torch.Tensor:
         """Every weight's scales [num_scales] (module doc), this rank's piece amaxes
@@ -87,31 +94,32 @@ class Fp8FlatShards(FlatShards):
         device = self.param_buffer.device
         amax = torch.zeros(self.num_scales, dtype=torch.float32, device=device)
         for k, piece in self.piece_at.items():
-            for g, a, b in self._segments(piece, k):
-                torch.maximum(amax[g], piece.main[a:b].abs().amax(), out=amax[g])
+            for index, a, b in self._chunks(k, piece):
+                amax.scatter_reduce_(0, index, piece.main[a:b].abs(), "amax")
         metas = [primary(p).meta for _, p in self.params]
-        if not metas[0].delayed:
-            if self.size > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            return current_scale(amax, metas[0].fp8_max)
-        # each meta records this rank's amaxes and returns a snapshot of its scales
-        return torch.cat([meta.scale_for(amax[lo:lo + primary(p).groups])
-                          for (_, p), lo, meta in zip(self.params, self.scale_offsets, metas)])
+        if metas[0].delayed:  # each meta records this rank's amaxes, returns its scales
+            return torch.cat([meta.scale_for(amax[lo:lo + primary(p).num_scales])
+                              for (_, p), lo, meta in zip(self.params, self.scale_offsets,
+                                                          metas)])
+        if self.size > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        if metas[0].recipe == "blockwise":  # power-of-2 block scales, as the forward's
+            return pow2_scale(amax, metas[0].fp8_max)
+        return current_scale(amax, metas[0].fp8_max)
 
     @torch.no_grad()
     def cast(self) -> None:
         """Quantise this rank's main shard into its slice of the FP8 buffer and give every
-        weight its new scales (collective over the shard group under tensorwise)."""
+        weight its new scales (collective over the shard group, but under delayed)."""
         scales = self._scales()
         own = self.param_buffer.view(primary(self.params[0][1]).meta.dtype)
         for k, piece in self.piece_at.items():
-            dtype = primary(piece.param).meta.dtype
-            for g, a, b in self._segments(piece, k):
-                lo = piece.shard_offset + self.lo
-                own[lo + a:lo + b].copy_(quantize(piece.main[a:b], scales[g], dtype))
+            dtype, lo = primary(piece.param).meta.dtype, self.lo + piece.shard_offset
+            for index, a, b in self._chunks(k, piece):
+                own[lo + a:lo + b].copy_(quantize(piece.main[a:b], scales[index], dtype))
         for (_, p), lo in zip(self.params, self.scale_offsets):
             prim = primary(p)
-            prim.scale = scales[lo:lo + prim.groups].clone()
+            prim.scale = scales[lo:lo + prim.num_scales].clone()
             if not _released(p):
                 release(p)
 
