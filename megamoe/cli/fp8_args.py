@@ -7,7 +7,8 @@ megamoe extension that is not one of Megatron's choices), --fp8-margin,
 --fp8-amax-history-len, --fp8-amax-compute-algo, --first-last-layers-bf16 with
 --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16, --no-fp8-wgrad (alias
 --disable-fp8-wgrad), --moe-router-padding-for-quantization (alias
---moe-router-padding-for-fp8), and --tp-only-amax-red (megatron-core's
+--moe-router-padding-for-fp8), --fp8-output-proj (the output layer in MXFP8), and
+--tp-only-amax-red (megatron-core's
 TransformerConfig.tp_only_amax_red, which Megatron-LM's parser does not expose: a megamoe
 extension). Every other FP8 flag of Megatron's parser is parsed so that a Megatron script
 gets "not supported yet: --flag" (config/unsupported.py), not "unrecognized arguments".
@@ -59,7 +60,10 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> None:
                    dest="moe_router_padding_for_quantization", action="store_true",
                    help="pad each expert's token count to a multiple of 16 (32 under "
                         "mxfp8) with probability-0 assignments")
-    for flag in ("--fp8-param-gather", "--fp8-output-proj", "--keep-fp8-transpose-cache",
+    g.add_argument("--fp8-output-proj", action="store_true",
+                   help="the output layer's GEMMs (LM head, MTP heads) in MXFP8 too; needs "
+                        "--fp8-format and --fp8-recipe mxfp8")
+    for flag in ("--fp8-param-gather", "--keep-fp8-transpose-cache",
                  "--reuse-grad-buf-for-mxfp8-param-ag"):
         g.add_argument(flag, action="store_true", help="not supported yet")
     g.add_argument("--fp8-quantizer-factory", default=None, help="not supported yet")

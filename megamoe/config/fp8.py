@@ -24,7 +24,9 @@ is_first_last_bf16_layer (fp8_utils.py), so pipeline stages agree; MTP layers st
 high precision while forward and dgrad stay FP8 (TE's override_linear_precision (False,
 False, True)); Megatron gives it to DelayedScaling only, so another recipe refuses it.
 `router_padding` (--moe-router-padding-for-quantization, alias --moe-router-padding-for-fp8):
-moe/quantization_padding.py.
+moe/quantization_padding.py. `output_proj` (--fp8-output-proj) runs the output layer's
+GEMMs (the LM head, and the MTP heads through it) in MXFP8 too; Megatron requires
+--fp8-format and --fp8-recipe mxfp8 for it (model/fp8/policy.py, docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Fp8Config:
     first_last_layers_bf16: bool = flag("--first-last-layers-bf16", False)
     num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", 1)
     num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", 1)
+    output_proj: bool = flag("--fp8-output-proj", False, dest="fp8_output_proj")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,8 +88,15 @@ class Fp8Config:
         require(not (self.router_padding and self.format is None),
                 "--moe-router-padding-for-quantization needs --fp8-format (Megatron-LM: "
                 "fp8/fp4 must be specified)")
+        # Megatron's TransformerConfig.__post_init__ rules for fp8_output_proj
+        require(not (self.output_proj and self.format is None),
+                "--fp8-output-proj must be used together with --fp8-format (Megatron-LM: "
+                "fp8_output_proj must be used together with fp8 mode)")
         if self.format is None:
             return
+        require(not self.output_proj or self.recipe == "mxfp8",
+                f"--fp8-output-proj requires --fp8-recipe mxfp8, got {self.recipe!r} "
+                "(Megatron-LM)")
         require(self.fp8_wgrad or self.recipe == "delayed",
                 f"--no-fp8-wgrad applies to --fp8-recipe delayed only (Megatron passes it "
                 f"to Transformer Engine's DelayedScaling only), got {self.recipe}")
