@@ -176,19 +176,100 @@ def _fp8_bytes_kept(model) -> int:
 def test_planner_counts_the_head_in_fp8():
     """FP8 FLOPs grow by exactly the head's 6 V H per prediction (LM + MTP heads); the
     FP8 copies by what the head's autograd keeps (saved-tensor hooks on a forward of the
-    built model: the hidden states and the real-vocabulary weight rows in FP8, equal);
-    the dry run counts one more GEMM."""
-    runs = {f: _run(f"{MX} {f}") for f in ("", "--fp8-output-proj")}
-    for mtp in (0, 1):
-        flops = [fp8_gemm_flops_per_token(
-            dataclasses.replace(r.model, mtp_num_layers=mtp or None), r.recompute, r.fp8)
-            for r in runs.values()]
-        assert flops[1] - flops[0] == 6 * 97 * 32 * (1 + mtp)
-    kept = []
-    for run in runs.values():
-        model = build_model(run)
-        seen = _fp8_bytes_kept(model)
-        assert seen == fp8_copy_bytes(run, model, with_scales=False)
-        kept.append((seen, fp8_report(run, model)["gemms"]))
-    assert kept[1][0] - kept[0][0] == 32 * 32 + 97 * 32  # tokens x H + real rows x H
-    assert kept[1][1] == kept[0][1] + 1
+    built model: per head, the hidden states and the real-vocabulary weight rows in FP8;
+    without MTP the whole count is exact, with MTP its growth: the MTP layers' own GEMMs
+    are not counted either way); the dry run counts one more GEMM."""
+    for mtp in ("", "--mtp-num-layers 1"):
+        runs = [_run(f"{MX} {mtp} {f}") for f in ("", "--fp8-output-proj")]
+        heads = 2 if mtp else 1
+        flops = [fp8_gemm_flops_per_token(r.model, r.recompute, r.fp8) for r in runs]
+        assert flops[1] - flops[0] == 6 * 97 * 32 * heads
+        kept = []
+        for run in runs:
+            model = build_model(run)
+            seen = _fp8_bytes_kept(model)
+            planned = fp8_copy_bytes(run, model, with_scales=False)
+            assert seen == planned or mtp
+            kept.append((seen, planned, fp8_report(run, model)["gemms"]))
+        grown = heads * (32 * 32 + 97 * 32)  # tokens x H + real rows x H, per head
+        assert kept[1][0] - kept[0][0] == kept[1][1] - kept[0][1] == grown
+        assert kept[1][2] == kept[0][2] + 1
+
+
+def _losses(extra: str, world_size: int = 1) -> list[float]:
+    from megamoe.cli.main import pretrain
+
+    args = parse_args(shlex.split(f"{TINY_MOE} {MX} --train-iters 4 {extra}"),
+                      world_size=world_size)
+    return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
+
+
+def _layout_worker(rank: int, world_size: int, extra: str) -> list[float]:
+    return _losses(f"--fp8-output-proj {extra}", world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,bound", [
+    ("--tensor-model-parallel-size 2 --sequence-parallel", 2e-4),
+    ("--pipeline-model-parallel-size 2", 1e-5),
+])
+def test_parallel_layouts_match_one_process(extra, bound):
+    """TP2+SP and PP2 (the head on the last stage) against one process, both with the
+    flag, 4 steps. TP2: the bound of tests/training/test_fp8_training.py's MXFP8 layouts
+    (the row-parallel GEMMs' tiles change with TP; the head's do not: 64 rows per rank are
+    two whole 1x32 vocabulary tiles); PP2 runs the same GEMMs (fp32 rounding). The flag's
+    own effect on the loss (measured 7.6e-5 relative) is above PP2's bound, so a stage
+    whose head ignored it would fail; under TP that is shown per token by
+    test_tensor_parallel_head_is_the_single_process_head."""
+    from tests.distributed import run_distributed
+
+    single = _losses("--fp8-output-proj")
+    if bound < 1e-4:
+        plain = _losses("")
+        assert max(abs(a - b) / a for a, b in zip(single, plain)) > 2 * bound, (single, plain)
+    ranks = run_distributed(_layout_worker, 2, 300, extra)
+    for losses in ranks if "tensor" in extra else ranks[1:]:
+        assert max(abs(a - b) / a for a, b in zip(single, losses)) < bound, (single, losses)
+
+
+def _tp_head_worker(rank: int, world_size: int) -> list[float]:
+    """One TP rank's head (SP: its sequence shard in, its vocabulary rows) against the
+    single-process head on the same inputs, both in MXFP8: the largest relative
+    differences of the per-token loss, dh (this rank's shard) and dW (its rows); and the
+    loss's difference from the high-precision head (the test's sensitivity)."""
+    import torch.distributed as dist
+
+    from megamoe.model.fp8.policy import Fp8Gemm, Fp8State
+    from megamoe.parallel.tensor_parallel import TensorParallel
+
+    run = _run(FLAG)
+    gemm = Fp8Gemm(Fp8State(run.fp8).new_scaling("output_layer", 1, torch.device("cpu")))
+    torch.manual_seed(0)
+    h, w = torch.randn(16, 2, 32), 0.05 * torch.randn(run.model.padded_vocab_size, 32)
+    labels = torch.randint(0, 97, (2, 16))
+    tp = TensorParallel(group=dist.group.WORLD, sequence_parallel=True)
+
+    def head(h_SBH, w_VH, t, g):
+        h_SBH, w_VH = h_SBH.clone().requires_grad_(), w_VH.clone().requires_grad_()
+        loss = lm_head(h_SBH, w_VH, labels, run.model, t, g)
+        loss.sum().backward()
+        return loss.detach(), h_SBH.grad, w_VH.grad
+
+    ref, plain = head(h, w, SINGLE, gemm), head(h, w, SINGLE, None)
+    got = head(h.chunk(2)[rank], w.chunk(2)[rank], tp, gemm)
+    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())
+    return [rel(got[0], ref[0]), rel(got[1], ref[1].chunk(2)[rank]),
+            rel(got[2], ref[2].chunk(2)[rank]), rel(plain[0], ref[0])]
+
+
+def test_tensor_parallel_head_is_the_single_process_head():
+    """TP2 + SP: each rank's MXFP8 head equals the single-process MXFP8 head to fp32
+    summation order (1e-5 of the largest value): the same 1x32 tiles (along H per row and
+    per token; along the vocabulary, 64 rows per rank are whole tiles) and the full
+    gathered sequence. The high-precision head is 1e-3 or more away per token, so a TP
+    path that skipped the FP8 GEMM would fail."""
+    from tests.distributed import run_distributed
+
+    for loss, dh, dw, plain in run_distributed(_tp_head_worker, 2, 120):
+        assert loss < 1e-5 and dh < 1e-5 and dw < 1e-5, (loss, dh, dw)
+        assert plain > 1e-3, plain
