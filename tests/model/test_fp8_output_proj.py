@@ -11,16 +11,20 @@ import shlex
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megamoe.cli.arguments import parse_args
+from megamoe.cli.main import pretrain
 from megamoe.cli.mapping import run_config_from_args
-from megamoe.model.fp8.policy import apply_fp8
+from megamoe.model.fp8.policy import Fp8Gemm, Fp8State, apply_fp8
 from megamoe.model.fp8.quantize import format_dtypes
 from megamoe.model.gpt_model import GPTModel, lm_head
 from megamoe.model.pipeline_stage import GPTStage
-from megamoe.parallel.tensor_parallel import SINGLE
+from megamoe.parallel.tensor_parallel import SINGLE, TensorParallel
 from megamoe.planning.fp8_memory import fp8_copy_bytes, fp8_report
 from megamoe.planning.fp8_time import fp8_gemm_flops_per_token
+from megamoe.planning.memory import Layout
+from megamoe.planning.planner import layout_run
 from megamoe.training.build import build_model
 from tests.model.test_fp8_blocks import _naive
 from tests.te_stand_in import installed
@@ -130,9 +134,17 @@ def test_megatrons_rules_are_one_line(capsys, flags, says):
 
 
 def test_tied_embeddings_are_accepted_over_pipeline_stages():
+    """As Megatron: tied embeddings with the flag run under PP (the last stage owns the
+    copy it multiplies); the planner's layout search keeps the rule (no PP1 layout)."""
     args = parse_args(shlex.split(f"{TIED} --train-iters 1 {FLAG} "
                                   "--pipeline-model-parallel-size 2"), world_size=2)
-    assert run_config_from_args(args, 97).fp8.output_proj
+    run = run_config_from_args(args, 97)
+    assert run.fp8.output_proj and not run.model.untie_embeddings_and_output_weights
+    lay = lambda pp: Layout(tp=1, pp=pp, vpp=1, ep=1, etp=1, dp=1, cp=1,
+                            distributed_optimizer=False, recompute="none",
+                            micro_batch_size=2)
+    assert layout_run(run.model, lay(2), 2, 8, run.fp8) is not None
+    assert layout_run(run.model, lay(1), 1, 8, run.fp8) is None
 
 
 def test_te_path_runs_the_head_on_tes_linear_under_mxfp8():
@@ -197,8 +209,6 @@ def test_planner_counts_the_head_in_fp8():
 
 
 def _losses(extra: str, world_size: int = 1) -> list[float]:
-    from megamoe.cli.main import pretrain
-
     args = parse_args(shlex.split(f"{TINY_MOE} {MX} --train-iters 4 {extra}"),
                       world_size=world_size)
     return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
@@ -237,11 +247,6 @@ def _tp_head_worker(rank: int, world_size: int) -> list[float]:
     single-process head on the same inputs, both in MXFP8: the largest relative
     differences of the per-token loss, dh (this rank's shard) and dW (its rows); and the
     loss's difference from the high-precision head (the test's sensitivity)."""
-    import torch.distributed as dist
-
-    from megamoe.model.fp8.policy import Fp8Gemm, Fp8State
-    from megamoe.parallel.tensor_parallel import TensorParallel
-
     run = _run(FLAG)
     gemm = Fp8Gemm(Fp8State(run.fp8).new_scaling("output_layer", 1, torch.device("cpu")))
     torch.manual_seed(0)
