@@ -8,10 +8,10 @@ megamoe extension that is not one of Megatron's choices), --fp8-margin,
 --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16, --no-fp8-wgrad (alias
 --disable-fp8-wgrad), --moe-router-padding-for-quantization (alias
 --moe-router-padding-for-fp8), --fp8-output-proj (the output layer in MXFP8), and
---tp-only-amax-red (megatron-core's
-TransformerConfig.tp_only_amax_red, which Megatron-LM's parser does not expose: a megamoe
-extension). Every other FP8 flag of Megatron's parser is parsed so that a Megatron script
-gets "not supported yet: --flag" (config/unsupported.py), not "unrecognized arguments".
+--tp-only-amax-red (megatron-core's TransformerConfig.tp_only_amax_red, which Megatron-LM's
+parser does not expose: a megamoe extension). Every other FP8 flag of Megatron's parser is
+parsed so that a Megatron script gets "not supported yet: --flag" (config/unsupported.py),
+not "unrecognized arguments".
 """
 
 from __future__ import annotations

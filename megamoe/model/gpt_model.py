@@ -187,7 +187,7 @@ def lm_head(h_SBH: torch.Tensor, w_VH: torch.Tensor, labels: Optional[torch.Tens
     per-token loss [B, S] (fp32). `w_VH` is this rank's [padded_vocab / TP, H] rows; only
     its real-vocabulary rows are multiplied, so padded logits never exist. `gemm`: the
     output GEMM in FP8 (--fp8-output-proj), else F.linear."""
-    gemm = gemm or (lambda x, w, b: F.linear(x, w, b))
+    gemm = gemm or F.linear
     if tp.size == 1:
         h_BSH = h_SBH.transpose(0, 1)
         logits_BSV = gemm(h_BSH, w_VH[: config.vocab_size], None)

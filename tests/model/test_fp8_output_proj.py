@@ -165,7 +165,9 @@ def test_te_path_runs_the_head_on_tes_linear_under_mxfp8():
             model(tokens, labels=tokens).sum().backward()
             out.append((logits.detach(), model.output_layer.weight.grad,
                         [c for c, r in te.CALLS if type(r).__name__ == "MXFP8BlockScaling"]))
-    assert len(out[0][2]) == len(out[1][2]) + 3  # the head twice (MTP), logits once more
+    # the logits-only forward runs the LM head (MTP runs with labels only), the forward
+    # with labels the LM head and the MTP head
+    assert len(out[0][2]) == len(out[1][2]) + 3
     torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-5, atol=1e-7)
     assert not bool(out[0][1][97:].any())

@@ -5,10 +5,11 @@ attention output, dense MLP fc1/fc2, shared experts, MLA's projections, MTP's eh
 the routed experts' GEMMs run in FP8; the router, norms, softmax, embeddings, output
 layer and the optimizer stay in the model's precision. --fp8-output-proj (MXFP8 only)
 adds the output layer's GEMMs, as Megatron's TELMHeadColumnParallelLinear: its forward,
-dgrad and wgrad, for the LM head and the MTP depths' heads (they call the same layer),
-on the tied or untied weight the head multiplies (`output_heads`). The layers are not changed: each
-gets an `fp8` GEMM (their forward calls it instead of F.linear / the grouped GEMM), so the
-parameters, their names and the checkpoints are the same with and without FP8.
+dgrad and wgrad, for the LM head and the MTP depths' heads (they call the same layer), on
+the tied or untied weight the head multiplies (`output_heads`). The layers are not
+changed: each gets an `fp8` GEMM (their forward calls it instead of F.linear / the grouped
+GEMM), so the parameters, their names and the checkpoints are the same with and without
+FP8.
 
 `Fp8State` holds every operand's scaling. Under delayed scaling `update()` runs once per
 training step, after the forward-backward pass: the current amax slots of all tensors are
