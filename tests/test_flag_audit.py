@@ -469,6 +469,7 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
                            1, True),
     "--moe-router-padding-for-quantization": (
         "--fp8-format e4m3 --moe-router-padding-for-quantization", 1, True),
+    "--fp8-output-proj": ("--fp8-format e4m3 --fp8-recipe mxfp8 --fp8-output-proj", 1, True),
     "--first-last-layers-bf16": (f"{FP8_TW} --first-last-layers-bf16", 1, True),
     "--num-layers-at-start-in-bf16": (f"{FP8_TW} --first-last-layers-bf16 "
                                       "--num-layers-at-start-in-bf16 2", 1, 2),

@@ -7,7 +7,8 @@ megamoe extension that is not one of Megatron's choices), --fp8-margin,
 --fp8-amax-history-len, --fp8-amax-compute-algo, --first-last-layers-bf16 with
 --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16, --no-fp8-wgrad (alias
 --disable-fp8-wgrad), --moe-router-padding-for-quantization (alias
---moe-router-padding-for-fp8), --fp8-param-gather (tensorwise, delayed, blockwise), and
+--moe-router-padding-for-fp8), --fp8-param-gather (tensorwise, delayed, blockwise),
+--fp8-output-proj (the output layer in MXFP8), and
 --tp-only-amax-red (megatron-core's TransformerConfig.tp_only_amax_red, which Megatron-LM's
 parser does not expose: a megamoe extension). Every other FP8 flag of Megatron's parser is
 parsed so that a Megatron script gets "not supported yet: --flag" (config/unsupported.py),
@@ -64,7 +65,10 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> None:
                    help="keep the FP8 GEMMs' weights in FP8 (1 byte per value) and all-gather "
                         "them in FP8 from the distributed optimizer (tensorwise, delayed, "
                         "blockwise)")
-    for flag in ("--fp8-output-proj", "--keep-fp8-transpose-cache",
+    g.add_argument("--fp8-output-proj", action="store_true",
+                   help="the output layer's GEMMs (LM head, MTP heads) in MXFP8 too; needs "
+                        "--fp8-format and --fp8-recipe mxfp8")
+    for flag in ("--keep-fp8-transpose-cache",
                  "--reuse-grad-buf-for-mxfp8-param-ag"):
         g.add_argument(flag, action="store_true", help="not supported yet")
     g.add_argument("--fp8-quantizer-factory", default=None, help="not supported yet")

@@ -24,7 +24,9 @@ is_first_last_bf16_layer (fp8_utils.py), so pipeline stages agree; MTP layers st
 high precision while forward and dgrad stay FP8 (TE's override_linear_precision (False,
 False, True)); Megatron gives it to DelayedScaling only, so another recipe refuses it.
 `router_padding` (--moe-router-padding-for-quantization, alias --moe-router-padding-for-fp8):
-moe/quantization_padding.py.
+moe/quantization_padding.py. `output_proj` (--fp8-output-proj) runs the output layer's
+GEMMs (the LM head, and the MTP heads through it) in MXFP8 too; Megatron requires
+--fp8-format and --fp8-recipe mxfp8 for it (model/fp8/policy.py, docs/fp8.md).
 
 `param_gather` (--fp8-param-gather, Megatron's "keep the compute param in fp8 and perform
 the param all-gather in fp8"): the FP8 GEMMs' weights live in FP8 in the distributed
@@ -66,6 +68,7 @@ class Fp8Config:
     num_layers_at_start_in_bf16: int = flag("--num-layers-at-start-in-bf16", 1)
     num_layers_at_end_in_bf16: int = flag("--num-layers-at-end-in-bf16", 1)
     param_gather: bool = flag("--fp8-param-gather", False)
+    output_proj: bool = flag("--fp8-output-proj", False, dest="fp8_output_proj")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,8 +101,15 @@ class Fp8Config:
         require(not (self.param_gather and self.format is None),
                 "--fp8-param-gather must be used together with --fp8-format (Megatron-LM: "
                 "fp8_param must be used together with fp8 mode)")
+        # Megatron's TransformerConfig.__post_init__ rules for fp8_output_proj
+        require(not (self.output_proj and self.format is None),
+                "--fp8-output-proj must be used together with --fp8-format (Megatron-LM: "
+                "fp8_output_proj must be used together with fp8 mode)")
         if self.format is None:
             return
+        require(not self.output_proj or self.recipe == "mxfp8",
+                f"--fp8-output-proj requires --fp8-recipe mxfp8, got {self.recipe!r} "
+                "(Megatron-LM)")
         require(not self.param_gather or self.recipe in PARAM_GATHER_RECIPES
                 or self.recipe not in BUILT_RECIPES,
                 f"not supported yet: --fp8-param-gather with --fp8-recipe {self.recipe} "

@@ -293,6 +293,14 @@ class RunConfig:
             require(self.parallel.tensor_model_parallel_size == 1, "not supported yet: "
                     "--moe-router-padding-for-quantization with --tensor-model-parallel-size "
                     "> 1")
+        # Megatron's TELMHeadColumnParallelLinear refuses skip_weight_param_allocation: the
+        # MXFP8 head cannot use the word embedding's weight on the stage holding both
+        require(not self.fp8.output_proj or self.model.untie_embeddings_and_output_weights
+                or self.parallel.pipeline_model_parallel_size > 1,
+                "--fp8-output-proj with tied embeddings on one pipeline stage: Megatron-LM's "
+                "MXFP8 output layer cannot share the embedding's weight there (TE output "
+                "projection does not support skip_weight_param_allocation); add "
+                "--untie-embeddings-and-output-weights")
         if self.fp8.first_last_layers_bf16:  # Megatron's TransformerConfig bound
             per_stage = self.model.num_layers // self.parallel.pipeline_model_parallel_size
             for name in ("start", "end"):

@@ -28,7 +28,7 @@ NOT_SUPPORTED_YET = (
     # not built: cli/runhealth_args.py)
     "--error-injection-rate", "--error-injection-type",
     # FP8 features beyond the recipes (issue 32; cli/fp8_args.py)
-    "--fp8-output-proj", "--fp8-quantizer-factory",
+    "--fp8-quantizer-factory",
     "--keep-fp8-transpose-cache",
     "--reuse-grad-buf-for-mxfp8-param-ag",
 )

@@ -131,11 +131,16 @@ def num_parameters(config: ModelConfig) -> tuple[int, int]:
     return rest + sum(t for t, _, _ in layers), rest + sum(a for _, a, _ in layers)
 
 
+def output_matmul_parameters(config: ModelConfig) -> int:
+    """Output-layer weights one token is multiplied by: the real vocabulary's rows, once
+    per prediction (1 + --mtp-num-layers: the MTP depths run the same output layer)."""
+    return config.vocab_size * config.hidden_size * (1 + config.num_mtp_layers)
+
+
 def active_matmul_parameters(config: ModelConfig) -> int:
     """Weights one token is multiplied by (the M of the module docstring): the output
     layer once per prediction (1 + --mtp-num-layers)."""
-    output = config.vocab_size * config.hidden_size * (1 + config.num_mtp_layers)
-    return output + sum(mm for _, _, mm in _all_layer_params(config))
+    return output_matmul_parameters(config) + sum(mm for _, _, mm in _all_layer_params(config))
 
 
 def flops_per_token(config: ModelConfig) -> float:

@@ -109,6 +109,8 @@ class GPTModel(nn.Module):
         self.embedding = GPTEmbedding(config)
         self.decoder = TransformerBlock(config)
         self.output_layer = None
+        # --fp8-output-proj: the output GEMM (x, W, b) -> y the FP8 policy sets (model/fp8/)
+        self.output_fp8: Optional[Callable] = None
         if config.untie_embeddings_and_output_weights:
             # Same draws as Linear(H, padded_vocab); rows split like the word embedding.
             self.output_layer = VocabParallelEmbedding(
@@ -138,16 +140,23 @@ class GPTModel(nn.Module):
         docs = documents_for(document_ids)
         h_SBH = self.decoder(self.embedding(tokens_BS, position_ids), rotary, docs)
         w_VH = self.output_weight()
-        loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp)
+        gemm = self.output_fp8
+        loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp, gemm)
         return with_mtp_loss(self.mtp, loss, h_SBH, tokens_BS, position_ids, labels,
-                             loss_mask, self.embedding, loss_head(w_VH, self.config, self.tp),
+                             loss_mask, self.embedding,
+                             loss_head(w_VH, self.config, self.tp, gemm),
                              rotary, docs, mtp_token_scales)
 
 
-def loss_head(w_VH: torch.Tensor, config: ModelConfig, tp: TensorParallel
+OutputGemm = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def loss_head(w_VH: torch.Tensor, config: ModelConfig, tp: TensorParallel,
+              gemm: Optional[OutputGemm] = None
               ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(h, labels) -> per-token loss through the output layer `w_VH` (the MTP depths')."""
-    return lambda h_SBH, labels: lm_head(h_SBH, w_VH, labels, config, tp)
+    """(h, labels) -> per-token loss through the output layer `w_VH` (the MTP depths':
+    the same layer and GEMM as the main head, as Megatron's shared output_layer)."""
+    return lambda h_SBH, labels: lm_head(h_SBH, w_VH, labels, config, tp, gemm)
 
 
 def documents_for(document_ids_BS: Optional[torch.Tensor]) -> Optional[DocumentMask]:
@@ -172,13 +181,16 @@ def rotary_for(config: ModelConfig, tokens_BS: torch.Tensor,
 
 
 def lm_head(h_SBH: torch.Tensor, w_VH: torch.Tensor, labels: Optional[torch.Tensor],
-            config: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+            config: ModelConfig, tp: TensorParallel,
+            gemm: Optional[OutputGemm] = None) -> torch.Tensor:
     """Final hidden states (after the final norm) -> logits [B, S, vocab] or, with labels,
     per-token loss [B, S] (fp32). `w_VH` is this rank's [padded_vocab / TP, H] rows; only
-    its real-vocabulary rows are multiplied, so padded logits never exist."""
+    its real-vocabulary rows are multiplied, so padded logits never exist. `gemm`: the
+    output GEMM in FP8 (--fp8-output-proj), else F.linear."""
+    gemm = gemm or F.linear
     if tp.size == 1:
         h_BSH = h_SBH.transpose(0, 1)
-        logits_BSV = F.linear(h_BSH, w_VH[: config.vocab_size])
+        logits_BSV = gemm(h_BSH, w_VH[: config.vocab_size], None)
         if labels is None:
             return logits_BSV
         b, s, v = logits_BSV.shape
@@ -192,7 +204,7 @@ def lm_head(h_SBH: torch.Tensor, w_VH: torch.Tensor, labels: Optional[torch.Tens
         h_SBH = gather_from_sequence(h_SBH, tp.group)  # [S, B, H]
     else:
         h_SBH = copy_to_tp(h_SBH, tp.group)
-    logits_BSV = F.linear(h_SBH.transpose(0, 1), w_VH[:num_real_rows])  # [B, S, V_local]
+    logits_BSV = gemm(h_SBH.transpose(0, 1), w_VH[:num_real_rows], None)  # [B, S, V_local]
     if labels is None:
         return gather_vocab_logits(logits_BSV, config.vocab_size, per_rank, tp.group)
     return vocab_parallel_cross_entropy(logits_BSV, labels, vocab_start, tp.group)

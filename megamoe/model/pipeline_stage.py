@@ -47,6 +47,7 @@ class GPTStage(nn.Module):
         self.final_layernorm = full.decoder.final_layernorm if post_process else None
         self.output_layer = full.output_layer if post_process else None
         self.shared_output_weight = None
+        self.output_fp8 = None  # --fp8-output-proj: the output GEMM (as GPTModel's)
         self.recompute_groups: list[list[int]] = []  # full recompute, per model chunk
         self.mtp = full.mtp if post_process else None
         self.mtp_embedding = None  # the MTP lookup of a last stage without the embedding
@@ -91,9 +92,11 @@ class GPTStage(nn.Module):
             return h_SBH
         h_SBH = self.final_layernorm(h_SBH)
         w_VH = self.output_weight()
-        loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp)
+        gemm = self.output_fp8
+        loss = lm_head(h_SBH, w_VH, labels, self.config, self.tp, gemm)
         return with_mtp_loss(self.mtp, loss, h_SBH, tokens_BS, position_ids, labels,
-                             loss_mask, self._mtp_embed(), loss_head(w_VH, self.config, self.tp),
+                             loss_mask, self._mtp_embed(),
+                             loss_head(w_VH, self.config, self.tp, gemm),
                              rotary, docs, mtp_token_scales)
 
     def _mtp_embed(self):

@@ -20,6 +20,11 @@ are not counted; decoder layers --first-last-layers-bf16 keeps in bf16 keep no F
 --fp8-param-gather: the GEMMs keep the optimizer's FP8 weights, so no weight copies; those
 weights take 1 byte per value instead of the model dtype's (`fp8_primary_values`, applied
 by dry_run.py and the planner), and in an fp32 model they get an fp32 main slice.
+
+With --fp8-output-proj the last pipeline stage also keeps the output layer's copies, once
+per head (the LM head and each MTP depth's: each call quantises its own): the full
+sequence's hidden states (the head gathers them under SP) and this rank's real-vocabulary
+rows of the weight (the most of any TP rank), `output_copy_bytes`.
 """
 
 from __future__ import annotations
@@ -113,6 +118,20 @@ def fp8_primary_values(run: RunConfig, model: nn.Module | None,
                    for chunks in run.parallel.layer_ranges(run.model.num_layers)))
 
 
+def output_copy_bytes(run: RunConfig, tokens: int, with_scales: bool) -> float:
+    """What the output layer's FP8 GEMMs keep per micro-batch of `tokens` on this rank
+    (--fp8-output-proj; 0 without): per head, the input [tokens, H] and the weight's
+    [V_local, H] real-vocabulary rows in FP8, plus their scales (module doc)."""
+    f, m, tp = run.fp8, run.model, run.parallel.tensor_model_parallel_size
+    if not (f.enabled and f.output_proj):
+        return 0.0
+    h = m.hidden_size
+    rows = min(m.padded_vocab_size // tp, m.vocab_size)  # TP rank 0: the most real rows
+    scales = with_scales * scale_bytes_per_value(f.recipe, h, False)
+    w_scales = with_scales * scale_bytes_per_value(f.recipe, h, True)
+    return (1 + m.num_mtp_layers) * h * (tokens * (1 + scales) + rows * (1 + w_scales))
+
+
 def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = True,
                    cache: dict | None = None) -> int:
     """The FP8 copies autograd keeps on the most loaded pipeline stage (module doc);
@@ -132,6 +151,8 @@ def fp8_copy_bytes(run: RunConfig, model: nn.Module | None, with_scales: bool = 
         flight = pp + (pp - 1 - 2 * r) / vpp if vpp > 1 else pp - r
         stage = sum(tokens * layers.get(i, (0, 0, 0))[0] + layers.get(i, (0, 0, 0))[1]
                     for lo, hi in chunks for i in range(lo, hi))
+        if r == pp - 1:  # the last virtual stage: the output layer
+            stage += output_copy_bytes(run, tokens, with_scales)
         worst = max(worst, flight * stage)
     return int(worst)
 
@@ -157,6 +178,7 @@ def fp8_report(run: RunConfig, model: nn.Module | None) -> dict | None:
         else:
             gemms += 1
             tensors += per_gemm
+    gemms += bool(f.output_proj and model is not None)  # the output layer (MXFP8: no state)
     num_layers = run.model.num_layers
     stage = max(sum(hi - lo for lo, hi in chunks)
                 for chunks in par.layer_ranges(num_layers))

@@ -1,12 +1,13 @@
 """The FP8 share of the planner's GEMM time (planner.step_time with FP8 on).
 
 With --fp8-format the GEMMs the FP8 policy converts (model/fp8/policy.py: every linear
-inside the decoder and MTP layers and the routed experts) run at the GPU's FP8 peak; the
-rest stays at the bf16 peak: the attention core, the output layer, the router and the
-shared-expert gate (raw parameters, not converted linears), and every GEMM of a decoder
-layer that --first-last-layers-bf16 keeps in bf16 (policy.high_precision_layer). With
---no-fp8-wgrad the weight-gradient GEMMs stay in bf16 (4 of the 6 FLOPs per weight are
-FP8). Recompute's replayed forward counts the same way.
+inside the decoder and MTP layers and the routed experts, and with --fp8-output-proj the
+output layer's GEMMs for the LM head and every MTP head) run at the GPU's FP8 peak; the
+rest stays at the bf16 peak: the attention core, the output layer (without
+--fp8-output-proj), the router and the shared-expert gate (raw parameters, not converted
+linears), and every GEMM of a decoder layer that --first-last-layers-bf16 keeps in bf16
+(policy.high_precision_layer). With --no-fp8-wgrad the weight-gradient GEMMs stay in bf16
+(4 of the 6 FLOPs per weight are FP8). Recompute's replayed forward counts the same way.
 
 Both peaks are reached at the same fraction (the planner's gemm_efficiency): no FP8
 measurement exists yet to fit a separate one (docs/planner-calibration.md).
@@ -23,7 +24,11 @@ from __future__ import annotations
 from typing import Optional
 
 from megamoe.config import ConfigError, Fp8Config, ModelConfig, RecomputeConfig
-from megamoe.model.flops import fp8_flops_per_token, recompute_flops_per_token
+from megamoe.model.flops import (
+    fp8_flops_per_token,
+    output_matmul_parameters,
+    recompute_flops_per_token,
+)
 from megamoe.model.fp8.policy import high_precision_layer
 from megamoe.planning.gpu_peaks import no_fp8_message
 
@@ -41,7 +46,10 @@ def fp8_gemm_flops_per_token(model: ModelConfig, recompute: RecomputeConfig,
 
     def in_fp8(i: int) -> bool:  # MTP layers (i >= num_layers) always run in FP8
         return not high_precision_layer(fp8, i, model.num_layers)
-    return (fp8_flops_per_token(model, in_fp8, fp8.fp8_wgrad)
+    # --fp8-output-proj: the output layer's forward, dgrad and wgrad (MXFP8: FP8 wgrad;
+    # no recompute replays it), for the LM head and each MTP depth's head
+    output = 6 * output_matmul_parameters(model) if fp8.output_proj else 0
+    return (fp8_flops_per_token(model, in_fp8, fp8.fp8_wgrad) + output
             + recompute_flops_per_token(model, recompute, in_fp8))
 
 

@@ -3,9 +3,13 @@
 As Megatron with Transformer Engine: every linear inside the transformer layers (QKV,
 attention output, dense MLP fc1/fc2, shared experts, MLA's projections, MTP's eh_proj) and
 the routed experts' GEMMs run in FP8; the router, norms, softmax, embeddings, output
-layer and the optimizer stay in the model's precision. The layers are not changed: each
-gets an `fp8` GEMM (their forward calls it instead of F.linear / the grouped GEMM), so the
-parameters, their names and the checkpoints are the same with and without FP8.
+layer and the optimizer stay in the model's precision. --fp8-output-proj (MXFP8 only)
+adds the output layer's GEMMs, as Megatron's TELMHeadColumnParallelLinear: its forward,
+dgrad and wgrad, for the LM head and the MTP depths' heads (they call the same layer), on
+the tied or untied weight the head multiplies (`output_heads`). The layers are not
+changed: each gets an `fp8` GEMM (their forward calls it instead of F.linear / the grouped
+GEMM), so the parameters, their names and the checkpoints are the same with and without
+FP8.
 
 `Fp8State` holds every operand's scaling. Under delayed scaling `update()` runs once per
 training step, after the forward-backward pass: the current amax slots of all tensors are
@@ -29,7 +33,9 @@ from megamoe.model.fp8.linear import LinearScaling, fp8_linear
 from megamoe.model.fp8.params import Fp8Primary, primary
 from megamoe.model.fp8.quantize import format_dtypes
 from megamoe.model.fp8.scaling import Fp8Meta
+from megamoe.model.gpt_model import GPTModel
 from megamoe.model.mtp import MTPLayer
+from megamoe.model.pipeline_stage import GPTStage
 from megamoe.model.transformer_block import TransformerLayer
 from megamoe.moe.experts import GroupedExperts
 from megamoe.moe.grouped_gemm import as_group_sizes
@@ -83,6 +89,13 @@ def fp8_gemm_modules(model: nn.Module, config: Optional[Fp8Config] = None,
                 seen.add(id(sub))
                 out.append((sub_name, sub))
     return out
+
+
+def output_heads(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module of `model` that runs the output layer (a GPTModel,
+    or a last virtual pipeline stage): where --fp8-output-proj sets `output_fp8`."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, GPTModel) or (isinstance(m, GPTStage) and m.post_process)]
 
 
 class Fp8State:
@@ -177,6 +190,10 @@ def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
             m.fp8 = Fp8Gemm(state.new_scaling(name, 1, device))
     if config.param_gather:  # the distributed optimizer quantises and holds these weights
         mark_fp8_primary(model)
+    if config.output_proj:  # MXFP8 only (config/fp8.py): no delayed state to checkpoint
+        for name, m in output_heads(model):
+            prefix = f"{name}." if name else ""
+            m.output_fp8 = Fp8Gemm(state.new_scaling(f"{prefix}output_layer", 1, device))
     model.fp8_state = state
     return state
 

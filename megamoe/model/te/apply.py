@@ -16,7 +16,9 @@ each transformer layer TE's implementation of its parts, Megatron's TE spec
 each computing with the layer's own parameters (engine.py), and each layer's forward
 inside TE's autocast with the recipe of the --fp8-* flags (recipe.py). The router, the
 norms not fused (MoE layers' pre_mlp_layernorm, the final norm, q/k norms), embeddings
-and the output layer stay megamoe's, as do every collective and the MoE dispatch.
+and the output layer stay megamoe's, as do every collective and the MoE dispatch; with
+--fp8-output-proj the output layer's GEMM runs on TE's Linear under the autocast
+(output.py, Megatron's TELMHeadColumnParallelLinear).
 
 Not built yet (refused by `check_supported` before anything is built, and here for
 library callers): tensor and context parallelism (TE's own TP/SP/CP collectives are not
@@ -39,6 +41,7 @@ from megamoe.model.attention import SelfAttention
 from megamoe.model.fp8.policy import (
     fp8_gemm_modules,
     high_precision_layer,
+    output_heads,
     set_router_padding,
 )
 from megamoe.model.mla import MLASelfAttention
@@ -50,6 +53,7 @@ from megamoe.model.te.extra_state import TeExtraState
 from megamoe.model.te.linears import TeLinearGemm, TeNormLinearGemm
 from megamoe.model.te.loader import TransformerEngine, load_transformer_engine
 from megamoe.model.te.mla import convert_mla
+from megamoe.model.te.output import TeOutputGemm
 from megamoe.model.te.recipe import autocast_factory
 from megamoe.model.transformer_block import TransformerLayer
 from megamoe.moe.experts import GroupedExperts
@@ -76,7 +80,7 @@ def _check_model(model: nn.Module) -> None:
                 raise _refuse("--recompute-modules layernorm")
         if isinstance(m, MoELayer) and not isinstance(m.experts, GroupedExperts):
             raise _refuse("custom expert modules")
-        if getattr(m, "fp8", None) is not None:
+        if getattr(m, "fp8", None) is not None or getattr(m, "output_fp8", None) is not None:
             raise ValueError("the model's GEMMs already have an implementation (megamoe's "
                              "FP8 policy or Transformer Engine): install one, once")
 
@@ -153,6 +157,9 @@ def apply_transformer_engine(model: nn.Module, fp8: Fp8Config,
             m.eh_proj.fp8 = TeLinearGemm(te, m.eh_proj, bias=False,
                                          autocast=autocast if fp8.enabled else None)
             state.add(f"{name}.eh_proj", m.eh_proj.fp8.module)
+    if fp8.enabled and fp8.output_proj:  # MXFP8 (config/fp8.py): no extra state to save
+        for _, head in output_heads(model):
+            head.output_fp8 = TeOutputGemm(te, head, head.output_weight(), autocast)
     for name, m in fp8_gemm_modules(model):  # every GEMM FP8 would cover, TE covers
         if not isinstance(getattr(m, "fp8", None), TE_ENGINES):
             raise _refuse(f"the GEMM {name}")
