@@ -148,6 +148,7 @@ def _dp_worker(rank: int, world_size: int, recipe: str, extra: str) -> tuple[lis
     pytest.param("tensorwise", "--overlap-grad-reduce --overlap-param-gather "
                  "--ddp-bucket-size 2000", marks=pytest.mark.slow),
     pytest.param("delayed", "--expert-model-parallel-size 2", marks=pytest.mark.slow),
+    pytest.param("delayed", "--tp-only-amax-red", marks=pytest.mark.slow),
     pytest.param("tensorwise", "--tensor-model-parallel-size 2 --sequence-parallel",
                  marks=pytest.mark.slow),
 ])
@@ -157,7 +158,9 @@ def test_data_parallel_gathers_fp8_and_trains_as_without_the_flag(recipe, extra)
     all-gathered: the losses of DP2 without the flag, bitwise (grad norms to fp32
     rounding: the flag adds buffers, which changes the norm's summation order). Slow:
     delayed, the gathers overlapped with the forward in buckets, EP2 (experts unsharded:
-    EDP 1) and TP2+SP (DP 1: nothing gathered; per-shard scales, as without the flag)."""
+    EDP 1), TP2+SP (DP 1: nothing gathered; per-shard scales, as without the flag) and
+    delayed with --tp-only-amax-red (the cast reduces each weight's amax over DP itself, as
+    TE: else the DP ranks' scales part and the gathered bytes decode wrong)."""
     from tests.distributed import run_distributed
 
     for plain, primary in run_distributed(_dp_worker, 2, 240, recipe, extra):

@@ -13,9 +13,11 @@ for an [E, K, M] expert weight):
 - tensorwise: amax of each fp32 main weight, this rank's pieces max-reduced over the shard
   group (one all-reduce per buffer), scale = fp8_max / amax (quantize.current_scale), so
   every rank holds every scale and only bytes are gathered;
-- delayed: the weight's current delayed scale (Fp8Meta.scale, equal on the amax group);
-  this rank's piece amaxes go into the current amax-history slot, which the step's
-  update reduces over the amax group (TP x DP x CP, a superset of the shard group);
+- delayed: the weight's current delayed scale (Fp8Meta.scale); the weight's amax, reduced
+  over the shard group as tensorwise's, goes into the current amax-history slot (which
+  the step's update reduces over the amax group). Reducing here, as TE does, keeps the
+  scales of a weight equal on the ranks that gather its bytes even when the amax group
+  leaves DP out (--tp-only-amax-red);
 - blockwise: one power-of-2 scale per 128x128 block of each weight (of each expert's
   [K, M]), from the block's amax over the pieces that cross it, max-reduced as
   tensorwise's (TE's fp8_block_scaling_compute_partial_amax / partial_cast).
@@ -97,12 +99,12 @@ class Fp8FlatShards(FlatShards):
             for index, a, b in self._chunks(k, piece):
                 amax.scatter_reduce_(0, index, piece.main[a:b].abs(), "amax")
         metas = [primary(p).meta for _, p in self.params]
-        if metas[0].delayed:  # each meta records this rank's amaxes, returns its scales
+        if self.size > 1:  # each weight's amax over its pieces (TE reduces over DP here)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        if metas[0].delayed:  # each meta records the amaxes, returns its scales
             return torch.cat([meta.scale_for(amax[lo:lo + primary(p).num_scales])
                               for (_, p), lo, meta in zip(self.params, self.scale_offsets,
                                                           metas)])
-        if self.size > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         if metas[0].recipe == "blockwise":  # power-of-2 block scales, as the forward's
             return pow2_scale(amax, metas[0].fp8_max)
         return current_scale(amax, metas[0].fp8_max)
@@ -110,7 +112,7 @@ class Fp8FlatShards(FlatShards):
     @torch.no_grad()
     def cast(self) -> None:
         """Quantise this rank's main shard into its slice of the FP8 buffer and give every
-        weight its new scales (collective over the shard group, but under delayed)."""
+        weight its new scales (collective over the shard group)."""
         scales = self._scales()
         own = self.param_buffer.view(primary(self.params[0][1]).meta.dtype)
         for k, piece in self.piece_at.items():
