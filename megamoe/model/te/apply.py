@@ -20,12 +20,30 @@ and the output layer stay megamoe's, as do every collective and the MoE dispatch
 --fp8-output-proj the output layer's GEMM runs on TE's Linear under the autocast
 (output.py, Megatron's TELMHeadColumnParallelLinear).
 
-Not built yet (refused by `check_supported` before anything is built, and here for
-library callers): tensor and context parallelism (TE's own TP/SP/CP collectives are not
-wired), document masks (--reset-attention-mask), --compile,
---recompute-modules layernorm (the norms are fused into the linears), and activation
-recompute under delayed FP8 scaling (a torch checkpoint's replay would update TE's amax
-state a second time; TE's own checkpoint is not wired).
+Tensor (+ sequence) parallelism: each TE module runs this rank's *local* GEMM (TE's
+parallel_mode None, local shapes: the layers' sharded parameters), and megamoe's
+Column/RowParallelLinear keep running the collectives around the hook, as for `local`.
+The fused norm of a LayerNormLinear then sits inside the column-parallel region (after
+the input's all-gather under SP, after the identity-forward / all-reduce-backward copy
+without SP): its weight's gradient on each TP rank is the part from that rank's output
+columns only, and is summed over TP (linears.py `TeNormLinearGemm`). Megatron's TE
+LayerNormLinear (parallel_mode "column") all-reduces the input gradient before the norm's
+backward instead; the norm's gradient is linear in that input gradient, so the sums are
+the same. Core attention gets the local head counts; the routed experts' GroupedLinear
+the local (expert-tensor-parallel) shards.
+
+Context parallelism: the core attention stays megamoe's (parallel/context_parallel.py:
+ring or all-to-all, --cp-comm-type) and no DotProductAttention is built (for MLA neither,
+te/mla.py); TE runs the linears. Megatron runs TE's own CP attention (cp_group /
+cp_comm_type): the same algorithm, not the same kernels.
+
+Not built yet (refused by `check_run` before anything is built, and here for library
+callers): --tp-comm-overlap (its collective matmul bypasses the GEMM hook: TE's
+userbuffers are not wired), multi-latent attention with TP > 1 (te/mla.py), document
+masks (--reset-attention-mask), --compile, --recompute-modules layernorm (the norms are
+fused into the linears), and activation recompute under delayed FP8 scaling (a torch
+checkpoint's replay would update TE's amax state a second time; TE's own checkpoint is not
+wired).
 """
 
 from __future__ import annotations
@@ -37,7 +55,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megamoe.config.fp8 import Fp8Config
-from megamoe.model.attention import SelfAttention
 from megamoe.model.fp8.policy import (
     fp8_gemm_modules,
     high_precision_layer,
@@ -71,10 +88,8 @@ def _check_model(model: nn.Module) -> None:
     """What the engines cannot take over (the run's checks name the flags first)."""
     for m in model.modules():
         tp = getattr(m, "tp", None)
-        if tp is not None and tp.size > 1:
-            raise _refuse("--tensor-model-parallel-size > 1")
-        if isinstance(m, (SelfAttention, MLASelfAttention)) and m.cp_group is not None:
-            raise _refuse("--context-parallel-size > 1")
+        if tp is not None and tp.comm_overlap is not None:
+            raise _refuse("--tp-comm-overlap")
         if isinstance(m, TransformerLayer):
             if m.recompute_norms:
                 raise _refuse("--recompute-modules layernorm")
@@ -91,14 +106,15 @@ def _convert_attention(te: TransformerEngine, name: str, layer: TransformerLayer
     attn.linear_qkv.fp8 = TeNormLinearGemm(te, layer.input_layernorm, attn.linear_qkv)
     layer.fused_input_norm = True
     attn.linear_proj.fp8 = TeLinearGemm(te, attn.linear_proj, bias=False)
-    heads = attn.linear_qkv.local_blocks[0] // attn.head_dim
-    groups = attn.linear_qkv.local_blocks[1] // attn.head_dim
-    attn.te_core_attention = TeCoreAttention(te, attn, num_heads=heads, num_groups=groups,
-                                             head_dim=attn.head_dim,
-                                             layer_number=layer.layer_index + 1)
     prefix = f"{name}.self_attention"
     state.add(f"{prefix}.linear_qkv", attn.linear_qkv.fp8.module)
-    state.add(f"{prefix}.core_attention", attn.te_core_attention.module)
+    if attn.cp_group is None:  # (under CP megamoe's CP core attention runs: docstring)
+        heads = attn.linear_qkv.local_blocks[0] // attn.head_dim  # this TP rank's heads
+        groups = attn.linear_qkv.local_blocks[1] // attn.head_dim
+        attn.te_core_attention = TeCoreAttention(te, attn, num_heads=heads,
+                                                 num_groups=groups, head_dim=attn.head_dim,
+                                                 layer_number=layer.layer_index + 1)
+        state.add(f"{prefix}.core_attention", attn.te_core_attention.module)
     state.add(f"{prefix}.linear_proj", attn.linear_proj.fp8.module)
 
 

@@ -13,6 +13,14 @@ module's `layer_norm_weight` (and `layer_norm_bias` under LayerNorm) *are* the l
 own norm (`TransformerLayer.fused_input_norm` / `fused_pre_mlp_norm`). Checkpoints keep
 megamoe's names (`input_layernorm.weight`); Megatron's TE-spec name
 `linear_qkv.layer_norm_weight` is written by tools/checkpoint's Megatron export.
+
+Under tensor parallelism the column layer hands the hook its input inside the TP region,
+so TE's fused norm runs there, on every TP rank (on the gathered sequence under SP: a
+per-token norm commutes with the gather). The norm's weight (and bias) gradient on a rank
+then comes only from that rank's output columns: `TeNormLinearGemm` marks them for the
+gradient reduction's sum over TP (`mark_tp_partial`, the mark sequence parallelism and
+per-head q/k norms use; under SP they are marked already). The mark is read by that sum
+only (training/optim), not by checkpoints or the grad norm's counting.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from torch import nn
 from megamoe.model.norms import LayerNorm, RMSNorm
 from megamoe.model.te.engine import Engine, no_init, share
 from megamoe.model.te.loader import TransformerEngine
+from megamoe.parallel.tensor_parallel import mark_tp_partial
 
 
 def _common_kwargs(weight: torch.Tensor) -> dict:
@@ -70,7 +79,8 @@ def norm_kind(norm: nn.Module) -> str:
 
 class TeNormLinearGemm(Engine):
     """The GEMM hook of a column linear whose input norm TE fuses (LayerNormLinear): the
-    layer hands it the un-normalised input."""
+    layer hands it the un-normalised input (under TP the norm's gradient is partial:
+    summed over TP, module docstring)."""
 
     def __init__(self, te: TransformerEngine, norm: nn.Module, owner: nn.Module) -> None:
         out_features, in_features = owner.weight.shape
@@ -83,6 +93,7 @@ class TeNormLinearGemm(Engine):
             share(module, "layer_norm_bias", norm.bias)
         share(module, "weight", owner.weight)
         share(module, "bias", owner.bias)
+        mark_tp_partial(norm, owner.tp)
         super().__init__(module, owner)
         self.norm = norm
 

@@ -11,7 +11,8 @@ norm placement of mla_qk_norm_config.py's QKNormConfigResolver:
   q_layernorm + linear_q_up_proj       -> LayerNormLinear with --qk-layernorm (the norm
   kv_layernorm + linear_kv_up_proj        fused: TELayerNormColumnParallelLinear), else Linear
   core attention                       -> DotProductAttention, kv_channels=(q head dim,
-                                          v head dim), MLA's softmax scale
+                                          v head dim), MLA's softmax scale (under CP
+                                          megamoe's CP attention, none built: te/apply.py)
   linear_proj                          -> Linear (TERowParallelLinear; megamoe adds the bias)
 
 Each module computes with MLASelfAttention's own parameters (engine.py), so the names and
@@ -66,6 +67,8 @@ def convert_mla(te: TransformerEngine, prefix: str, attn: MLASelfAttention,
         getattr(attn, sub).fp8 = engine
         state.add(f"{prefix}.{sub}", engine.module)
     attn.fused_latent_norms = True
+    if attn.cp_group is not None:  # megamoe's CP core attention runs (te/apply.py)
+        return
     heads = attn.linear_kv_up_proj.weight.shape[0] // (attn.qk_head_dim + attn.v_head_dim)
     attn.te_core_attention = TeCoreAttention(
         te, attn, num_heads=heads, num_groups=heads, head_dim=attn.q_head_dim,
