@@ -179,7 +179,8 @@ def test_te_without_its_compiled_extension_is_missing():
 
 
 @pytest.mark.parametrize("flags,says", [
-    ("--tensor-model-parallel-size 2 --sequence-parallel", "--tensor-model-parallel-size"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap",
+     "--tp-comm-overlap"),
     ("--recompute-granularity selective --recompute-modules layernorm",
      "--recompute-modules layernorm"),
     ("--fp8-format e4m3 --recompute-granularity selective --recompute-modules moe",
@@ -192,6 +193,17 @@ def test_what_te_does_not_build_yet_is_named(flags, says):
                                                       f"{flags}"), world_size=2), 97)
     with pytest.raises(ConfigError, match=f"not supported yet: {says}"):
         check_run(run)
+
+
+@pytest.mark.parametrize("layout", [
+    "--tensor-model-parallel-size 2 --sequence-parallel",
+    "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
+    "--context-parallel-size 2", "--context-parallel-size 2 --cp-comm-type a2a"])
+def test_te_takes_tensor_and_context_parallel_layouts(layout):
+    """TP (+ SP, any ETP) and CP are built under TE (test_transformer_engine_parallel.py,
+    tests/training/test_transformer_engine_training.py): the run's checks let them pass."""
+    check_run(run_config_from_args(parse_args(shlex.split(
+        f"{TINY_MOE} --train-iters 1 {TE} {layout}"), world_size=2), 97))
 
 
 def test_model_config_names_a_bad_transformer_impl():

@@ -3,7 +3,8 @@ tests/te_stand_in). Checkpoints move between local and transformer_engine runs: 
 parameters under the same names either way, TE's extra state carried in common.pt and
 restored by a TE run, ignored by a local one; and the command line's one-line refusals of
 what the TE path does not build yet. (Without TE: tests/scripts/test_megatron_flags.py.)
-Slow: EP2 and PP2 on TE against one local process."""
+CP2 on TE against one local process; slow: EP2, PP2, TP2+SP (ETP 2 and 1), CP2 a2a and a
+dense model at TP2 without SP."""
 
 from __future__ import annotations
 
@@ -100,6 +101,57 @@ def _te_worker(rank: int, world_size: int, extra: str) -> list[float]:
         args = parse_args(shlex.split(f"{TINY_MOE} --train-iters 3 {TE} {extra}"),
                           world_size=world_size)
         return [h["lm loss"] for h in pretrain(args, print_fn=lambda _m: None).history]
+
+
+def _loss_and_norm(flags: str, world_size: int = 1) -> list[tuple[float, float]]:
+    args = parse_args(shlex.split(flags), world_size=world_size)
+    return [(h["lm loss"], h["grad norm"])
+            for h in pretrain(args, print_fn=lambda _m: None).history]
+
+
+def _te_loss_and_norm_worker(rank: int, world_size: int, flags: str):
+    with installed():
+        return _loss_and_norm(f"{flags} {TE}", world_size)
+
+
+# --clip-grad 0.05: clipping active, so a wrong grad norm changes the later losses too
+MIXED = f"{TINY_MOE} --train-iters 3 --moe-layer-freq ([0]+[1]) --clip-grad 0.05"
+DENSE = (TINY_MOE.replace("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
+                          "--moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
+                          "--moe-z-loss-coeff 1e-3 ", "")
+         + " --train-iters 3 --normalization LayerNorm --add-qkv-bias --clip-grad 0.05")
+
+
+def _same_losses_and_norms(want: list, got: list) -> None:
+    """1e-5 relative: the layouts' reductions sum in another order than one process."""
+    assert len(want) == len(got) == 3
+    for (la, na), (lb, nb) in zip(want, got):
+        assert abs(la - lb) <= 1e-5 * abs(la) and abs(na - nb) <= 1e-5 * abs(na), (want, got)
+    assert all(n > 0.05 for _, n in want)  # (the clipping was active)
+
+
+@pytest.mark.parametrize("flags,layout", [
+    (MIXED, "--context-parallel-size 2"),
+    pytest.param(MIXED, "--context-parallel-size 2 --cp-comm-type a2a",
+                 marks=pytest.mark.slow),
+    pytest.param(MIXED, "--tensor-model-parallel-size 2 --sequence-parallel",
+                 marks=pytest.mark.slow),
+    pytest.param(MIXED, "--tensor-model-parallel-size 2 --sequence-parallel "
+                 "--expert-tensor-parallel-size 1", marks=pytest.mark.slow),
+    pytest.param(DENSE, "--tensor-model-parallel-size 2", marks=pytest.mark.slow)],
+    ids=["cp2", "cp2_a2a", "tp2_sp", "tp2_sp_etp1", "dense_tp2"])
+def test_te_tensor_and_context_parallel_training_matches_one_process(flags, layout):
+    """3 steps on 2 ranks under TE (CP: megamoe's CP core attention, TE's linears; TP: TE's
+    local GEMMs inside megamoe's TP layers, the fused norms' gradients summed over TP)
+    give one local process's losses and grad norms, and TE's at one process."""
+    from tests.distributed import run_distributed
+
+    single = _loss_and_norm(flags)
+    with installed():
+        te_single = _loss_and_norm(f"{flags} {TE}")
+    _same_losses_and_norms(single, te_single)
+    for got in run_distributed(_te_loss_and_norm_worker, 2, 240, f"{flags} {layout}"):
+        _same_losses_and_norms(single, got)
 
 
 @pytest.mark.slow
