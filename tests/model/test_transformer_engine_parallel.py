@@ -40,10 +40,12 @@ _MOE_FLAGS = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
 assert _MOE_FLAGS in TINY_MOE
 # A dense model (no MoE: TP without SP is allowed), LayerNorm (weight and bias fused into
 # LayerNormLinear), qkv biases; and a dense + an MoE layer with shared experts under SP.
+# An MTP depth (eh_proj on TE's Linear, column-parallel) in the first; per-head q/k norms
+# (megamoe's, TP-partial gradients) in the second.
 DENSE = (TINY_MOE.replace(_MOE_FLAGS, "") + " --normalization LayerNorm --add-qkv-bias "
-         "--ffn-hidden-size 40 --train-iters 1")
+         "--ffn-hidden-size 40 --mtp-num-layers 1 --train-iters 1")
 MOE = (f"{TINY_MOE} --moe-layer-freq ([0]+[1]) --moe-shared-expert-intermediate-size 32 "
-       "--ffn-hidden-size 40 --train-iters 1")
+       "--ffn-hidden-size 40 --qk-layernorm --train-iters 1")
 CASES = {"dense_tp2": (DENSE, "--tensor-model-parallel-size 2"),
          "moe_tp2_sp": (MOE, "--tensor-model-parallel-size 2 --sequence-parallel")}
 RTOL = 1e-5
@@ -87,6 +89,20 @@ def _step(model, mesh=None) -> dict:
             "fused": sorted(fused_norms(model))}
 
 
+def _amax_groups(flags: str, world_size: int, mesh) -> list[str]:
+    """Which of the mesh's groups TE's autocast gets as its amax reduction group under
+    delayed scaling, without and with --tp-only-amax-red (compared as objects: on 2 ranks
+    every group has the same members)."""
+    names = []
+    for extra in ("", "--tp-only-amax-red"):
+        run = _run(f"{flags} {TE} --fp8-format hybrid --fp8-recipe delayed {extra}",
+                   world_size)
+        with build_model(run, mesh).decoder.layers[0].quantization() as autocast:
+            group = autocast.state[2]
+        names.append(next(n for n in ("tp_dp_cp", "tp_cp", "tp") if mesh.group(n) is group))
+    return names
+
+
 def _layout_worker(rank: int, world_size: int, cases: dict) -> dict:
     out, mesh = {}, None
     for key, (flags, layout) in cases.items():
@@ -94,6 +110,7 @@ def _layout_worker(rank: int, world_size: int, cases: dict) -> dict:
         mesh = mesh or build_mesh(local.parallel, "gloo", torch.device("cpu"))
         with installed():
             te = _step(build_model(_run(f"{flags} {layout} {TE}", world_size), mesh), mesh)
+            te["amax groups"] = _amax_groups(f"{flags} {layout}", world_size, mesh)
         out[key] = {"local": _step(build_model(local, mesh), mesh), "te": te}
     return out
 
@@ -105,6 +122,8 @@ def _te_tp1(flags: str) -> dict:
 
 def _check_layout(key: str, got: dict, tp1: dict) -> None:
     te, local = got["te"], got["local"]
+    # Megatron's get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red)
+    assert te["amax groups"] == ["tp_dp_cp", "tp_cp"], te["amax groups"]
     assert te["fused"] and te["fused"] == tp1["fused"], (te["fused"], tp1["fused"])
     assert te["grads"].keys() == local["grads"].keys()
     for name, g in local["grads"].items():  # TE = local at the same layout
