@@ -138,19 +138,23 @@ def _same_losses_and_norms(want: list, got: list) -> None:
                  marks=pytest.mark.slow),
     pytest.param(MIXED, "--tensor-model-parallel-size 2 --sequence-parallel "
                  "--expert-tensor-parallel-size 1", marks=pytest.mark.slow),
-    pytest.param(DENSE, "--tensor-model-parallel-size 2", marks=pytest.mark.slow)],
-    ids=["cp2", "cp2_a2a", "tp2_sp", "tp2_sp_etp1", "dense_tp2"])
+    pytest.param(DENSE, "--tensor-model-parallel-size 2", marks=pytest.mark.slow),
+    pytest.param(DENSE, "--tensor-model-parallel-size 2 --use-distributed-optimizer "
+                 "--overlap-grad-reduce", marks=pytest.mark.slow)],
+    ids=["cp2", "cp2_a2a", "tp2_sp", "tp2_sp_etp1", "dense_tp2", "dense_dp2_x_tp2_overlap"])
 def test_te_tensor_and_context_parallel_training_matches_one_process(flags, layout):
-    """3 steps on 2 ranks under TE (CP: megamoe's CP core attention, TE's linears; TP: TE's
-    local GEMMs inside megamoe's TP layers, the fused norms' gradients summed over TP)
-    give one local process's losses and grad norms, and TE's at one process."""
+    """3 steps under TE (CP: megamoe's CP core attention, TE's linears; TP: TE's local
+    GEMMs inside megamoe's TP layers, the fused norms' gradients summed over TP; with the
+    distributed optimizer's overlapped reduce-scatters, on their slices) give one local
+    process's losses and grad norms, and TE's at one process. 2 ranks; DP2 x TP2 on 4."""
     from tests.distributed import run_distributed
 
     single = _loss_and_norm(flags)
     with installed():
         te_single = _loss_and_norm(f"{flags} {TE}")
     _same_losses_and_norms(single, te_single)
-    for got in run_distributed(_te_loss_and_norm_worker, 2, 240, f"{flags} {layout}"):
+    world = 4 if "--overlap-grad-reduce" in layout else 2
+    for got in run_distributed(_te_loss_and_norm_worker, world, 240, f"{flags} {layout}"):
         _same_losses_and_norms(single, got)
 
 
