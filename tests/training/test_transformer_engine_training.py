@@ -3,8 +3,9 @@ tests/te_stand_in). Checkpoints move between local and transformer_engine runs: 
 parameters under the same names either way, TE's extra state carried in common.pt and
 restored by a TE run, ignored by a local one; and the command line's one-line refusals of
 what the TE path does not build yet. (Without TE: tests/scripts/test_megatron_flags.py.)
-CP2 on TE against one local process; slow: EP2, PP2, TP2+SP (ETP 2 and 1), CP2 a2a and a
-dense model at TP2 without SP."""
+CP2 on TE against one local process; slow: EP2, PP2, TP2+SP (ETP 2 and 1), CP2 a2a, MLA
+at CP2, a dense model at TP2 without SP (and at DP2 x TP2 with overlapped reduce-scatters).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megamoe.cli.arguments import parse_args
 from megamoe.cli.main import pretrain
 from megamoe.model.te.extra_state import TeExtraState
 from megamoe.training.checkpoint.safe_load import CheckpointError
+from tests.model.test_transformer_engine_mla import MLA
 from tests.te_stand_in import installed
 from tests.training.test_pretrain import TINY_MOE
 
@@ -140,8 +142,12 @@ def _same_losses_and_norms(want: list, got: list) -> None:
                  "--expert-tensor-parallel-size 1", marks=pytest.mark.slow),
     pytest.param(DENSE, "--tensor-model-parallel-size 2", marks=pytest.mark.slow),
     pytest.param(DENSE, "--tensor-model-parallel-size 2 --use-distributed-optimizer "
-                 "--overlap-grad-reduce", marks=pytest.mark.slow)],
-    ids=["cp2", "cp2_a2a", "tp2_sp", "tp2_sp_etp1", "dense_tp2", "dense_dp2_x_tp2_overlap"])
+                 "--overlap-grad-reduce", marks=pytest.mark.slow),
+    pytest.param(f"{MLA} --q-lora-rank 16 --qk-layernorm --train-iters 3 --clip-grad 0.05",
+                 "--context-parallel-size 2",
+                 marks=pytest.mark.slow)],
+    ids=["cp2", "cp2_a2a", "tp2_sp", "tp2_sp_etp1", "dense_tp2", "dense_dp2_x_tp2_overlap",
+         "mla_cp2"])
 def test_te_tensor_and_context_parallel_training_matches_one_process(flags, layout):
     """3 steps under TE (CP: megamoe's CP core attention, TE's linears; TP: TE's local
     GEMMs inside megamoe's TP layers, the fused norms' gradients summed over TP; with the
