@@ -25,6 +25,7 @@ from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.te.apply import apply_transformer_engine
+from megamoe.moe.losses import set_aux_loss_backward_scale
 from megamoe.parallel.mesh import build_mesh
 from megamoe.training.build import build_model
 from megamoe.training.optim.grads import (
@@ -73,6 +74,7 @@ def fused_norms(model) -> dict[str, torch.nn.Parameter]:
 def _step(model, mesh=None) -> dict:
     """One forward/backward on fixed tokens, the gradients reduced as training reduces
     them: loss, grad norm, every gradient, the fused norms' names."""
+    set_aux_loss_backward_scale(1.0)  # (a process-wide scale an earlier run may have set)
     torch.manual_seed(1)
     tokens, labels = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
     model.zero_grad(set_to_none=True)
