@@ -134,9 +134,7 @@ def test_fp8_runs_every_mla_module_under_tes_recipe_and_keeps_its_state():
         assert saved[name].numel() and restored[name]["steps"] == 1, name
 
 
-@pytest.mark.parametrize("flags,says", [
-    ("--tensor-model-parallel-size 2 --sequence-parallel",
-     "--multi-latent-attention with --tensor-model-parallel-size > 1"),
+@pytest.mark.parametrize("flags,says", [  # (MLA at TP > 1: test_transformer_engine_parallel)
     ("--fp8-format e4m3 --recompute-granularity selective --recompute-modules mla_up_proj",
      "--recompute-modules mla_up_proj with --fp8-format"),
 ])

@@ -8,7 +8,8 @@ ranks: after the gradient reduction, the TE model's loss, grad norm and every gr
 equal the local model's at the same layout, and its loss, grad norm and fused norms'
 gradients equal TE's at TP1 (one process). A dense model at TP2 (LayerNorm with biases:
 both fused-norm parameters) and a model with a dense and an MoE layer (shared experts,
-routed experts split over ETP = TP = 2) at TP2+SP.
+routed experts split over ETP = TP = 2) at TP2+SP; multi-latent attention with both
+latent norms fused, dense at TP2 (and with an MoE layer at TP2+SP: slow).
 
 Tolerances: TE and local at the same layout run the same formulas in the same order
 (equal on this CPU, compared to fp32 rounding); against TP1 the TP reductions sum in
@@ -25,6 +26,7 @@ from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config.fp8 import Fp8Config
 from megamoe.model.te.apply import apply_transformer_engine
+from megamoe.model.te.support import check_run
 from megamoe.moe.losses import set_aux_loss_backward_scale
 from megamoe.parallel.mesh import build_mesh
 from megamoe.training.build import build_model
@@ -49,8 +51,20 @@ DENSE = (TINY_MOE.replace(_MOE_FLAGS, "") + " --normalization LayerNorm --add-qk
          "--ffn-hidden-size 40 --mtp-num-layers 1 --train-iters 1")
 MOE = (f"{TINY_MOE} --moe-layer-freq ([0]+[1]) --moe-shared-expert-intermediate-size 32 "
        "--ffn-hidden-size 40 --qk-layernorm --train-iters 1")
+# Multi-latent attention with q compression and --qk-layernorm (both latent norms fused
+# into the up projections): a dense model at TP2 (the norms replicated, fed the whole
+# sequence), and with an MoE layer at TP2+SP (slow).
+_MLA_FLAGS = ("--multi-latent-attention --kv-lora-rank 8 --qk-head-dim 8 "
+              "--qk-pos-emb-head-dim 4 --v-head-dim 6 --q-lora-rank 16 --qk-layernorm ")
+MLA_DENSE = (TINY_MOE.replace(_MOE_FLAGS, "").replace("--group-query-attention ", "")
+             + f" {_MLA_FLAGS} --ffn-hidden-size 40 --train-iters 1")
+MLA_MOE = (TINY_MOE.replace("--group-query-attention ", "") + f" {_MLA_FLAGS} "
+           "--moe-layer-freq ([0]+[1]) --ffn-hidden-size 40 --train-iters 1")
 CASES = {"dense_tp2": (DENSE, "--tensor-model-parallel-size 2"),
-         "moe_tp2_sp": (MOE, "--tensor-model-parallel-size 2 --sequence-parallel")}
+         "moe_tp2_sp": (MOE, "--tensor-model-parallel-size 2 --sequence-parallel"),
+         "mla_dense_tp2": (MLA_DENSE, "--tensor-model-parallel-size 2")}
+SLOW_CASES = {"mla_moe_tp2_sp": (MLA_MOE, "--tensor-model-parallel-size 2 "
+                                          "--sequence-parallel")}
 RTOL = 1e-5
 
 
@@ -65,6 +79,10 @@ def fused_norms(model) -> dict[str, torch.nn.Parameter]:
         norms = [("input_layernorm", layer.input_layernorm)] if layer.fused_input_norm else []
         if layer.fused_pre_mlp_norm:
             norms.append(("pre_mlp_layernorm", layer.pre_mlp_layernorm))
+        attn = layer.self_attention
+        if getattr(attn, "fused_latent_norms", False):  # MLA's, in its up projections
+            norms += [(f"self_attention.{n}", getattr(attn, n))
+                      for n in ("q_layernorm", "kv_layernorm")]
         for norm_name, norm in norms:
             for p_name, p in norm.named_parameters():
                 out[f"decoder.layers.{name}.{norm_name}.{p_name}"] = p
@@ -164,3 +182,19 @@ def test_te_under_tensor_and_sequence_parallelism_matches_local_and_tp1():
         for got in per_rank:
             _check_layout(key, got[key], tp1)
     assert all("overlap" in got["moe_tp2_sp"]["te"] for got in per_rank)
+
+
+@pytest.mark.slow
+def test_te_mla_under_sequence_parallelism_matches_local_and_tp1():
+    per_rank = run_distributed(_layout_worker, 2, 240, SLOW_CASES)
+    for key, (flags, _layout) in SLOW_CASES.items():
+        tp1 = _te_tp1(flags)
+        for got in per_rank:
+            _check_layout(key, got[key], tp1)
+
+
+def test_the_runs_checks_take_mla_under_tp_sp_and_cp():
+    """(Until this change the TE path refused MLA at TP > 1 and every model at CP > 1.)"""
+    for layout in ("--tensor-model-parallel-size 2 --sequence-parallel",
+                   "--context-parallel-size 2"):
+        check_run(_run(f"{MLA_MOE} {TE} {layout}", 2))

@@ -29,8 +29,8 @@ without SP): its weight's gradient on each TP rank is the part from that rank's 
 columns only, and is summed over TP (linears.py `TeNormLinearGemm`). Megatron's TE
 LayerNormLinear (parallel_mode "column") all-reduces the input gradient before the norm's
 backward instead; the norm's gradient is linear in that input gradient, so the sums are
-the same. Core attention gets the local head counts; the routed experts' GroupedLinear
-the local (expert-tensor-parallel) shards.
+the same (MLA's fused latent norms likewise, te/mla.py). Core attention gets the local
+head counts; the routed experts' GroupedLinear the local (expert-tensor-parallel) shards.
 
 Context parallelism: the core attention stays megamoe's (parallel/context_parallel.py:
 ring or all-to-all, --cp-comm-type) and no DotProductAttention is built (for MLA neither,
@@ -39,11 +39,10 @@ cp_comm_type): the same algorithm, not the same kernels.
 
 Not built yet (refused by `check_run` before anything is built, and here for library
 callers): --tp-comm-overlap (its collective matmul bypasses the GEMM hook: TE's
-userbuffers are not wired), multi-latent attention with TP > 1 (te/mla.py), document
-masks (--reset-attention-mask), --compile, --recompute-modules layernorm (the norms are
-fused into the linears), and activation recompute under delayed FP8 scaling (a torch
-checkpoint's replay would update TE's amax state a second time; TE's own checkpoint is not
-wired).
+userbuffers are not wired), document masks (--reset-attention-mask), --compile,
+--recompute-modules layernorm (the norms are fused into the linears), and activation
+recompute under delayed FP8 scaling (a torch checkpoint's replay would update TE's amax
+state a second time; TE's own checkpoint is not wired).
 """
 
 from __future__ import annotations

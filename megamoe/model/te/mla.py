@@ -19,6 +19,14 @@ Each module computes with MLASelfAttention's own parameters (engine.py), so the 
 checkpoints are the local path's; with the norms fused MLASelfAttention skips its own
 (`fused_latent_norms`), as TransformerLayer skips a fused input norm.
 
+Under TP (te/apply.py) the modules run the local GEMMs inside MLASelfAttention's own TP
+layers: the replicated down projections on the whole input, the column-parallel up
+projections on this rank's heads. A fused latent norm then runs inside the up
+projection's column-parallel region and its gradient is partial over TP: summed over TP
+as the fused input norm's (linears.py `TeNormLinearGemm`); the latents' input gradient
+is still summed by the up projections' TP entry, so the down projections' gradients stay
+whole, as on the local path.
+
 --qk-layernorm without --q-lora-rank: megatron-core since Megatron-LM 4464d1c (in 0.19.2)
 fuses a norm of the hidden states into linear_q_proj; megamoe's MLA has no such norm
 (megatron_mla.py; the local path is the same model), so linear_q_proj stays a plain Linear
@@ -50,10 +58,6 @@ def convert_mla(te: TransformerEngine, prefix: str, attn: MLASelfAttention,
                 layer_number: int, state: TeExtraState) -> None:
     """Install TE's modules on `attn` (in place); `prefix`: its module name, under which
     each TE module's extra state is kept (Megatron's TE-spec names)."""
-    if attn.tp.size > 1:
-        raise ValueError("not supported yet: --multi-latent-attention with "
-                         "--tensor-model-parallel-size > 1 with --transformer-impl "
-                         "transformer_engine")
     engines = {}
     if attn.linear_q_proj is not None:
         engines["linear_q_proj"] = TeLinearGemm(te, attn.linear_q_proj, bias=False)

@@ -32,8 +32,6 @@ def check_run(run: RunConfig) -> None:
     if p.tp_comm_overlap and p.tensor_model_parallel_size > 1:
         raise _refuse("--tp-comm-overlap (TE's userbuffers are not wired; megamoe's "
                       "collective matmul bypasses TE's modules)")
-    if m.multi_latent_attention and p.tensor_model_parallel_size > 1:
-        raise _refuse("--multi-latent-attention with --tensor-model-parallel-size > 1")
     if run.data.reset_attention_mask:
         raise _refuse("--reset-attention-mask")
     if run.train.compile:
