@@ -214,3 +214,20 @@ def test_te_tensor_parallel_resume_restores_each_ranks_extra_state(tmp_path):
         said = [m for m in lines if "Transformer Engine" in m]
         assert not said, said
         assert _close(losses, straight[2:]), (losses, straight)
+
+
+@pytest.mark.slow
+def test_te_output_proj_under_tensor_parallelism_matches_te_at_one_process():
+    """--fp8-output-proj (MXFP8) at TP2+SP: each rank's TE Linear multiplies its vocabulary
+    shard; rank 1 of 97 ids padded to 256 rows holds padding only (lm_head hands the GEMM
+    an empty view of its table: model/te/output.py). TE's losses and grad norms at one
+    process (the stand-in computes fp32 on both: the local path's MXFP8 emulation is not
+    the comparison)."""
+    from tests.distributed import run_distributed
+
+    flags = f"{MIXED} --fp8-format e4m3 --fp8-recipe mxfp8 --fp8-output-proj"
+    with installed():
+        te_single = _loss_and_norm(f"{flags} {TE}")
+    layout = "--tensor-model-parallel-size 2 --sequence-parallel"
+    for got in run_distributed(_te_loss_and_norm_worker, 2, 240, f"{flags} {layout}"):
+        _same_losses_and_norms(te_single, got)

@@ -27,11 +27,14 @@ from megamoe.model.te.loader import TransformerEngine
 
 def _leading_rows(rows: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether `rows` is the table itself or a view of its first rows (what lm_head
-    multiplies: `w_VH[:vocab_size]`)."""
+    multiplies: `w_VH[:vocab_size]`; under TP a rank whose rows are all padding gets
+    `w_VH[:0]`, an empty view whose data_ptr() is 0)."""
     if rows is table:
         return True
-    return (rows._base is table and rows.data_ptr() == table.data_ptr()
-            and rows.shape[1:] == table.shape[1:] and rows.stride() == table.stride())
+    if rows._base is not table or rows.shape[1:] != table.shape[1:]:
+        return False
+    return rows.numel() == 0 or (rows.data_ptr() == table.data_ptr()
+                                 and rows.stride() == table.stride())
 
 
 class TeOutputGemm(Engine):
