@@ -175,6 +175,14 @@ if [ "$REHEARSAL" = 0 ]; then
     # takes no E5M2 operand, so only then do dgrad and wgrad run on it too; it must learn
     # and no kernel may fall back. (Its loss is not held to 2% of bf16: on an H200 its
     # last-5 mean was 2.5% above, inside the run's own iteration-to-iteration noise.)
+    # --fp8-param-gather: the weights live in FP8 in the distributed optimizer (on one GPU
+    # too) and the GEMMs read them as cast; its loss stays near the recipe's own run
+    if [ "$r" = tensorwise ] || [ "$r" = blockwise ]; then
+      check "fp8_${r}_param_gather_run" history "$WORK/fp8_pg_$r.json" 1 "${BF16[@]}" \
+        --fp8-format hybrid --fp8-recipe "$r" --use-distributed-optimizer --fp8-param-gather
+      check "fp8_${r}_param_gather_near" $PY tools/selftest_compare.py near \
+        "$WORK/fp8_$r.json" "$WORK/fp8_pg_$r.json" --rel 0.02
+    fi
     if [ "$r" = blockwise ]; then
       check fp8_blockwise_e4m3_run history "$WORK/fp8_bw_e4m3.json" 1 "${BF16[@]}" \
         --fp8-format e4m3 --fp8-recipe blockwise
