@@ -32,6 +32,7 @@ from megamoe.training.checkpoint.publish import (
 )
 from megamoe.training.checkpoint.rng_state import reseed
 from megamoe.training.checkpoint.safe_load import CheckpointError
+from megamoe.training.checkpoint.save_planner import SavePlanners
 from megamoe.training.checkpoint.single_file import (
     AsyncCheckpointWriter,
     build_state,
@@ -52,6 +53,8 @@ class CheckpointManager:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.log = log
         self.dist_format = self.config.ckpt_format == "torch_dist"
+        self.planners = SavePlanners(self.config.ckpt_fully_parallel_save,
+                                     self.config.ckpt_assume_constant_structure)
         self.writer = None
         if self.config.async_save and self.dist_format:
             self.writer = AsyncDistSaver()  # every rank writes its shards in the background
@@ -71,7 +74,8 @@ class CheckpointManager:
             save_fn(c.save, iteration, self.model, self.optimizer, self.scheduler, self.mesh,
                     consumed_samples, self.run.command_line,
                     model_config=to_dict(self.run.model), save_optim=not c.no_save_optim,
-                    save_rng=not c.no_save_rng, keep_last=c.ckpt_keep_last)
+                    save_rng=not c.no_save_rng, keep_last=c.ckpt_keep_last,
+                    planner=self.planners())
             how = "saving (in the background)" if self.writer is not None else "saved"
             self._log(f"> {how} checkpoint at iteration {iteration} to {c.save}")
             return
