@@ -35,6 +35,7 @@ MEGATRON_REJECTS = {
                                 "--recompute-activations, or, for more control, "
                                 "--recompute-granularity and --recompute-method.",
 }
+_ACTIONS: list[argparse.Action] | None = None
 TYPES = {"int": int, "float": float, "str": str, "other": str, None: None}
 
 
@@ -42,6 +43,24 @@ def built_flags(parser: argparse.ArgumentParser) -> set[str]:
     """The long flags megamoe's parser reads itself (not parsed only to be refused here)."""
     return {s for a in parser._actions for s in a.option_strings
             if s.startswith("--") and not a.dest.startswith(UNBUILT_DEST)}
+
+
+def _unbuilt_actions() -> list[argparse.Action]:
+    """The table's actions, made once per process: argparse's add_argument for ~600 flags
+    costs ~10 ms, paid by every parser built otherwise. An action holds only its own
+    settings, so one object serves every parser."""
+    global _ACTIONS
+    if _ACTIONS is None:
+        g = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        for flag, kind, nargs, typ, choices, _default, _dest in UNBUILT:
+            common = dict(dest=UNBUILT_DEST + flag, default=argparse.SUPPRESS,
+                          help=argparse.SUPPRESS)
+            if kind == "store":
+                g.add_argument(flag, nargs=nargs, type=TYPES[typ], choices=choices, **common)
+            else:  # store_true / store_false: Megatron's value when given
+                g.add_argument(flag, action="store_const", const=kind == "store_true", **common)
+        _ACTIONS = list(g._actions)
+    return _ACTIONS
 
 
 def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
@@ -52,15 +71,9 @@ def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
         "Megatron-LM flags not supported yet",
         f"{len(UNBUILT)} more flags of Megatron-LM's parser are recognised and refused with "
         "'not supported yet: --flag' (docs/megatron-compatibility.md)")
-    for flag, kind, nargs, typ, choices, _default, _dest in UNBUILT:
-        if flag in built:
-            continue
-        common = dict(dest=UNBUILT_DEST + flag, default=argparse.SUPPRESS,
-                      help=argparse.SUPPRESS)
-        if kind == "store":
-            g.add_argument(flag, nargs=nargs, type=TYPES[typ], choices=choices, **common)
-        else:  # store_true / store_false: Megatron's value when given
-            g.add_argument(flag, action="store_const", const=kind == "store_true", **common)
+    for action in _unbuilt_actions():
+        if action.option_strings[0] not in built:
+            g._add_action(action)
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:
