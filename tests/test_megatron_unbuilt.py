@@ -32,29 +32,40 @@ def test_table_is_megatrons_flags_megamoe_lacks():
 
 
 def _sample(nargs, typ, choices, default) -> list[str]:
-    """Words that parse to a value other than Megatron's default."""
+    """Words that parse to a value other than Megatron's default (two for a list flag)."""
     if choices:
         word = next(str(c) for c in choices if c != default and [c] != default)
     else:
         word = {"int": "7", "float": "0.375", "str": "x", "other": "x"}[typ]
         if word in (str(default), [default]):
             word = "8"
-    return [word] * (nargs if isinstance(nargs, int) else 1)
+    return [word] * (nargs if isinstance(nargs, int) else 2 if nargs in ("+", "*") else 1)
+
+
+def _parsed(words: list[str], nargs, typ) -> object:
+    convert = {"int": int, "float": float}.get(typ, str)
+    values = [convert(w) for w in words]
+    return values if nargs in ("+", "*") or isinstance(nargs, int) else values[0]
 
 
 def test_every_unbuilt_flag_parses_with_its_shape_and_is_refused():
     """One command line holding all of them, each with a non-default value: argparse must
-    consume each flag's own words (nothing left unrecognised), and every flag is refused."""
-    argv, expected = [], []
+    consume each flag's own words into its value (a list for nargs "+"/"*"/N), and every
+    flag is refused."""
+    argv, expected, values = [], [], {}
     for flag, kind, nargs, typ, choices, default, _ in UNBUILT:
         if kind == "store":
-            argv += [flag, *_sample(nargs, typ, choices, default)]
+            words = _sample(nargs, typ, choices, default)
+            argv += [flag, *words]
+            values[flag] = _parsed(words, nargs, typ)
         elif default == (kind == "store_true"):
             continue  # (a --no-X whose default is already off: nothing to give)
         else:
             argv.append(flag)
+            values[flag] = kind == "store_true"
         expected.append(flag)
     args = build_parser().parse_args(argv)
+    assert {f: vars(args)[UNBUILT_DEST + f] for f in values} == values
     assert len(expected) > 550 and refused_flags(args) == expected
     # given at Megatron's default: nothing asked of megamoe that it lacks
     same = build_parser().parse_args(["--dist-ckpt-workers", "1", "--no-rl-partial-rollouts"])
