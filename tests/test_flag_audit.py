@@ -95,7 +95,7 @@ EQUIVALENT = {
 }
 
 # Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py) and the
-# Megatron flags megamoe lacks, MEGATRON_UNBUILT (config/megatron_unbuilt.py; their one test:
+# Megatron flags megamoe lacks, MEGATRON_UNBUILT (config/megatron_unbuilt.txt; their one test:
 # tests/test_megatron_unbuilt.py::test_every_unbuilt_flag_parses_with_its_shape_and_is_refused).
 REFUSED_VALUES = {
     "--main-params-dtype": "fp16 (Transformer Engine's scaled fp16 main parameters) is not "

@@ -1,5 +1,5 @@
 """Every Megatron-LM flag megamoe does not build yet, parsed with Megatron's own argparse
-shape (config/megatron_unbuilt.py, generated from Megatron's parser) and refused in one
+shape (config/megatron_unbuilt.txt, generated from Megatron's parser) and refused in one
 line: "not supported yet: --flag" (exit 2), where argparse alone would say "unrecognized
 arguments" or, worse, read the flag's values as other arguments.
 

@@ -5,7 +5,7 @@ needs one (planning/planner.py). Building a feature means taking its flag off th
 the command line and the planner then both accept it.
 
 Every other Megatron-LM flag megamoe's parser lacks is in the generated table
-config/megatron_unbuilt.py (refused by cli/unbuilt_args.py); MEGATRON_UNBUILT names them.
+config/megatron_unbuilt.txt (refused by cli/unbuilt_args.py); MEGATRON_UNBUILT names them.
 """
 
 from __future__ import annotations
