@@ -415,6 +415,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--finetune": ("--finetune", 1, True),
     "--async-save": ("--save {tmp}/ck --async-save", 1, True),
     "--ckpt-keep-last": ("--save {tmp}/ck --ckpt-keep-last 2", 1, 2),
+    "--save-retain-interval": ("--save {tmp}/ck --save-interval 2 --save-retain-interval 4",
+                               1, 4),
     "--ckpt-format": ("--ckpt-format torch", 1, "torch"),
     "--ckpt-step": ("--load {tmp}/ck --ckpt-step 3", 1, 3),
     "--exit-on-missing-checkpoint": ("--exit-on-missing-checkpoint", 1, True),

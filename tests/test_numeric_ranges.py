@@ -138,6 +138,10 @@ BAD = [
     # checkpointing and logging
     ("--save-interval", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
     ("--ckpt-keep-last", "0", "--save /tmp/megamoe-never-written", 1, "must be positive"),
+    ("--save-retain-interval", "0", "--save /tmp/megamoe-never-written --save-interval 1", 1,
+     "must be positive"),
+    ("--save-retain-interval", "3", "--save /tmp/megamoe-never-written --save-interval 2", 1,
+     "must be a multiple of --save-interval (2)"),
     ("--ckpt-step", "0", "--load /tmp/megamoe-never-written", 1, "must be positive"),
     # every float flag is finite (a bad example of each kind)
     ("--lr", "inf", "", 1, "must be a finite number"),

@@ -41,6 +41,9 @@ def add_ckpt_log_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--use-persistent-ckpt-worker", action="store_true",
                    help="accepted (a no-op): --async-save writes on a thread of the training "
                         "process; there is no worker process to keep")
+    c.add_argument("--save-retain-interval", type=int, default=None,
+                   help="each save deletes the checkpoint before it unless its iteration is "
+                        "a multiple of this (a multiple of --save-interval)")
     for flag in ("--override-opt-param-scheduler", "--override-opt_param-scheduler"):
         c.add_argument(flag, action="store_true", dest="override_opt_param_scheduler",
                        help="accepted (a no-op): the learning-rate schedule always comes from "

@@ -186,12 +186,20 @@ class CheckpointConfig:
     ckpt_fully_parallel_save: bool = flag("--no-ckpt-fully-parallel-save", True,
                                           dest="ckpt_fully_parallel_save")
     ckpt_assume_constant_structure: bool = flag("--ckpt-assume-constant-structure", False)
+    # Megatron's: a save deletes the checkpoint before it unless its iteration is a
+    # multiple of this (training/checkpoint/publish.py); None keeps them (as Megatron).
+    save_retain_interval: Optional[int] = flag("--save-retain-interval", None)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        check_positive(self, "save_interval", "ckpt_keep_last", "ckpt_step")
+        check_positive(self, "save_interval", "ckpt_keep_last", "ckpt_step",
+                       "save_retain_interval")
+        require(self.save_retain_interval is None or (
+            self.save_interval is not None and self.save_retain_interval % self.save_interval
+            == 0), f"--save-retain-interval ({self.save_retain_interval}) must be a multiple "
+            f"of --save-interval ({self.save_interval})")
         require(self.ckpt_step is None or self.load is not None, "--ckpt-step needs --load")
         require(self.dist_ckpt_strictness in STRICTNESS, f"--dist-ckpt-strictness must be one "
                 f"of {', '.join(STRICTNESS)}, got {self.dist_ckpt_strictness!r}")
@@ -206,6 +214,7 @@ class CheckpointConfig:
                     f"--ckpt-format torch_dist, got {self.ckpt_format}")
         for name, value in (("--save-interval", self.save_interval),
                             ("--ckpt-keep-last", self.ckpt_keep_last),
+                            ("--save-retain-interval", self.save_retain_interval),
                             ("--async-save", self.async_save or None)):
             require(value is None or self.save is not None, f"{name} needs --save")
 

@@ -2,7 +2,8 @@
 --ckpt-assume-constant-structure plans the first save only and reuses that plan (every
 save still writes its own iteration's values); --no-ckpt-fully-parallel-save writes a
 tensor the data-parallel replicas share from the lowest rank instead of spreading such
-tensors over the replicas (Megatron's fully parallel save, the default)."""
+tensors over the replicas (Megatron's fully parallel save, the default);
+--save-retain-interval deletes each previous checkpoint that is not a multiple of it."""
 
 from __future__ import annotations
 
@@ -91,3 +92,18 @@ def test_fully_parallel_save_spreads_replicated_tensors(tmp_path):
     assert set(_bytes_per_rank(lowest)) == {0}
     a, b = read_dist_tensors(spread), read_dist_tensors(lowest)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("fmt", [pytest.param("torch_dist", marks=pytest.mark.slow), "torch"])
+def test_save_retain_interval_keeps_its_multiples_and_the_latest(tmp_path, fmt):
+    """Megatron's --save-retain-interval 2 with a save every iteration: each save deletes
+    the one before unless its iteration is even; with --ckpt-keep-last 2 as well, only the
+    newest two of those stay. The latest loads."""
+    run = f"--train-iters 5 --save-interval 1 --save-retain-interval 2 --ckpt-format {fmt}"
+    _train(f"{run} --save {tmp_path / 'a'}")
+    assert sorted(p for p in os.listdir(tmp_path / "a") if p.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000005"]
+    _train(f"{run} --save {tmp_path / 'b'} --ckpt-keep-last 2")
+    assert sorted(p for p in os.listdir(tmp_path / "b") if p.startswith("iter_")) == [
+        "iter_0000004", "iter_0000005"]
+    _train(f"--train-iters 6 --load {tmp_path / 'a'} --ckpt-format {fmt}")

@@ -48,6 +48,7 @@ from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.fp8_state import gather_fp8_states, restore_fp8_state
 from megamoe.training.checkpoint.publish import (
     COMMON,
+    KeepLast,
     agree,
     dcp_failure,
     discard_tmp,
@@ -100,9 +101,8 @@ def _param_keys(optimizer, entries: list[Entry]) -> list[Optional[Entry]]:
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of `t` (a DTensor: of its local shard) in host memory, exactly its
-    size (a view of a larger buffer copies only the view): an async save's staging copy.
-    device="cpu" on purpose: the background writer reads it while training goes on."""
+    """A private host copy of `t` (a DTensor: its local shard), exactly its size (a view
+    copies only the view): async saves' staging, which the writer reads while training."""
     return t.to(device="cpu", copy=True)
 
 
@@ -216,7 +216,7 @@ def _write_common(tmp: str, common: Optional[dict], rank: int) -> None:
 
 
 def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
-            keep_last: Optional[int], rank: int, world: int) -> str:
+            keep_last: KeepLast, rank: int, world: int) -> str:
     """After every rank's shards are written: common.pt, agree, publish, agree."""
     _agreed(lambda: _write_common(tmp, common, rank), root, iteration, tmp, rank, world)
 
@@ -232,7 +232,7 @@ def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
 def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer, scheduler,
                          mesh, consumed_samples: int, args: dict, *, planner=None,
                          model_config: Optional[dict] = None, save_optim: bool = True,
-                         save_rng: bool = True, keep_last: Optional[int] = None,
+                         save_rng: bool = True, keep_last: KeepLast = None,
                          extra: Optional[dict] = None, single: bool = False) -> str:
     """Collective: every rank calls it (`single`: a single-process model, this process
     alone), `planner` from save_planner.py. Returns the published directory."""
@@ -265,7 +265,7 @@ class AsyncDistSaver:
     def save(self, root: str, iteration: int, model: nn.Module, optimizer, scheduler, mesh,
              consumed_samples: int, args: dict, *, model_config: Optional[dict] = None,
              save_optim: bool = True, save_rng: bool = True,
-             keep_last: Optional[int] = None, planner=None) -> None:
+             keep_last: KeepLast = None, planner=None) -> None:
         self.finalize()
         state, optim_common = _tensor_state(model, optimizer, mesh, self.world, save_optim,
                                             copy=True)
