@@ -17,7 +17,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megamoe", "megamoe.*"]),
     # the blending helper is compiled on first use (megamoe/data/blend_native.py)
-    package_data={"megamoe.data": ["blend_helper.c"]},
+    package_data={"megamoe.data": ["blend_helper.c"],
+                  "megamoe.config": ["megatron_unbuilt.txt"]},  # (config/megatron_unbuilt.py)
     install_requires=[
         "torch>=2.4",
         "numpy",

@@ -14,6 +14,7 @@ from typing import Iterator
 
 from megamoe.cli.arguments import build_parser
 from megamoe.cli.main import main
+from megamoe.cli.unbuilt_args import UNBUILT_DEST
 
 HUGE_INT = str(10**30)
 INTS = ["-1", "0", "1", "3", "7", str(2**31), str(2**63), HUGE_INT, "1e3", "nan", "", "x"]
@@ -39,7 +40,8 @@ def cases(base: str) -> Iterator[list[str]]:
     """Every (flag, value) case: base flags plus one fuzzed flag (value cases, or the bare
     flag for switches), each also with two values where the flag takes several."""
     for action in build_parser("pretrain_gpt.py")._actions:
-        if not action.option_strings or action.option_strings[0] in SKIP:
+        if (not action.option_strings or action.option_strings[0] in SKIP
+                or action.dest.startswith(UNBUILT_DEST)):  # refused (test_megatron_unbuilt)
             continue
         flag = action.option_strings[0]
         if action.nargs == 0:

@@ -29,6 +29,7 @@ from megamoe.cli.compat_args import EQUIVALENTS
 from megamoe.cli.extensions import NegationAction
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.rules import NOT_SUPPORTED_YET
+from megamoe.config.unsupported import MEGATRON_UNBUILT
 from tests.training.test_pretrain import ROOT, TINY_MOE
 
 CONFIGS = (C.ModelConfig, C.MoEConfig, C.ParallelConfig, C.DataConfig, C.OptimizerConfig,
@@ -66,6 +67,19 @@ NO_OP = {
     "--log-memory-to-tensorboard": "memory scalars are always written to TensorBoard",
     "--log-validation-ppl-to-tensorboard":
         "validation perplexity is always written to TensorBoard",
+    # torch_dist checkpointing already behaves as these ask (docs/megatron-checkpoints.md)
+    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM, where it has no effect either "
+                                  "(fully parallel saving is the default)",
+    "--dist-ckpt-optim-fully-reshardable":
+        "optimizer states are always saved per parameter under layout-free keys and load "
+        "under any TP/PP/EP/DP (tests/training/test_dist_checkpoint.py::"
+        "test_expert_parallel_checkpoint_loads_in_one_process)",
+    "--use-persistent-ckpt-worker": "--async-save writes on a thread of the training process "
+                                    "(DCP async_save); no worker process is started per save",
+    **dict.fromkeys(("--override-opt-param-scheduler", "--override-opt_param-scheduler"),
+                    "the learning-rate schedule always comes from the command line; a "
+                    "checkpoint restores only its step count (tests/training/"
+                    "test_megatron_log_flags.py::test_schedule_comes_from_the_command_line)"),
 }
 
 # Declared equivalents (cli/compat_args.py): a fused or vendor kernel choice; accepted, and
@@ -80,7 +94,9 @@ EQUIVALENT = {
                                      "dispatcher runs",
 }
 
-# Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py).
+# Refused for any non-default value, besides NOT_SUPPORTED_YET (cli/rules.py) and the
+# Megatron flags megamoe lacks, MEGATRON_UNBUILT (config/megatron_unbuilt.txt; their one test:
+# tests/test_megatron_unbuilt.py::test_every_unbuilt_flag_parses_with_its_shape_and_is_refused).
 REFUSED_VALUES = {
     "--main-params-dtype": "fp16 (Transformer Engine's scaled fp16 main parameters) is not "
                            "built; fp32 main parameters are what runs "
@@ -145,7 +161,8 @@ def negation_flags() -> set[str]:
 
 def test_every_flag_is_classified():
     classes = {"config": set(config_flags()) - set(NOT_SUPPORTED_YET) - set(REFUSED_VALUES),
-               "cli": set(CLI_READ), "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES),
+               "cli": set(CLI_READ),
+               "refused": set(NOT_SUPPORTED_YET) | set(REFUSED_VALUES) | MEGATRON_UNBUILT,
                "no-op": set(NO_OP), "negation": negation_flags(),
                "equivalent": set(EQUIVALENT)}
     names = list(classes)
@@ -398,6 +415,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--finetune": ("--finetune", 1, True),
     "--async-save": ("--save {tmp}/ck --async-save", 1, True),
     "--ckpt-keep-last": ("--save {tmp}/ck --ckpt-keep-last 2", 1, 2),
+    "--save-retain-interval": ("--save {tmp}/ck --save-interval 2 --save-retain-interval 4",
+                               1, 4),
     "--ckpt-format": ("--ckpt-format torch", 1, "torch"),
     "--ckpt-step": ("--load {tmp}/ck --ckpt-step 3", 1, 3),
     "--exit-on-missing-checkpoint": ("--exit-on-missing-checkpoint", 1, True),
@@ -407,6 +426,10 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--wandb-project": ("--wandb-project p", 1, "p"),
     "--wandb-exp-name": ("--wandb-exp-name e", 1, "e"),
     "--wandb-save-dir": ("--wandb-save-dir {tmp}/wb", 1, "{tmp}/wb"),
+    "--wandb-entity": ("--wandb-project p --wandb-entity team", 1, "team"),
+    "--timing-log-option": ("--timing-log-option all", 1, "all"),
+    "--no-ckpt-fully-parallel-save": ("--no-ckpt-fully-parallel-save", 1, False),
+    "--ckpt-assume-constant-structure": ("--ckpt-assume-constant-structure", 1, True),
     "--log-throughput": ("--log-throughput", 1, True),
     "--log-params-norm": ("--log-params-norm", 1, True),
     "--log-num-zeros-in-grad": ("--log-num-zeros-in-grad", 1, True),

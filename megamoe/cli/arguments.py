@@ -16,6 +16,7 @@ from typing import NoReturn, Optional, Sequence
 import yaml
 
 from megamoe.cli.checkpoint_args import CheckpointError, apply_checkpoint_args
+from megamoe.cli.ckpt_log_args import CKPT_NO_OPS, add_ckpt_log_args
 from megamoe.cli.compat_args import add_equivalent_args, add_refused_args, add_runtime_args
 from megamoe.cli.console_args import add_console_args, check_console_args
 from megamoe.cli.determinism_args import add_determinism_args
@@ -27,6 +28,7 @@ from megamoe.cli.precision_args import add_precision_args
 from megamoe.cli.rules import ArgumentError, finalize_args
 from megamoe.cli.runhealth_args import add_runhealth_args
 from megamoe.cli.tp_comm_args import add_tp_comm_args
+from megamoe.cli.unbuilt_args import add_unbuilt_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
 
@@ -36,7 +38,7 @@ FUSION_NO_OPS = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-
                  "--no-persist-layer-norm")
 LOGGING_NO_OPS = ("--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard")
 # On/off flags without a negation: accepted no-ops (nothing to undo).
-NOT_NEGATED = FUSION_NO_OPS + LOGGING_NO_OPS + (
+NOT_NEGATED = FUSION_NO_OPS + LOGGING_NO_OPS + CKPT_NO_OPS + (
     "--accumulate-allreduce-grads-in-fp32", "--no-create-attention-mask-in-dataloader")
 
 
@@ -362,16 +364,10 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     lg.add_argument("--log-interval", type=int, default=100)
     lg.add_argument("--tensorboard-dir", default=None)
     lg.add_argument("--tensorboard-log-interval", type=int, default=1)
-    lg.add_argument("--wandb-project", default=None)
-    lg.add_argument("--wandb-exp-name", default=None)
-    lg.add_argument("--wandb-save-dir", default=None)
     lg.add_argument("--log-throughput", action="store_true")
     lg.add_argument("--peak-tflops", type=finite_float, default=None,
                     help="peak TFLOP/s of one device, for MFU (default: the bf16 dense peak of a "
                          "known GPU; no MFU on a CPU)")
-    lg.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
-                    help="Megatron's timers: 0 iteration time; 1 also forward-backward, "
-                         "optimizer and their parts; 2 is not supported yet")
     lg.add_argument("--log-timers-to-tensorboard", action="store_true",
                     help="write the timers of --timing-log-level to TensorBoard")
     lg.add_argument("--log-params-norm", action="store_true",
@@ -397,6 +393,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     add_pipeline_split_args(parser)
     _add_checkpoint_and_logging_args(parser)
+    add_ckpt_log_args(parser)
     add_runtime_args(parser)
     add_determinism_args(parser)
     add_precision_args(parser)
@@ -408,6 +405,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     add_console_args(parser)
     parser.add_argument("--config", metavar="FILE", help="YAML preset of flags (configs/); "
                         "command-line flags override it (--no-X undoes a preset's X: true)")
+    add_unbuilt_args(parser)  # last: only what no call above builds
     add_negations(parser, skip=NOT_NEGATED)
     mark_extensions(parser)
     return parser

@@ -30,6 +30,9 @@ EQUIVALENTS = {
     "--te-rng-tracker": "megamoe's own per-parallel-group RNG streams run (no Transformer "
                         "Engine RNG tracker)",
     "--enable-experimental": "megamoe has no experimental code paths behind this switch",
+    "--ckpt-fully-parallel-load": "every rank reads its own shards and the tensors it "
+                                  "shares with its replicas from storage (DCP); no reads "
+                                  "split over data-parallel ranks and exchanged",
     "--moe-token-dispatcher-type flex": "megamoe's alltoall dispatcher runs (flex picks "
                                         "DeepEP/HybridEP/NCCL-EP kernels for the same all-to-all "
                                         "dispatch)",

@@ -23,6 +23,7 @@ from megamoe.cli.mapping import run_config_from_args
 from megamoe.cli.precision_args import check_precision_args
 from megamoe.cli.runhealth_args import check_rerun_mode
 from megamoe.cli.tp_comm_args import check_tp_comm_args
+from megamoe.cli.unbuilt_args import check_unbuilt
 from megamoe.config import ConfigError
 from megamoe.config.batch_schedule import parse_step_schedule
 from megamoe.config.fields import flag_dest
@@ -324,6 +325,7 @@ def finalize_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     files, features not built yet), then build the configs once: their own validation
     checks every value and every cross-feature rule. Raises ConfigError (ArgumentError)
     on the first failure, before any process group or file is created."""
+    check_unbuilt(args)  # a Megatron flag megamoe lacks: its own line before any other rule
     _require(args, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
     _derive_defaults(args, env_world_size() if world_size is None else world_size)
     _check_required(args)

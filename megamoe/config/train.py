@@ -180,22 +180,46 @@ class CheckpointConfig:
     auto_detect_ckpt_format: bool = flag("--auto-detect-ckpt-format", False)
     # Megatron's StrictHandling for torch_dist loads (training/checkpoint/strictness.py).
     dist_ckpt_strictness: str = flag("--dist-ckpt-strictness", "assume_ok_unexpected")
+    # torch_dist saves (training/checkpoint/save_planner.py): a tensor replicas share is
+    # written by one of them, spread over the replicas (Megatron's fully parallel save) or,
+    # with --no-ckpt-fully-parallel-save, the lowest rank; the first save's plan reused.
+    ckpt_fully_parallel_save: bool = flag("--no-ckpt-fully-parallel-save", True,
+                                          dest="ckpt_fully_parallel_save")
+    ckpt_assume_constant_structure: bool = flag("--ckpt-assume-constant-structure", False)
+    # Megatron's: a save deletes the checkpoint before it unless its iteration is a
+    # multiple of this (training/checkpoint/publish.py); None keeps them (as Megatron).
+    save_retain_interval: Optional[int] = flag("--save-retain-interval", None)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        check_positive(self, "save_interval", "ckpt_keep_last", "ckpt_step")
+        check_positive(self, "save_interval", "ckpt_keep_last", "ckpt_step",
+                       "save_retain_interval")
+        require(self.save_retain_interval is None or (
+            self.save_interval is not None and self.save_retain_interval % self.save_interval
+            == 0), f"--save-retain-interval ({self.save_retain_interval}) must be a multiple "
+            f"of --save-interval ({self.save_interval})")
         require(self.ckpt_step is None or self.load is not None, "--ckpt-step needs --load")
         require(self.dist_ckpt_strictness in STRICTNESS, f"--dist-ckpt-strictness must be one "
                 f"of {', '.join(STRICTNESS)}, got {self.dist_ckpt_strictness!r}")
         require(self.ckpt_format in CKPT_FORMATS,
                 f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, "
                 f"got {self.ckpt_format!r}")
+        for name, given in (("--no-ckpt-fully-parallel-save", not self.ckpt_fully_parallel_save),
+                            ("--ckpt-assume-constant-structure",
+                             self.ckpt_assume_constant_structure)):
+            require(not given or self.ckpt_format == "torch_dist",
+                    f"{name} sets how torch_dist checkpoints are saved: it needs "
+                    f"--ckpt-format torch_dist, got {self.ckpt_format}")
         for name, value in (("--save-interval", self.save_interval),
                             ("--ckpt-keep-last", self.ckpt_keep_last),
+                            ("--save-retain-interval", self.save_retain_interval),
                             ("--async-save", self.async_save or None)):
             require(value is None or self.save is not None, f"{name} needs --save")
+
+
+TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 
 
 @dataclass
@@ -206,12 +230,14 @@ class LoggingConfig:
     wandb_project: Optional[str] = flag("--wandb-project", None)
     wandb_exp_name: Optional[str] = flag("--wandb-exp-name", None)
     wandb_save_dir: Optional[str] = flag("--wandb-save-dir", None)
+    wandb_entity: Optional[str] = flag("--wandb-entity", None)
     log_throughput: bool = flag("--log-throughput", False)
     peak_tflops: Optional[float] = flag("--peak-tflops", None)  # per device; None: GPU table
     # Megatron's timers (training/timers.py): 0 iteration time; 1 also forward-backward
     # and optimizer; --log-timers-to-tensorboard writes them to TensorBoard/W&B.
     timing_log_level: int = flag("--timing-log-level", 0)
     log_timers_to_tensorboard: bool = flag("--log-timers-to-tensorboard", False)
+    timing_log_option: str = flag("--timing-log-option", "minmax")  # max / minmax / all
     # Megatron's profiling range (training/profiling.py).
     profile: bool = flag("--profile", False)
     use_pytorch_profiler: bool = flag("--use-pytorch-profiler", False)
@@ -244,6 +270,10 @@ class LoggingConfig:
                 f"--profile-ranks must be >= 0, got {self.profile_ranks}")
         require(not (self.profile and self.use_pytorch_profiler) or self.tensorboard_dir,
                 "--use-pytorch-profiler writes its trace next to --tensorboard-dir: give it")
+        require(self.wandb_entity is None or self.wandb_project is not None,
+                "--wandb-entity needs --wandb-project (W&B logs only with a project)")
+        require(self.timing_log_option in TIMING_LOG_OPTIONS, f"--timing-log-option must be "
+                f"one of {', '.join(TIMING_LOG_OPTIONS)}, got {self.timing_log_option!r}")
         # Megatron's level-2 timers (per micro-batch compute and p2p) are not built.
         require(self.timing_log_level in (0, 1),
                 "not supported yet: --timing-log-level 2" if self.timing_log_level == 2 else

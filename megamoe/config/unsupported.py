@@ -3,9 +3,14 @@ yet. A launch giving one any value other than the parser default fails with "not
 yet: --flag" (cli/rules.py), and the parallel-layout planner never proposes a layout that
 needs one (planning/planner.py). Building a feature means taking its flag off this list:
 the command line and the planner then both accept it.
+
+Every other Megatron-LM flag megamoe's parser lacks is in the generated table
+config/megatron_unbuilt.txt (refused by cli/unbuilt_args.py); MEGATRON_UNBUILT names them.
 """
 
 from __future__ import annotations
+
+from megamoe.config.megatron_unbuilt import UNBUILT
 
 NOT_SUPPORTED_YET = (
     "--rotary-seq-len-interpolation-factor",
@@ -34,6 +39,9 @@ NOT_SUPPORTED_YET = (
 )
 
 
+MEGATRON_UNBUILT = frozenset(row[0] for row in UNBUILT)
+
+
 def is_built(flag: str) -> bool:
     """Whether the feature behind `flag` is built (the flag is not refused)."""
-    return flag not in NOT_SUPPORTED_YET
+    return flag not in NOT_SUPPORTED_YET and flag not in MEGATRON_UNBUILT

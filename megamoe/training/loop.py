@@ -302,12 +302,12 @@ class _Interval:
         """Megatron's timers block (level 1, every rank takes part in the reduction) and,
         with --log-timers-to-tensorboard, their scalars (logging rank)."""
         mesh = self.mesh
-        min_max = self.timers.min_max(self.iters, distributed=mesh.world_size > 1
-                                      and dist.is_initialized())
-        if min_max and mesh.is_logging_rank:
-            self.print_fn(format_timers(min_max))
+        times = self.timers.per_rank(self.iters, distributed=mesh.world_size > 1
+                                     and dist.is_initialized())
+        if times and mesh.is_logging_rank:
+            self.print_fn(format_timers(times, self.run.logging.timing_log_option))
         if logger is not None and self.run.logging.log_timers_to_tensorboard:
-            logger.log_scalars(tensorboard_scalars(min_max, ms_per_iter / 1000.0), iteration)
+            logger.log_scalars(tensorboard_scalars(times, ms_per_iter / 1000.0), iteration)
 
 
 def _advanced_only(key: str) -> bool:

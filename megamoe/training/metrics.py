@@ -70,7 +70,7 @@ class MetricsLogger:
 
     def __init__(self, tensorboard_dir: Optional[str], wandb_project: Optional[str],
                  wandb_exp_name: Optional[str], wandb_save_dir: Optional[str],
-                 config_dict: Optional[dict] = None) -> None:
+                 config_dict: Optional[dict] = None, wandb_entity: Optional[str] = None) -> None:
         self.tb = None
         self.wandb = None
         if tensorboard_dir:
@@ -84,8 +84,9 @@ class MetricsLogger:
                 os.environ["WANDB_MODE"] = "offline"
             save_dir = wandb_dir(wandb_save_dir, tensorboard_dir)
             os.makedirs(save_dir, exist_ok=True)
+            entity = {"entity": wandb_entity} if wandb_entity else {}  # (as Megatron)
             self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, dir=save_dir,
-                                    config=config_dict or {})
+                                    config=config_dict or {}, **entity)
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self.tb is not None:

@@ -97,7 +97,8 @@ def _pretrain(run: RunConfig, tokenizer, mesh: Mesh, print_fn: Log, started: flo
     lg = run.logging
     if mesh.is_logging_rank and (lg.tensorboard_dir or lg.wandb_project):
         logger = MetricsLogger(lg.tensorboard_dir, lg.wandb_project, lg.wandb_exp_name,
-                               lg.wandb_save_dir, config_dict=run.command_line)
+                               lg.wandb_save_dir, config_dict=run.command_line,
+                               wandb_entity=lg.wandb_entity)
     with ExitConditions(run.train, mesh, started) as exits:  # until the last save is out
         try:
             return _train_evaluate_publish(run, mesh, model, optimizer, scheduler, data,

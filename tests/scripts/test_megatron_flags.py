@@ -36,15 +36,15 @@ def test_declared_equivalents_print_what_runs():
     """Each equivalent prints one line saying what megamoe runs; flex runs alltoall."""
     flags = ("--moe-permute-fusion --moe-router-fusion --cross-entropy-loss-fusion "
              "--te-rng-tracker --enable-experimental --moe-token-dispatcher-type flex "
-             "--moe-flex-dispatcher-backend hybridep")
+             "--moe-flex-dispatcher-backend hybridep --ckpt-fully-parallel-load")
     args = _args(f"--train-iters 1 --dry-run {flags}")
     assert args.moe_token_dispatcher_type == "alltoall"
     out: list[str] = []
     pretrain(args, print_fn=out.append)
     lines = [s for s in out if s.startswith("> --")]
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
     for flag in ("--moe-permute-fusion", "--moe-router-fusion", "--cross-entropy-loss-fusion",
-                 "--te-rng-tracker", "--enable-experimental"):
+                 "--te-rng-tracker", "--enable-experimental", "--ckpt-fully-parallel-load"):
         assert sum(s.startswith(f"> {flag}:") for s in lines) == 1, flag
     assert any("hybridep" in s and "alltoall dispatcher runs" in s for s in lines)
     assert not [s for s in _lines_of("--train-iters 1 --dry-run") if s.startswith("> --")]

@@ -21,8 +21,8 @@ pipeline stage's offset), since resharding changes the dropout streams anyway, a
 
 Publish protocol: the same as the single-file format (publish.py): rank 0 prepares
 `iter_N.tmp.PID`, every rank writes into it, rank 0 adds common.pt, all ranks barrier,
-rank 0 publishes by rename and updates the pointer last. --async-save: DCP writes the
-shards on a background thread; the next save or the end of training publishes them.
+rank 0 publishes by rename, then the pointer. --async-save: DCP writes on a background
+thread; the next save or the end of training publishes. DCP's planner: save_planner.py.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.fp8_state import gather_fp8_states, restore_fp8_state
 from megamoe.training.checkpoint.publish import (
     COMMON,
+    KeepLast,
     agree,
     dcp_failure,
     discard_tmp,
@@ -100,9 +101,8 @@ def _param_keys(optimizer, entries: list[Entry]) -> list[Optional[Entry]]:
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of `t` (a DTensor: of its local shard) in host memory, exactly its
-    size (a view of a larger buffer copies only the view): an async save's staging copy.
-    device="cpu" on purpose: the background writer reads it while training goes on."""
+    """A private host copy of `t` (a DTensor: its local shard), exactly its size (a view
+    copies only the view): async saves' staging, which the writer reads while training."""
     return t.to(device="cpu", copy=True)
 
 
@@ -152,8 +152,7 @@ class _AlreadyStaged(AsyncStager):
     def synchronize_staging(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    close = synchronize_staging
 
 
 def _common(iteration: int, consumed_samples: int, args: dict, model_config, scheduler,
@@ -217,7 +216,7 @@ def _write_common(tmp: str, common: Optional[dict], rank: int) -> None:
 
 
 def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
-            keep_last: Optional[int], rank: int, world: int) -> str:
+            keep_last: KeepLast, rank: int, world: int) -> str:
     """After every rank's shards are written: common.pt, agree, publish, agree."""
     _agreed(lambda: _write_common(tmp, common, rank), root, iteration, tmp, rank, world)
 
@@ -231,12 +230,12 @@ def _finish(root: str, iteration: int, tmp: str, common: Optional[dict],
 
 
 def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer, scheduler,
-                         mesh, consumed_samples: int, args: dict, *,
+                         mesh, consumed_samples: int, args: dict, *, planner=None,
                          model_config: Optional[dict] = None, save_optim: bool = True,
-                         save_rng: bool = True, keep_last: Optional[int] = None,
+                         save_rng: bool = True, keep_last: KeepLast = None,
                          extra: Optional[dict] = None, single: bool = False) -> str:
     """Collective: every rank calls it (`single`: a single-process model, this process
-    alone). Returns the published directory."""
+    alone), `planner` from save_planner.py. Returns the published directory."""
     rank, world = _world(single)
     state, optim_common = _tensor_state(model, optimizer, mesh, world, save_optim, copy=False)
     fp8 = gather_fp8_states(model, rank, world)
@@ -246,8 +245,8 @@ def save_dist_checkpoint(root: str, iteration: int, model: nn.Module, optimizer,
                      save_rng, mesh, rank, world, extra)
     tmp = _prepare(root, iteration, rank, world)
     # A failed write on any rank reaches every rank through DCP's own collectives.
-    _agreed(lambda: dcp.save(state, checkpoint_id=tmp, no_dist=world == 1), root,
-            iteration, tmp, rank, world)
+    _agreed(lambda: dcp.save(state, checkpoint_id=tmp, no_dist=world == 1, planner=planner),
+            root, iteration, tmp, rank, world)
     return _finish(root, iteration, tmp, common, keep_last, rank, world)
 
 
@@ -266,7 +265,7 @@ class AsyncDistSaver:
     def save(self, root: str, iteration: int, model: nn.Module, optimizer, scheduler, mesh,
              consumed_samples: int, args: dict, *, model_config: Optional[dict] = None,
              save_optim: bool = True, save_rng: bool = True,
-             keep_last: Optional[int] = None) -> None:
+             keep_last: KeepLast = None, planner=None) -> None:
         self.finalize()
         state, optim_common = _tensor_state(model, optimizer, mesh, self.world, save_optim,
                                             copy=True)
@@ -279,7 +278,8 @@ class AsyncDistSaver:
                                   extra or None))
         tmp = _prepare(root, iteration, self.rank, self.world)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
-                                no_dist=self.world == 1, async_stager=_AlreadyStaged())
+                                no_dist=self.world == 1, async_stager=_AlreadyStaged(),
+                                planner=planner)
         self._pending = (future, root, iteration, tmp, common, keep_last)
 
     def finalize(self) -> None:

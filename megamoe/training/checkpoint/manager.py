@@ -3,7 +3,7 @@ background saves, whatever the format.
 
 `--ckpt-format torch_dist` (default): every rank writes its shards (dist.py); `torch`: one
 file written by rank 0 (single_file.py). Loading detects the format from the directory.
-Retention (--ckpt-keep-last) and the publish protocol are publish.py's.
+Retention (--ckpt-keep-last, --save-retain-interval) and the publish protocol are publish.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from megamoe.training.checkpoint.dist import (
 )
 from megamoe.training.checkpoint.publish import (
     TRACKER,
+    Retention,
     agree,
     checkpoint_file,
     is_dist_checkpoint,
@@ -32,6 +33,7 @@ from megamoe.training.checkpoint.publish import (
 )
 from megamoe.training.checkpoint.rng_state import reseed
 from megamoe.training.checkpoint.safe_load import CheckpointError
+from megamoe.training.checkpoint.save_planner import SavePlanners
 from megamoe.training.checkpoint.single_file import (
     AsyncCheckpointWriter,
     build_state,
@@ -52,6 +54,9 @@ class CheckpointManager:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.log = log
         self.dist_format = self.config.ckpt_format == "torch_dist"
+        self.retention = Retention(self.config.ckpt_keep_last, self.config.save_retain_interval)
+        self.planners = SavePlanners(self.config.ckpt_fully_parallel_save,
+                                     self.config.ckpt_assume_constant_structure)
         self.writer = None
         if self.config.async_save and self.dist_format:
             self.writer = AsyncDistSaver()  # every rank writes its shards in the background
@@ -71,7 +76,8 @@ class CheckpointManager:
             save_fn(c.save, iteration, self.model, self.optimizer, self.scheduler, self.mesh,
                     consumed_samples, self.run.command_line,
                     model_config=to_dict(self.run.model), save_optim=not c.no_save_optim,
-                    save_rng=not c.no_save_rng, keep_last=c.ckpt_keep_last)
+                    save_rng=not c.no_save_rng, keep_last=self.retention,
+                    planner=self.planners())
             how = "saving (in the background)" if self.writer is not None else "saved"
             self._log(f"> {how} checkpoint at iteration {iteration} to {c.save}")
             return
@@ -81,9 +87,9 @@ class CheckpointManager:
                                 save_optim=not c.no_save_optim, save_rng=not c.no_save_rng,
                                 model_config=to_dict(self.run.model))
             if self.writer is not None:  # snapshot now, write in the background
-                self.writer.save(c.save, iteration, state, c.ckpt_keep_last)
+                self.writer.save(c.save, iteration, state, self.retention)
             else:
-                write_checkpoint(c.save, iteration, state, c.ckpt_keep_last)
+                write_checkpoint(c.save, iteration, state, self.retention)
             self._log(f"> saved checkpoint at iteration {iteration} to {c.save}")
 
         self._rank0_agreed(write)  # (also the barrier after the save)

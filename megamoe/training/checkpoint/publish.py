@@ -12,8 +12,10 @@ loadable and the pointer valid):
   2. rename it to `iter_N` (re-saving N: `iter_N` -> `iter_N.old.PID` first; readers fall
      back to that copy while `iter_N` is missing)
   3. replace the pointer file by rename
-  4. retention (--ckpt-keep-last): rename old `iter_M` to `iter_M.del.PID`, then delete;
-     never the one the pointer names, and only checkpoints of the pointer chain
+  4. retention (--ckpt-keep-last; Megatron's --save-retain-interval: the checkpoint the
+     pointer named before is deleted unless its iteration is a multiple of the interval):
+     rename old `iter_M` to `iter_M.del.PID`, then delete; never the one the pointer names,
+     and only checkpoints of the pointer chain
 Pointer chain: each published `iter_N` holds LINK, the iteration the pointer named before
 it was published. Retention walks the chain from the pointer and prunes only what it
 reaches: `iter_*` directories another program (or an earlier run whose pointer was lost)
@@ -35,7 +37,7 @@ import os
 import re
 import shutil
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,17 @@ COMMON = "common.pt"  # torch_dist: rank 0's non-tensor state, written after the
 PAUSE_ENV = "MEGAMOE_CKPT_TEST_PAUSE"
 PAUSE_SECONDS_ENV = "MEGAMOE_CKPT_TEST_PAUSE_SECONDS"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+class Retention(NamedTuple):
+    """What a save deletes once published: all but the newest `keep_last` (megamoe's
+    --ckpt-keep-last), and the previous checkpoint unless its iteration is a multiple of
+    `retain_interval` (Megatron's --save-retain-interval)."""
+    keep_last: Optional[int] = None
+    retain_interval: Optional[int] = None
+
+
+KeepLast = Union[int, Retention, None]  # what the save functions' `keep_last` takes
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -235,11 +248,8 @@ def _tracker_or_none(root: str) -> Optional[int]:
 
 def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[int]:
     """Delete all but the newest `keep_last` checkpoints of the pointer chain, never the
-    one the pointer names, never one outside the chain.
-
-    Each victim is first renamed out of the `iter_N` namespace, so a crash mid-delete never
-    leaves a half-deleted directory that looks like a checkpoint. Returns deleted iterations.
-    """
+    one the pointer names, never one outside the chain (`_delete`: crash-safe). Returns
+    the deleted iterations."""
     chain = pointer_chain(root)
     keep = set(chain[-keep_last:])
     latest = read_tracker(root)
@@ -249,12 +259,29 @@ def prune_checkpoints(root: str, keep_last: int, *, _saving: int = -1) -> list[i
     for it in chain:
         if it in keep:
             continue
-        doomed = f"{iteration_dir(root, it)}.del.{os.getpid()}"
-        os.replace(iteration_dir(root, it), doomed)
-        pause_point("prune", _saving)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _delete(root, it, _saving)
         deleted.append(it)
     return deleted
+
+
+def _unretained(root: str, previous: Optional[int], iteration: int,
+                interval: Optional[int]) -> bool:
+    """Megatron's --save-retain-interval: once `iteration` is published, the checkpoint the
+    pointer named before it goes, unless its iteration is a multiple of `interval` (or a
+    symbolic link, which Megatron skips too)."""
+    if not interval or previous is None or previous == iteration or previous % interval == 0:
+        return False
+    path = iteration_dir(root, previous)
+    return not os.path.islink(path) and _is_checkpoint_dir(path)
+
+
+def _delete(root: str, iteration: int, saving: int) -> None:
+    """Rename `iter_N` out of the checkpoint namespace first, so a crash mid-delete never
+    leaves a half-deleted directory that looks like a checkpoint."""
+    doomed = f"{iteration_dir(root, iteration)}.del.{os.getpid()}"
+    os.replace(iteration_dir(root, iteration), doomed)
+    pause_point("prune", saving)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prepare_tmp(root: str, iteration: int) -> str:
@@ -266,14 +293,19 @@ def prepare_tmp(root: str, iteration: int) -> str:
     return tmp
 
 
-def publish_tmp(root: str, iteration: int, tmp: str, keep_last: Optional[int] = None) -> str:
+def publish_tmp(root: str, iteration: int, tmp: str, keep_last: KeepLast = None) -> str:
     """Steps 2-4: publish the complete `tmp` as iteration `iteration`, then the pointer,
-    then retention. Returns the published directory."""
+    then retention (`keep_last`: a count or a Retention). Returns the published directory."""
+    retention = keep_last if isinstance(keep_last, Retention) else Retention(keep_last)
     final = iteration_dir(root, iteration)
     previous = _tracker_or_none(root)
-    if previous is not None:  # the pointer chain's link (retention prunes only the chain)
+    link = previous
+    dropped = _unretained(root, previous, iteration, retention.retain_interval)
+    if dropped:  # the chain skips the checkpoint this save deletes
+        link = _read_int(os.path.join(iteration_dir(root, previous), LINK))
+    if link is not None:  # the pointer chain's link (retention prunes only the chain)
         with open(os.path.join(tmp, LINK), "w", encoding="ascii") as f:
-            f.write(f"{previous}\n")
+            f.write(f"{link}\n")
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
@@ -289,8 +321,10 @@ def publish_tmp(root: str, iteration: int, tmp: str, keep_last: Optional[int] = 
     pause_point("after_publish", iteration)
     _atomic_write_text(os.path.join(root, TRACKER), f"{iteration}\n")
     pause_point("after_tracker", iteration)
-    if keep_last:
-        prune_checkpoints(root, keep_last, _saving=iteration)
+    if dropped:
+        _delete(root, previous, iteration)
+    if retention.keep_last:
+        prune_checkpoints(root, retention.keep_last, _saving=iteration)
     return final
 
 

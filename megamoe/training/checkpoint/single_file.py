@@ -17,6 +17,7 @@ from megamoe.training.checkpoint.fields import check_fields
 from megamoe.training.checkpoint.optim_fields import check_optimizer_state
 from megamoe.training.checkpoint.publish import (
     FILENAME,
+    KeepLast,
     checkpoint_file,
     discard_tmp,
     failure_message,
@@ -48,7 +49,7 @@ def build_state(iteration: int, model: torch.nn.Module, optimizer, scheduler,
 
 
 def write_checkpoint(root: str, iteration: int, state: dict,
-                     keep_last: Optional[int] = None) -> str:
+                     keep_last: KeepLast = None) -> str:
     """Publish `state` as iteration `iteration` under `root`; returns the directory. A
     failed write (OSError: full disk, permissions) removes the temporary directory and
     raises CheckpointError naming `root`; the previous checkpoint and pointer stay."""
@@ -70,7 +71,7 @@ def write_checkpoint(root: str, iteration: int, state: dict,
 def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler,
                     consumed_samples: int, args: dict, *, save_optim: bool = True,
                     save_rng: bool = True, model_config: Optional[dict] = None,
-                    keep_last: Optional[int] = None) -> str:
+                    keep_last: KeepLast = None) -> str:
     """Write iteration `iteration` under `root` (blocking); returns the published directory."""
     state = build_state(iteration, model, optimizer, scheduler, consumed_samples, args,
                         save_optim=save_optim, save_rng=save_rng, model_config=model_config)
@@ -90,7 +91,7 @@ class AsyncCheckpointWriter:
         self._error: Optional[BaseException] = None
 
     def save(self, root: str, iteration: int, state: dict,
-             keep_last: Optional[int] = None) -> None:
+             keep_last: KeepLast = None) -> None:
         self.finalize()
         state = snapshot(state)  # this iteration's values, whatever training does next
 
