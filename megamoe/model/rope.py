@@ -4,6 +4,9 @@ The first `rot_dim = kv_channels * rotary_percent` channels of every head are ro
 halves [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest pass through unchanged.
 Frequencies are computed in fp32 on the fly (cheap, and never cast to bf16 with the model).
 
+--rotary-interleaved (`apply_rotary_pairs`) rotates the pairs (x0, x1), (x2, x3), ... in
+place instead, as Megatron's _rotate_half(rotary_interleaved=True).
+
 Multi-latent attention (model/mla.py) uses YaRN frequencies and its concentration factor
 (`yarn_cos_sin`) and DeepSeek's interleaved pair order (`apply_rotary_interleaved`).
 """
@@ -50,6 +53,22 @@ def apply_rotary(x_SBND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     if x_pass.shape[-1] == 0:
         return out
     return torch.cat((out, x_pass), dim=-1)
+
+
+def apply_rotary_pairs(x_SBND: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """--rotary-interleaved: channels (2i, 2i+1) rotate by pair i's angle,
+    (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin), output in the input's order. Megatron
+    builds the angles [f0, f0, f1, f1, ...] and _rotate_half stacks (-x_odd, x_even); `cos`
+    and `sin` here are the rotate-half ones ([f0 .. fn, f0 .. fn]), so their first half
+    is repeated pairwise."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x_SBND[..., :rot], x_SBND[..., rot:]
+    cos = cos[..., :rot // 2].repeat_interleave(2, dim=-1).to(x_SBND.dtype)
+    sin = sin[..., :rot // 2].repeat_interleave(2, dim=-1).to(x_SBND.dtype)
+    swapped = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+    out = x_rot * cos + swapped * sin
+    return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
