@@ -194,3 +194,22 @@ def test_flags_reach_the_model_and_megatrons_sizes():
 ])
 def test_bad_combinations_are_one_line(capsys, extra, words):
     assert words in parse_error(capsys, f"{BASE} {extra}", 1)
+
+
+@pytest.mark.parametrize("flag", ["--squared-relu", "--quick-geglu", "--rotary-interleaved"])
+def test_megatron_checkpoint_args_carry_the_flags_both_ways(flag):
+    """A megamoe model written as a Megatron-LM run saves the field under Megatron's name
+    (args.squared_relu, ...) and reading those args gives the flag back; before, a
+    Megatron checkpoint with quick_geglu converted as a GELU model."""
+    from megamoe.cli.megatron_args import flags_from_args, megatron_namespace
+
+    field = flag[2:].replace("-", "_")
+    base = dict(num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
+                add_bias_linear=False, normalization="RMSNorm")
+    config = ModelConfig(**base, **{field: True})
+    ns = megatron_namespace({}, config, iteration=1, consumed_samples=0, padded_vocab=128)
+    assert getattr(ns, field) is True
+    assert flag in flags_from_args(ns)
+    ns_off = megatron_namespace({}, ModelConfig(**base), iteration=1, consumed_samples=0,
+                                padded_vocab=128)
+    assert flag not in flags_from_args(ns_off)
