@@ -213,3 +213,23 @@ def test_megatron_checkpoint_args_carry_the_flags_both_ways(flag):
     ns_off = megatron_namespace({}, ModelConfig(**base), iteration=1, consumed_samples=0,
                                 padded_vocab=128)
     assert flag not in flags_from_args(ns_off)
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"rotary_interleaved": True}, "--rotary-interleaved"),
+    ({"swiglu": False, "quick_geglu": True}, "no --swiglu"),
+    ({"swiglu": False, "squared_relu": True}, "no --swiglu"),
+])
+def test_hf_export_refuses_what_transformers_cannot_express(extra, why):
+    """A Mixtral-shaped model exports; with interleaved RoPE or another activation no
+    transformers family computes it, so every family names its reason."""
+    from megamoe.config import MoEConfig
+    from megamoe.model.hf_families import family_of_model
+
+    kw = dict(num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
+              normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+              moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=16))
+    assert family_of_model(ModelConfig(**kw)).architecture == "MixtralForCausalLM"
+    with pytest.raises(ValueError) as e:
+        family_of_model(ModelConfig(**{**kw, **extra}))
+    assert f"MixtralForCausalLM: {why}" in str(e.value)
