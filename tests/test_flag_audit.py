@@ -229,6 +229,8 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--squared-relu": ("--squared-relu", 1, True),  # (sample_argv drops TINY_MOE's --swiglu)
     "--quick-geglu": ("--quick-geglu", 1, True),
     "--rotary-interleaved": ("--rotary-interleaved", 1, True),
+    "--use-rope-scaling": ("--use-rope-scaling", 1, True),
+    "--rope-scaling-factor": ("--use-rope-scaling --rope-scaling-factor 32", 1, 32.0),
     "--apply-wd-to-qk-layernorm": ("--apply-wd-to-qk-layernorm", 1, True),
     "--decoupled-lr": ("--decoupled-lr 5e-3", 1, 5e-3),
     "--decoupled-min-lr": ("--decoupled-lr 5e-3 --decoupled-min-lr 1e-4", 1, 1e-4),

@@ -47,6 +47,8 @@ BAD = [
     ("--attention-dropout", "1.5", "", 1, "must be in [0, 1)"),
     ("--init-method-std", "-0.02", "", 1, "must be >= 0"),
     ("--make-vocab-size-divisible-by", "0", "", 1, "must be positive"),
+    ("--rope-scaling-factor", "0", "--position-embedding-type rope --use-rope-scaling", 1,
+     "must be > 0"),
     # mixture of experts
     ("--num-experts", "-4", "", 1, "must be positive"),
     ("--expert-model-parallel-size", "0", MOE, 1, "must be positive"),

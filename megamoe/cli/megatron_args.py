@@ -94,6 +94,8 @@ MODEL_FIELDS: dict[str, tuple[str, Callable]] = {
     "squared_relu": ("--squared-relu", _bool),
     "quick_geglu": ("--quick-geglu", _bool),
     "rotary_interleaved": ("--rotary-interleaved", _bool),
+    "use_rope_scaling": ("--use-rope-scaling", _bool),
+    "rope_scaling_factor": ("--rope-scaling-factor", _float(1e-6, 1e6)),
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", _bool),
     "qk_layernorm": ("--qk-layernorm", _bool),
     "add_qkv_bias": ("--add-qkv-bias", _bool),
@@ -193,7 +195,8 @@ def flags_from_args(ns: argparse.Namespace) -> list[str]:
     for name, (flag, check) in {**fields, **TRAIN_FIELDS}.items():
         v = _value(ns, name)
         if v is None or (name == "num_experts" and v == 0) or (
-                name == "num_query_groups" and not _value(ns, "group_query_attention")):
+                name == "num_query_groups" and not _value(ns, "group_query_attention")) or (
+                name == "rope_scaling_factor" and not _value(ns, "use_rope_scaling")):
             continue
         v = check(name, v)
         if isinstance(v, bool):
@@ -274,7 +277,8 @@ def megatron_namespace(saved_args: dict, config: ModelConfig, iteration: int,
         rotary_base=int(config.rotary_base) if float(config.rotary_base).is_integer()
         else config.rotary_base, rotary_percent=config.rotary_percent,
         swiglu=config.swiglu, squared_relu=config.squared_relu, quick_geglu=config.quick_geglu,
-        rotary_interleaved=config.rotary_interleaved, add_bias_linear=config.add_bias_linear,
+        rotary_interleaved=config.rotary_interleaved, use_rope_scaling=config.use_rope_scaling,
+        rope_scaling_factor=config.rope_scaling_factor, add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         qk_layernorm=config.qk_layernorm, vocab_size=config.vocab_size,

@@ -1,5 +1,6 @@
 """Megatron-LM's model-variant and parameter-group flags that its own model configs pass
-(Llama, Nemotron, Qwen3-Next, ...): the MLP activation, the rotary pair order, which norms
+(Llama, Nemotron, Qwen3-Next, ...): the MLP activation, the rotary pair order and Llama 3
+scaling, which norms
 decay, and a separate learning rate for the embedding and output layer. Each has
 Megatron-LM's meaning (the config field that each sets says which, and where Megatron
 computes it); the rotary and norm flags megamoe has not built are parsed here to be
@@ -25,6 +26,10 @@ def add_model_optim_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-interleaved", action="store_true",
                    help="RoPE on the channel pairs (x0, x1), (x2, x3), ... instead of the "
                         "two halves (not with --multi-latent-attention)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE frequency scaling (standard attention)")
+    g.add_argument("--rope-scaling-factor", type=finite_float, default=8.0,
+                   help="its factor (Megatron's default 8)")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
     g.add_argument("--apply-layernorm-1p", action="store_true")
     g = parser.add_argument_group("parameter groups (Megatron-LM's)")

@@ -79,6 +79,11 @@ class ModelConfig:
     # Megatron's --rotary-interleaved: RoPE rotates the channel pairs (x0, x1), (x2, x3), ...
     # (GPT-J / Meta Llama order) instead of the two halves; standard attention only.
     rotary_interleaved: bool = flag("--rotary-interleaved", False)
+    # Megatron's --use-rope-scaling: Llama 3.x's frequency scaling of standard attention's
+    # RoPE (RotaryEmbedding._apply_scaling: --rope-scaling-factor, low/high frequency
+    # factors 1 and 4, original context 8192, none of them flags).
+    use_rope_scaling: bool = flag("--use-rope-scaling", False)
+    rope_scaling_factor: float = flag("--rope-scaling-factor", 8.0)
     add_bias_linear: bool = flag("--disable-bias-linear", True, dest="add_bias_linear")
     untie_embeddings_and_output_weights: bool = flag(
         "--untie-embeddings-and-output-weights", False)
@@ -207,6 +212,13 @@ class ModelConfig:
                 "activation)")
         require(not (self.rotary_interleaved and self.multi_latent_attention),
                 "--rotary-interleaved cannot be combined with --multi-latent-attention")
+        check_range(self, "rope_scaling_factor", 0, low_open=True)
+        require(self.use_rope_scaling or self.rope_scaling_factor == 8.0,
+                "--rope-scaling-factor needs --use-rope-scaling")
+        require(not self.use_rope_scaling or (self.position_embedding_type == "rope"
+                                              and not self.multi_latent_attention),
+                "--use-rope-scaling needs --position-embedding-type rope (standard "
+                "attention: MLA has its own YaRN scaling)")
 
     @property
     def activation(self) -> str:

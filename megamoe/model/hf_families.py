@@ -136,6 +136,7 @@ class HFFamily:
              "no rotary embedding (--position-embedding-type)"),
             (config.rotary_percent != 1.0, "--rotary-percent < 1"),
             (config.rotary_interleaved, "--rotary-interleaved (transformers rotates halves)"),
+            (config.use_rope_scaling, "--use-rope-scaling (not mapped to rope_scaling yet)"),
             (not config.swiglu, "no --swiglu (transformers' families are SwiGLU MLPs)"),
             (config.add_bias_linear, "linear biases (no --disable-bias-linear)"),
             (moe.score_function != "softmax", "--moe-router-score-function sigmoid"),

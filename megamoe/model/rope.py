@@ -24,12 +24,38 @@ def rotary_dim(kv_channels: int, rotary_percent: float) -> int:
     return int(kv_channels * rotary_percent)
 
 
+# Llama 3.x's RoPE scaling constants (Megatron's RotaryEmbedding._apply_scaling defaults;
+# no flag sets them).
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """--use-rope-scaling: wavelengths above the original context / 1 are slowed down by
+    `factor`, those below context / 4 kept, and those between blended smoothly (Megatron's
+    _apply_scaling, after transformers' llama3 rope init), op for op."""
+    old = LLAMA3_ORIGINAL_CONTEXT
+    low_wavelen = old / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = old / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_cos_sin(seq_length: int, rot_dim: int, base: float, *,
                    position_ids_BS: Optional[torch.Tensor] = None,
-                   device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, B or 1, 1, rot_dim] in fp32, broadcastable over [S, B, N, D]."""
+                   device: Optional[torch.device] = None,
+                   rope_scaling_factor: Optional[float] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [S, B or 1, 1, rot_dim] in fp32, broadcastable over [S, B, N, D];
+    `rope_scaling_factor`: Llama 3.x's frequency scaling (--use-rope-scaling)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=device,
                                             dtype=torch.float32) / rot_dim))
+    if rope_scaling_factor is not None:
+        inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
     if position_ids_BS is None:
         pos_S1 = torch.arange(seq_length, device=device, dtype=torch.float32)[:, None]
     else:

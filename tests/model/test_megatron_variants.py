@@ -15,9 +15,9 @@ import torch
 from megamoe.cli.arguments import parse_args
 from megamoe.cli.mapping import run_config_from_args
 from megamoe.config import ModelConfig
-from megamoe.model.gpt_model import GPTModel
+from megamoe.model.gpt_model import GPTModel, rotary_for
 from megamoe.model.mlp import MLP
-from megamoe.model.rope import apply_rotary_pairs, rotary_cos_sin
+from megamoe.model.rope import apply_rotary_pairs, llama3_scaled_inv_freq, rotary_cos_sin
 from megamoe.moe.experts import GroupedExperts, SharedExpertMLP
 from tests.flags import parse_error
 
@@ -196,7 +196,8 @@ def test_bad_combinations_are_one_line(capsys, extra, words):
     assert words in parse_error(capsys, f"{BASE} {extra}", 1)
 
 
-@pytest.mark.parametrize("flag", ["--squared-relu", "--quick-geglu", "--rotary-interleaved"])
+@pytest.mark.parametrize("flag", ["--squared-relu", "--quick-geglu", "--rotary-interleaved",
+                                  "--use-rope-scaling"])
 def test_megatron_checkpoint_args_carry_the_flags_both_ways(flag):
     """A megamoe model written as a Megatron-LM run saves the field under Megatron's name
     (args.squared_relu, ...) and reading those args gives the flag back; before, a
@@ -206,10 +207,14 @@ def test_megatron_checkpoint_args_carry_the_flags_both_ways(flag):
     field = flag[2:].replace("-", "_")
     base = dict(num_attention_heads=4, vocab_size=64, position_embedding_type="rope",
                 add_bias_linear=False, normalization="RMSNorm")
-    config = ModelConfig(**base, **{field: True})
+    extra = {"rope_scaling_factor": 16.0} if field == "use_rope_scaling" else {}
+    config = ModelConfig(**base, **{field: True}, **extra)
     ns = megatron_namespace({}, config, iteration=1, consumed_samples=0, padded_vocab=128)
     assert getattr(ns, field) is True
     assert flag in flags_from_args(ns)
+    if extra:
+        assert flags_from_args(ns)[flags_from_args(ns).index("--rope-scaling-factor") + 1] \
+            == "16.0"
     ns_off = megatron_namespace({}, ModelConfig(**base), iteration=1, consumed_samples=0,
                                 padded_vocab=128)
     assert flag not in flags_from_args(ns_off)
@@ -219,6 +224,7 @@ def test_megatron_checkpoint_args_carry_the_flags_both_ways(flag):
     ({"rotary_interleaved": True}, "--rotary-interleaved"),
     ({"swiglu": False, "quick_geglu": True}, "no --swiglu"),
     ({"swiglu": False, "squared_relu": True}, "no --swiglu"),
+    ({"use_rope_scaling": True}, "--use-rope-scaling"),
 ])
 def test_hf_export_refuses_what_transformers_cannot_express(extra, why):
     """A Mixtral-shaped model exports; with interleaved RoPE or another activation no
@@ -233,3 +239,53 @@ def test_hf_export_refuses_what_transformers_cannot_express(extra, why):
     with pytest.raises(ValueError) as e:
         family_of_model(ModelConfig(**{**kw, **extra}))
     assert f"MixtralForCausalLM: {why}" in str(e.value)
+
+
+def naive_llama3_inv_freq(rot: int, base: float, factor: float) -> list[float]:
+    """Llama 3.1's scaling, one frequency at a time (Meta's apply_scaling: low / high
+    frequency factors 1 and 4, original context 8192)."""
+    out = []
+    for j in range(rot // 2):
+        freq = base ** (-2.0 * j / rot)
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4:
+            out.append(freq)
+        elif wavelen > 8192 / 1:
+            out.append(freq / factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return out
+
+
+def test_rope_scaling_matches_llama3_and_reaches_the_model():
+    """--use-rope-scaling --rope-scaling-factor 32: the model's angles are position x the
+    scaled frequencies (rot 64, base 500000: all three bands occur)."""
+    kw = dict(num_layers=1, hidden_size=256, ffn_hidden_size=64, num_attention_heads=4,
+              vocab_size=64, seq_length=8, max_position_embeddings=8,
+              position_embedding_type="rope", rotary_base=500000.0)
+    config = ModelConfig(use_rope_scaling=True, rope_scaling_factor=32.0, **kw)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    cos, sin = rotary_for(config, tokens, None)
+    freq = torch.tensor(naive_llama3_inv_freq(64, 500000.0, 32.0), dtype=torch.float64)
+    angle = torch.arange(8, dtype=torch.float64)[:, None] * freq
+    ref = torch.cat((angle, angle), -1)[:, None, None, :]
+    # fp32 angles (as Megatron's) against the double reference: position <= 7
+    torch.testing.assert_close(cos.double(), ref.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin.double(), ref.sin(), rtol=0, atol=1e-6)
+    bands = [f == b for f, b in zip(freq.tolist(), naive_llama3_inv_freq(64, 500000.0, 1.0))]
+    assert any(bands) and not all(bands)
+    _, plain = rotary_for(ModelConfig(**kw), tokens, None)
+    assert (plain - sin).abs().max() > 1e-3
+    inv = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    torch.testing.assert_close(llama3_scaled_inv_freq(inv, 32.0), freq, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--rope-scaling-factor 16", "--rope-scaling-factor needs --use-rope-scaling"),
+    ("--use-rope-scaling", "--use-rope-scaling needs --position-embedding-type rope"),
+    ("--position-embedding-type rope --use-rope-scaling --rope-scaling-factor 0",
+     "--rope-scaling-factor must be > 0"),
+])
+def test_rope_scaling_refusals_are_one_line(capsys, extra, words):
+    assert words in parse_error(capsys, f"{BASE} {extra}", 1)
