@@ -1,7 +1,7 @@
 """Megatron-LM's model-variant and parameter-group flags that its own model configs pass
 (Llama, Nemotron, Qwen3-Next, ...): the MLP activation, the rotary pair order and Llama 3
-scaling, which norms
-decay, and a separate learning rate for the embedding and output layer. Each has
+scaling, which norms decay, and a separate learning rate for the embedding and output
+layer. Each has
 Megatron-LM's meaning (the config field that each sets says which, and where Megatron
 computes it); the rotary and norm flags megamoe has not built are parsed here to be
 refused with "not supported yet" (config/unsupported.py).
