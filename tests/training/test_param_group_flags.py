@@ -111,3 +111,19 @@ def test_tied_embedding_and_pipeline_copy_are_decoupled():
     assert is_embedding_or_output("decoder.output_layer.weight")
     assert not is_embedding_or_output("embedding.position_embeddings.weight")
     assert not is_embedding_or_output("mtp.layers.0.eh_proj.weight")
+
+
+@pytest.mark.slow  # (two gloo ranks and two single-process runs: ~1 min)
+def test_dp2_distributed_optimizer_keeps_the_groups_schedules():
+    """DP=2 with the distributed optimizer (each rank's shard builds its groups from the
+    same rule) trains to the single-process losses and weights with both flags on, and
+    the flags change the training (so the comparison is not vacuous)."""
+    from tests.training.test_pretrain_expert_parallel import _check, _run, _single
+
+    flags = ("--decoupled-lr 3e-3 --decoupled-min-lr 1e-4 --qk-layernorm "
+             "--apply-wd-to-qk-layernorm --weight-decay 0.1")
+    _check(_run(f"--use-distributed-optimizer {flags}", 2), 1, lambda r: 0,
+           extra_single=flags)
+    with_flags = _single(flags)[0][-1]["lm loss"]
+    without = _single("--qk-layernorm --weight-decay 0.1")[0][-1]["lm loss"]
+    assert abs(with_flags - without) > 1e-4 * abs(without)
