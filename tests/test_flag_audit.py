@@ -111,6 +111,8 @@ CLI_READ = {
     "--moe-layer-recompute":
         "tests/training/test_recompute_flags.py::test_moe_layer_recompute_adds_moe",
     "--logging-level": "tests/scripts/test_megatron_flags.py::test_logging_level",
+    "--no-weight-decay-cond-type":  # Megatron's deprecated spelling
+        "tests/training/test_param_group_flags.py::test_deprecated_spelling",
     "--use-rotary-position-embeddings":
         "tests/scripts/test_megatron_flags.py::test_use_rotary_position_embeddings",
     "--use-checkpoint-args":

@@ -36,6 +36,9 @@ def add_model_optim_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="weight decay on the q/k layernorm weights too (other norms and "
                         "biases have none)")
+    g.add_argument("--no-weight-decay-cond-type", default=None,
+                   choices=["apply_wd_to_qk_layernorm"],
+                   help="deprecated spelling of --apply-wd-to-qk-layernorm")
     g.add_argument("--decoupled-lr", type=finite_float, default=None,
                    help="peak learning rate of the word embedding and output layer")
     g.add_argument("--decoupled-min-lr", type=finite_float, default=None,

@@ -127,3 +127,20 @@ def test_dp2_distributed_optimizer_keeps_the_groups_schedules():
     with_flags = _single(flags)[0][-1]["lm loss"]
     without = _single("--qk-layernorm --weight-decay 0.1")[0][-1]["lm loss"]
     assert abs(with_flags - without) > 1e-4 * abs(without)
+
+
+def test_deprecated_spelling():
+    """--no-weight-decay-cond-type apply_wd_to_qk_layernorm is --apply-wd-to-qk-layernorm
+    (Megatron's validate_args)."""
+    import shlex
+
+    from megamoe.cli.arguments import parse_args
+    from megamoe.cli.mapping import run_config_from_args
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 "
+            "--train-iters 1 --lr 1e-3 --mock-data")
+    optim = lambda extra: run_config_from_args(parse_args(shlex.split(f"{base} {extra}")),
+                                               97).optim
+    assert not optim("").apply_wd_to_qk_layernorm
+    assert optim("--no-weight-decay-cond-type apply_wd_to_qk_layernorm").apply_wd_to_qk_layernorm
