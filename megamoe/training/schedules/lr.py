@@ -138,6 +138,7 @@ class LRScheduler:
         """Advance by `increment` samples (the training loop passes the step's global
         batch size, as Megatron)."""
         self.num_steps += increment
+        self.last_lr = self.get_lr()  # the run's own schedule: what the log line shows
         wd = self.get_wd()
         for group, (max_lr, min_lr) in zip(self.optimizer.param_groups, self.group_bounds):
             group["lr"] = self.get_lr(max_lr, min_lr)
@@ -153,11 +154,3 @@ class LRScheduler:
             steps *= self.global_batch_size  # of --global-batch-size samples
         self.num_steps = steps
         self.step(increment=0)
-
-
-def logged_lr(optimizer) -> float:
-    """The learning rate the log line shows: the first group on the run's own schedule
-    (Megatron logs a default_config group's), not a --decoupled-lr group's; a rank holding
-    decoupled groups only (a distributed optimizer's shard) shows its first group's."""
-    groups = optimizer.param_groups
-    return next((g["lr"] for g in groups if "max_lr" not in g), groups[0]["lr"])
