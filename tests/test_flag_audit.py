@@ -65,6 +65,9 @@ NO_OP = {
         "with --bf16 gradients always accumulate and are reduced in fp32",
     "--init-model-with-meta-device": "megamoe always builds the model on the meta device",
     "--log-memory-to-tensorboard": "memory scalars are always written to TensorBoard",
+    "--openai-gelu": "Megatron-LM parses it and reads it nowhere (megatron-core's MLP never "
+                     "looks at it; tests/model/test_megatron_variants.py::"
+                     "test_flags_reach_the_model_and_megatrons_sizes)",
     "--log-validation-ppl-to-tensorboard":
         "validation perplexity is always written to TensorBoard",
     # torch_dist checkpointing already behaves as these ask (docs/megatron-checkpoints.md)
@@ -124,6 +127,8 @@ CLI_READ = {
     "--moe-layer-recompute":
         "tests/training/test_recompute_flags.py::test_moe_layer_recompute_adds_moe",
     "--logging-level": "tests/scripts/test_megatron_flags.py::test_logging_level",
+    "--no-weight-decay-cond-type":  # Megatron's deprecated spelling
+        "tests/training/test_param_group_flags.py::test_deprecated_spelling",
     "--use-rotary-position-embeddings":
         "tests/scripts/test_megatron_flags.py::test_use_rotary_position_embeddings",
     "--use-checkpoint-args":
@@ -240,6 +245,14 @@ SAMPLES: dict[str, tuple[str, int, object]] = {
     "--attention-dropout": ("--attention-dropout 0.2", 1, 0.2),
     "--init-method-std": ("--init-method-std 0.05", 1, 0.05),
     "--swiglu": ("", 1, True),
+    "--squared-relu": ("--squared-relu", 1, True),  # (sample_argv drops TINY_MOE's --swiglu)
+    "--quick-geglu": ("--quick-geglu", 1, True),
+    "--rotary-interleaved": ("--rotary-interleaved", 1, True),
+    "--use-rope-scaling": ("--use-rope-scaling", 1, True),
+    "--rope-scaling-factor": ("--use-rope-scaling --rope-scaling-factor 32", 1, 32.0),
+    "--apply-wd-to-qk-layernorm": ("--apply-wd-to-qk-layernorm", 1, True),
+    "--decoupled-lr": ("--decoupled-lr 5e-3", 1, 5e-3),
+    "--decoupled-min-lr": ("--decoupled-lr 5e-3 --decoupled-min-lr 1e-4", 1, 1e-4),
     "--disable-bias-linear": ("", 1, False),
     "--untie-embeddings-and-output-weights": ("", 1, True),
     "--use-flash-attn": ("--use-flash-attn", 1, True),
@@ -542,6 +555,8 @@ def sample_argv(flag: str, tmp_path) -> list[str]:
         base = base.replace("--mock-data ", "").replace("--tokenizer-type NullTokenizer ", "")
         base += "" if "tokenizer-type" in extra else " --tokenizer-type NullTokenizer"
         base += "" if re.search(data, extra) else " --mock-data"
+    if re.search("--squared-relu|--quick-geglu", extra):  # another MLP activation
+        base = base.replace("--swiglu ", "")
     if "--step-batch-size-schedule" in extra:  # it replaces --global-batch-size
         base = base.replace("--global-batch-size 8 ", "")
     if MLA in extra:  # MLA has no query groups (as Megatron)

@@ -48,6 +48,8 @@ BAD = [
     ("--attention-dropout", "1.5", "", 1, "must be in [0, 1)"),
     ("--init-method-std", "-0.02", "", 1, "must be >= 0"),
     ("--make-vocab-size-divisible-by", "0", "", 1, "must be positive"),
+    ("--rope-scaling-factor", "0", "--position-embedding-type rope --use-rope-scaling", 1,
+     "must be > 0"),
     # mixture of experts
     ("--num-experts", "-4", "", 1, "must be positive"),
     ("--expert-model-parallel-size", "0", MOE, 1, "must be positive"),
@@ -111,6 +113,10 @@ BAD = [
     ("--lr-warmup-init", "-1e-3", "", 1, "must be >= 0"),
     ("--lr-warmup-init", "1e-2", "", 1, "must not exceed --lr"),
     ("--lr-wsd-decay-iters", "0", "", 1, "must be positive"),
+    ("--decoupled-lr", "-1e-3", "", 1, "must be >= 0"),
+    ("--decoupled-min-lr", "-1e-5", "--decoupled-lr 1e-3", 1, "must be >= 0"),
+    ("--decoupled-min-lr", "1e-2", "--decoupled-lr 1e-3", 1, "must not exceed --decoupled-lr"),
+    ("--decoupled-min-lr", "1e-5", "", 1, "needs --decoupled-lr"),
     ("--weight-decay", "-0.1", "", 1, "must be >= 0"),
     ("--adam-beta1", "1.0", "", 1, "must be in [0, 1)"),
     ("--adam-beta2", "-0.5", "", 1, "must be in [0, 1)"),
@@ -231,7 +237,8 @@ GOOD = [
     "--clip-grad 0",  # no clipping
     "--weight-decay 0", "--hidden-dropout 0 --attention-dropout 0", "--init-method-std 0",
     "--adam-beta1 0 --adam-beta2 0", "--lr 0", "--min-lr 1e-3", "--lr-warmup-init 1e-3",
-    "--lr-warmup-fraction 0", "--seed 0", "--num-workers 0", "--eval-iters 0",
+    "--lr-warmup-fraction 0", "--decoupled-lr 0 --decoupled-min-lr 0", "--seed 0",
+    "--num-workers 0", "--eval-iters 0",
     "--train-iters 0", "--norm-epsilon 0",
     "--position-embedding-type rope --rotary-percent 1.0",
     f"{MOE} --moe-aux-loss-coeff 0 --moe-z-loss-coeff 0 --moe-input-jitter-eps 0 "

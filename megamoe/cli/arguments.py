@@ -23,6 +23,7 @@ from megamoe.cli.determinism_args import add_determinism_args
 from megamoe.cli.extensions import add_negations, mark_extensions
 from megamoe.cli.fp8_args import add_fp8_args
 from megamoe.cli.loss_scale_args import add_loss_scale_args
+from megamoe.cli.model_optim_args import add_model_optim_args
 from megamoe.cli.pipeline_args import add_pipeline_split_args
 from megamoe.cli.precision_args import add_precision_args
 from megamoe.cli.rules import ArgumentError, finalize_args
@@ -87,10 +88,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="no learned absolute position embedding (implied by rope)")
     g.add_argument("--rotary-base", type=finite_float, default=10000.0)
     g.add_argument("--rotary-percent", type=finite_float, default=1.0)
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=finite_float, default=1e-5)
-    g.add_argument("--apply-layernorm-1p", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--qk-layernorm-scope", default="head", choices=["head", "projection"],
                    help="head (Megatron's --qk-layernorm, Qwen3) or "
@@ -385,6 +384,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         prog=prog, description="megamoe: Megatron-style MoE GPT pretraining",
         allow_abbrev=False)
     _add_model_args(parser)
+    add_model_optim_args(parser)
     _add_moe_args(parser)
     _add_data_args(parser)
     _add_training_args(parser)

@@ -3,7 +3,7 @@
 Megatron-LM saves its whole argparse Namespace in every checkpoint; the model's shape and
 the run's schedule are read from it here, field by field, each checked for type and
 range (the checkpoint may come from anywhere). A field that changes the network in a way
-megamoe does not convert yet (`apply_layernorm_1p`, `rotary_interleaved`, ...) is
+megamoe does not convert yet (`apply_layernorm_1p`, `mtp_hsm`, ...) is
 refused with one line naming the Megatron field (MLA and MTP are read: MLA_FIELDS,
 MTP_FIELDS); fields that only describe the run's
 bookkeeping (paths, logging, kernels) are ignored. The reverse direction writes the same
@@ -91,6 +91,11 @@ MODEL_FIELDS: dict[str, tuple[str, Callable]] = {
     "rotary_base": ("--rotary-base", _float(1.0)),
     "rotary_percent": ("--rotary-percent", _float(0.0, 1.0)),
     "swiglu": ("--swiglu", _bool),
+    "squared_relu": ("--squared-relu", _bool),
+    "quick_geglu": ("--quick-geglu", _bool),
+    "rotary_interleaved": ("--rotary-interleaved", _bool),
+    "use_rope_scaling": ("--use-rope-scaling", _bool),
+    "rope_scaling_factor": ("--rope-scaling-factor", _float(1e-6, 1e6)),
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", _bool),
     "qk_layernorm": ("--qk-layernorm", _bool),
     "add_qkv_bias": ("--add-qkv-bias", _bool),
@@ -160,11 +165,11 @@ TRAIN_FIELDS: dict[str, tuple[str, Callable]] = {
 
 # Fields that change the network in ways not converted yet: (field, the value that is fine).
 UNSUPPORTED: dict[str, Any] = {
-    "apply_layernorm_1p": False, "rotary_interleaved": False, "mla_down_proj_fusion": False,
+    "apply_layernorm_1p": False, "mla_down_proj_fusion": False,
     "experimental_attention_variant": None, "mtp_use_repeated_layer": False,
     "mtp_detach_heads": False, "mtp_hsm": False,
     "add_bias_linear": False, "apply_residual_connection_post_layernorm": False,
-    "squared_relu": False, "openai_gelu": False, "moe_use_upcycling": False,
+    "openai_gelu": False, "moe_use_upcycling": False,
     "num_experts_per_layer": None, "heterogeneous_layers_config_path": None,
 }
 
@@ -190,7 +195,8 @@ def flags_from_args(ns: argparse.Namespace) -> list[str]:
     for name, (flag, check) in {**fields, **TRAIN_FIELDS}.items():
         v = _value(ns, name)
         if v is None or (name == "num_experts" and v == 0) or (
-                name == "num_query_groups" and not _value(ns, "group_query_attention")):
+                name == "num_query_groups" and not _value(ns, "group_query_attention")) or (
+                name == "rope_scaling_factor" and not _value(ns, "use_rope_scaling")):
             continue
         v = check(name, v)
         if isinstance(v, bool):
@@ -249,7 +255,7 @@ def _mla_mtp_fields(config: ModelConfig) -> dict[str, Any]:
               if name != "multi_latent_attention"}}
     return {**mla, "mtp_num_layers": config.mtp_num_layers,
             "mtp_loss_scaling_factor": config.mtp_loss_scaling_factor,
-            "rotary_interleaved": False, "mla_down_proj_fusion": False}
+            "mla_down_proj_fusion": False}
 
 
 def megatron_namespace(saved_args: dict, config: ModelConfig, iteration: int,
@@ -270,7 +276,9 @@ def megatron_namespace(saved_args: dict, config: ModelConfig, iteration: int,
         position_embedding_type=config.position_embedding_type,
         rotary_base=int(config.rotary_base) if float(config.rotary_base).is_integer()
         else config.rotary_base, rotary_percent=config.rotary_percent,
-        swiglu=config.swiglu, add_bias_linear=config.add_bias_linear,
+        swiglu=config.swiglu, squared_relu=config.squared_relu, quick_geglu=config.quick_geglu,
+        rotary_interleaved=config.rotary_interleaved, use_rope_scaling=config.use_rope_scaling,
+        rope_scaling_factor=config.rope_scaling_factor, add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         qk_layernorm=config.qk_layernorm, vocab_size=config.vocab_size,

@@ -100,6 +100,9 @@ def _derive_defaults(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron's derived defaults (they depend on other flags)."""
     args.world_size = world_size
     derive_compat(args)
+    # Megatron's validate_args: the deprecated spelling of --apply-wd-to-qk-layernorm
+    if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":
+        args.apply_wd_to_qk_layernorm = True
     if args.num_attention_heads < 1:  # (the defaults below divide by it)
         raise ArgumentError(f"--num-attention-heads must be positive, got "
                             f"{args.num_attention_heads}")

@@ -71,6 +71,19 @@ class ModelConfig:
     rotary_base: float = flag("--rotary-base", 10000.0)
     rotary_percent: float = flag("--rotary-percent", 1.0)
     swiglu: bool = flag("--swiglu", False)
+    # Megatron's other MLP activations (argument_utils.py): --squared-relu is relu(x)^2 on
+    # a plain fc1; --quick-geglu a gated fc1 ([gate; up], as --swiglu) with
+    # quick_gelu(gate) * up, quick_gelu(x) = x * sigmoid(1.702 x). Neither with --swiglu.
+    squared_relu: bool = flag("--squared-relu", False)
+    quick_geglu: bool = flag("--quick-geglu", False)
+    # Megatron's --rotary-interleaved: RoPE rotates the channel pairs (x0, x1), (x2, x3), ...
+    # (GPT-J / Meta Llama order) instead of the two halves; standard attention only.
+    rotary_interleaved: bool = flag("--rotary-interleaved", False)
+    # Megatron's --use-rope-scaling: Llama 3.x's frequency scaling of standard attention's
+    # RoPE (RotaryEmbedding._apply_scaling: --rope-scaling-factor, low/high frequency
+    # factors 1 and 4, original context 8192, none of them flags).
+    use_rope_scaling: bool = flag("--use-rope-scaling", False)
+    rope_scaling_factor: float = flag("--rope-scaling-factor", 8.0)
     add_bias_linear: bool = flag("--disable-bias-linear", True, dest="add_bias_linear")
     untie_embeddings_and_output_weights: bool = flag(
         "--untie-embeddings-and-output-weights", False)
@@ -176,6 +189,7 @@ class ModelConfig:
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})")
         self._validate_qk_layernorm()
+        self._validate_activation()
         if self.position_embedding_type == "rope":
             dim = int(self.kv_channels * self.rotary_percent)
             require(dim > 0 and dim % 2 == 0,
@@ -186,6 +200,36 @@ class ModelConfig:
             require(len(self.moe_layer_pattern) == self.num_layers,
                     f"--moe-layer-freq pattern has {len(self.moe_layer_pattern)} entries "
                     f"but --num-layers is {self.num_layers}")
+
+    def _validate_activation(self) -> None:
+        """Megatron asserts that --squared-relu and --quick-geglu come without --swiglu;
+        given together, Megatron takes --squared-relu and drops --quick-geglu silently:
+        refused here instead (a flag would be ignored). --rotary-interleaved: Megatron's
+        TransformerConfig refuses it with MLA (whose pairs are its own)."""
+        chosen = [f for f, on in (("--swiglu", self.swiglu), ("--squared-relu",
+                  self.squared_relu), ("--quick-geglu", self.quick_geglu)) if on]
+        require(len(chosen) <= 1, f"{' and '.join(chosen)} cannot be combined (one MLP "
+                "activation)")
+        require(not (self.rotary_interleaved and self.multi_latent_attention),
+                "--rotary-interleaved cannot be combined with --multi-latent-attention")
+        check_range(self, "rope_scaling_factor", 0, low_open=True)
+        require(self.use_rope_scaling or self.rope_scaling_factor == 8.0,
+                "--rope-scaling-factor needs --use-rope-scaling")
+        require(not self.use_rope_scaling or (self.position_embedding_type == "rope"
+                                              and not self.multi_latent_attention),
+                "--use-rope-scaling needs --position-embedding-type rope (standard "
+                "attention: MLA has its own YaRN scaling)")
+
+    @property
+    def activation(self) -> str:
+        """The MLP activation: gelu, swiglu, squared_relu or quick_geglu."""
+        return ("swiglu" if self.swiglu else "squared_relu" if self.squared_relu
+                else "quick_geglu" if self.quick_geglu else "gelu")
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 computes [gate; up] (2F outputs): --swiglu and --quick-geglu."""
+        return self.swiglu or self.quick_geglu
 
     def _validate_qk_layernorm(self) -> None:
         require(self.qk_layernorm_scope in QK_LAYERNORM_SCOPES,

@@ -26,6 +26,15 @@ class OptimizerConfig:
     lr: float = flag("--lr", 1e-4)
     min_lr: float = flag("--min-lr", 0.0)
     weight_decay: float = flag("--weight-decay", 0.01)
+    # Megatron's get_standard_config_overrides: biases and 1-D parameters have no weight
+    # decay, except (with this flag) the q/k layernorms' ("q_layernorm." / "k_layernorm."
+    # in the name), as Qwen3-Next.
+    apply_wd_to_qk_layernorm: bool = flag("--apply-wd-to-qk-layernorm", False)
+    # Megatron's decoupled LR: the word embedding and output layer weights follow the same
+    # schedule with --decoupled-lr as the peak and --decoupled-min-lr (else --min-lr) as
+    # the floor (their param group's max_lr / min_lr).
+    decoupled_lr: Optional[float] = flag("--decoupled-lr", None)
+    decoupled_min_lr: Optional[float] = flag("--decoupled-min-lr", None)
     # Megatron's weight-decay schedule (training/schedules/lr.py): constant --weight-decay,
     # or from --start-weight-decay to --end-weight-decay over the whole run.
     weight_decay_incr_style: str = flag("--weight-decay-incr-style", "constant")
@@ -160,5 +169,12 @@ class OptimizerConfig:
         check_positive(self, "lr_decay_iters", "lr_wsd_decay_iters")
         require(self.min_lr <= self.lr,
                 f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        check_range(self, "decoupled_lr", 0)
+        check_range(self, "decoupled_min_lr", 0)
+        require(self.decoupled_min_lr is None or self.decoupled_lr is not None,
+                "--decoupled-min-lr needs --decoupled-lr")
+        require(self.decoupled_min_lr is None or self.decoupled_min_lr <= self.decoupled_lr,
+                f"--decoupled-min-lr ({self.decoupled_min_lr}) must not exceed "
+                f"--decoupled-lr ({self.decoupled_lr})")
         require(self.lr_warmup_init <= self.lr,
                 f"--lr-warmup-init ({self.lr_warmup_init}) must not exceed --lr ({self.lr})")

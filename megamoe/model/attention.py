@@ -29,7 +29,7 @@ from torch import nn
 from megamoe.config import ModelConfig
 from megamoe.model.attention_backend import kernel_context
 from megamoe.model.norms import ProjectionRMSNorm, build_norm
-from megamoe.model.rope import apply_rotary
+from megamoe.model.rope import apply_rotary, apply_rotary_pairs
 from megamoe.parallel.checkpointing import maybe_checkpoint
 from megamoe.parallel.context_parallel import cp_attention
 from megamoe.parallel.cp_layout import causal_mask
@@ -92,6 +92,7 @@ class SelfAttention(nn.Module):
         # with --qk-layernorm-scope projection one norm over all of q (k), sharded over TP.
         self.q_layernorm = self.k_layernorm = None
         self.qk_norm_whole = config.qk_layernorm_scope == "projection"
+        self.rotary_interleaved = config.rotary_interleaved  # RoPE pair order
         if config.qk_layernorm and self.qk_norm_whole:
             self.q_layernorm = ProjectionRMSNorm(q_size, eps=config.norm_epsilon)
             self.k_layernorm = ProjectionRMSNorm(kv_size, eps=config.norm_epsilon)
@@ -117,8 +118,9 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None and not self.qk_norm_whole:
             q_SBND, k_SBGD = self.q_layernorm(q_SBND), self.k_layernorm(k_SBGD)
         if rotary is not None:
-            q_SBND = apply_rotary(q_SBND, *rotary)
-            k_SBGD = apply_rotary(k_SBGD, *rotary)
+            rotate = apply_rotary_pairs if self.rotary_interleaved else apply_rotary
+            q_SBND = rotate(q_SBND, *rotary)
+            k_SBGD = rotate(k_SBGD, *rotary)
         # SDPA wants [B, heads, S, D].
         q_BNSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBGD, v_SBGD))
         if self.cp_group is not None:

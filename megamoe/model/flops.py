@@ -8,7 +8,7 @@ FLOPs per token (forward + backward), as in Megatron / PaLM MFU accounting:
     flops_per_token = 6 * M  +  12 * L * S * Nq * D
 
 - M = matmul weights one token actually multiplies by: per layer QKV (H x (Nq + 2 Nkv) D)
-  and output projection (Nq D x H); dense MLP (H x F(x2 for swiglu) + F x H) or, on MoE
+  and output projection (Nq D x H); dense MLP (H x F(x2 when gated) + F x H) or, on MoE
   layers, the router (H x E) plus k experts' fc1/fc2; and the output layer over the real
   vocabulary (V x H; padded rows are never multiplied). Embedding lookups, norms, biases,
   activations and RoPE are not matmuls and are left out. 6 = 2 (multiply-add) x 3 (forward,
@@ -74,7 +74,7 @@ def _attention_params(config: ModelConfig) -> tuple[int, int]:
 def _ffn_params(config: ModelConfig, ffn: int) -> tuple[int, int]:
     """(all parameters, matmul weights) of one fc1 -> act -> fc2 MLP (dense or one expert)."""
     h = config.hidden_size
-    fc1_out = 2 * ffn if config.swiglu else ffn
+    fc1_out = 2 * ffn if config.gated_linear_unit else ffn
     weights = h * fc1_out + ffn * h
     bias = (fc1_out + h) if config.add_bias_linear else 0
     return weights + bias, weights

@@ -177,7 +177,9 @@ def rotary_for(config: ModelConfig, tokens_BS: torch.Tensor,
         return None
     rot_dim = rotary_dim(config.kv_channels, config.rotary_percent)
     return rotary_cos_sin(tokens_BS.shape[1], rot_dim, config.rotary_base,
-                          position_ids_BS=position_ids, device=tokens_BS.device)
+                          position_ids_BS=position_ids, device=tokens_BS.device,
+                          rope_scaling_factor=config.rope_scaling_factor
+                          if config.use_rope_scaling else None)
 
 
 def lm_head(h_SBH: torch.Tensor, w_VH: torch.Tensor, labels: Optional[torch.Tensor],

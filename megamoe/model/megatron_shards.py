@@ -77,7 +77,7 @@ class LegacyLayout:
     vpp: Optional[int]
     num_layers: int
     num_experts: int
-    swiglu: bool
+    swiglu: bool  # fc1 is [gate; up]: --swiglu or --quick-geglu
     tied: bool
     # MLA: the full rows of linear_q_down_proj (None without a query latent) and of
     # linear_kv_down_proj (kv_lora_rank + qk_pos_emb_head_dim); None without MLA.

@@ -109,13 +109,13 @@ def moefy(model: nn.Module, *, num_experts: int, topk: int = 2,
             new = factory(name, module, index)
         elif _is_megamoe_mlp(name, module):
             fc1 = module.linear_fc1
-            ffn = fc1.out_features // (2 if module.swiglu else 1)
+            ffn = fc1.out_features // (2 if module.gated else 1)
             moe_cfg = MoEConfig(num_experts=num_experts, topk=topk, ffn_hidden_size=ffn,
                                 **moe_options)
             new = MoELayer(moe_cfg, fc1.in_features, layer_number=index,
                            num_layers=len(targets), init_method_std=std,
                            add_bias_linear=fc1.bias is not None, swiglu=module.swiglu,
-                           grouped_gemm=True)
+                           activation=module.activation, grouped_gemm=True)
             if upcycle:
                 upcycle_mlp(module, new)
         else:

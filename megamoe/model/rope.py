@@ -4,6 +4,9 @@ The first `rot_dim = kv_channels * rotary_percent` channels of every head are ro
 halves [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest pass through unchanged.
 Frequencies are computed in fp32 on the fly (cheap, and never cast to bf16 with the model).
 
+--rotary-interleaved (`apply_rotary_pairs`) rotates the pairs (x0, x1), (x2, x3), ... in
+place instead, as Megatron's _rotate_half(rotary_interleaved=True).
+
 Multi-latent attention (model/mla.py) uses YaRN frequencies and its concentration factor
 (`yarn_cos_sin`) and DeepSeek's interleaved pair order (`apply_rotary_interleaved`).
 """
@@ -21,12 +24,38 @@ def rotary_dim(kv_channels: int, rotary_percent: float) -> int:
     return int(kv_channels * rotary_percent)
 
 
+# Llama 3.x's RoPE scaling constants (Megatron's RotaryEmbedding._apply_scaling defaults;
+# no flag sets them).
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """--use-rope-scaling: wavelengths above the original context / 1 are slowed down by
+    `factor`, those below context / 4 kept, and those between blended smoothly (Megatron's
+    _apply_scaling, after transformers' llama3 rope init), op for op."""
+    old = LLAMA3_ORIGINAL_CONTEXT
+    low_wavelen = old / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = old / LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+        LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_cos_sin(seq_length: int, rot_dim: int, base: float, *,
                    position_ids_BS: Optional[torch.Tensor] = None,
-                   device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, B or 1, 1, rot_dim] in fp32, broadcastable over [S, B, N, D]."""
+                   device: Optional[torch.device] = None,
+                   rope_scaling_factor: Optional[float] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [S, B or 1, 1, rot_dim] in fp32, broadcastable over [S, B, N, D];
+    `rope_scaling_factor`: Llama 3.x's frequency scaling (--use-rope-scaling)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, device=device,
                                             dtype=torch.float32) / rot_dim))
+    if rope_scaling_factor is not None:
+        inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
     if position_ids_BS is None:
         pos_S1 = torch.arange(seq_length, device=device, dtype=torch.float32)[:, None]
     else:
@@ -50,6 +79,22 @@ def apply_rotary(x_SBND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     if x_pass.shape[-1] == 0:
         return out
     return torch.cat((out, x_pass), dim=-1)
+
+
+def apply_rotary_pairs(x_SBND: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """--rotary-interleaved: channels (2i, 2i+1) rotate by pair i's angle,
+    (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin), output in the input's order. Megatron
+    builds the angles [f0, f0, f1, f1, ...] and _rotate_half stacks (-x_odd, x_even); `cos`
+    and `sin` here are the rotate-half ones ([f0 .. fn, f0 .. fn]), so their first half
+    is repeated pairwise."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x_SBND[..., :rot], x_SBND[..., rot:]
+    cos = cos[..., :rot // 2].repeat_interleave(2, dim=-1).to(x_SBND.dtype)
+    sin = sin[..., :rot // 2].repeat_interleave(2, dim=-1).to(x_SBND.dtype)
+    swapped = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+    out = x_rot * cos + swapped * sin
+    return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

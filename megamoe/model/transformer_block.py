@@ -43,7 +43,8 @@ def build_mlp(config: ModelConfig, layer_index: int) -> nn.Module:
         return MLP(config)
     layer = MoELayer(config.moe, config.hidden_size, layer_number=layer_index,
                      num_layers=config.num_layers, init_method_std=config.init_method_std,
-                     add_bias_linear=config.add_bias_linear, swiglu=config.swiglu)
+                     add_bias_linear=config.add_bias_linear, swiglu=config.swiglu,
+                     activation=config.activation)
     # MTP layers (model/mtp.py) log their MoE losses after the decoder's, as Megatron.
     layer.router.num_layers = config.num_layers + config.num_mtp_layers
     return layer

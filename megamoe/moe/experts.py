@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megamoe.moe.activations import apply_activation, check_activation, is_gated
 from megamoe.moe.grouped_gemm import Sizes, as_group_sizes, gather_grouped_mm, grouped_mm
 from megamoe.moe.swiglu import swiglu
 from megamoe.parallel.checkpointing import maybe_discard
@@ -25,6 +26,16 @@ def _rows_bias(bias_EM: Optional[torch.Tensor], tokens_per_expert_E: torch.Tenso
         return None
     return torch.repeat_interleave(bias_EM, tokens_per_expert_E.to(bias_EM.device), dim=0,
                                    output_size=num_rows)
+
+
+def resolve_activation(swiglu: bool, activation: Optional[str]) -> str:
+    """The experts' activation: `activation` (moe/activations.py) when given, else swiglu
+    or gelu per `swiglu`; the two must agree (swiglu=True names the fused SwiGLU)."""
+    if activation is None:
+        return "swiglu" if swiglu else "gelu"
+    if (check_activation(activation) == "swiglu") != swiglu:
+        raise ValueError(f"experts: activation {activation!r} with swiglu={swiglu}")
+    return activation
 
 
 class GroupedExperts(nn.Module):
@@ -42,7 +53,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
                  swiglu: bool, add_bias: bool, init_method_std: float, output_init_std: float,
-                 grouped_gemm: bool) -> None:
+                 grouped_gemm: bool, activation: Optional[str] = None) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         # Set when the experts are sharded (moe/sharding.py): the
@@ -51,14 +62,16 @@ class GroupedExperts(nn.Module):
         self.etp_size, self.etp_rank = 1, 0
         self.fc2_bias_scale = 1.0  # 1 / ETP: each etp rank adds its share of the fc2 bias
         self.init_stds = {"fc1_weight": init_method_std, "fc2_weight": output_init_std}
+        self.activation_name = resolve_activation(swiglu, activation)
         self.swiglu = swiglu
+        self.gated = is_gated(self.activation_name)  # fc1 = [gate | up]
         self.combine_in_experts = swiglu or ffn_hidden_size <= hidden_size
         self.backend = "auto" if grouped_gemm else "loop"
         self.recompute_act = False  # --recompute-modules moe_act (parallelize sets it)
         # FP8 grouped GEMM (x_NK, w_EKM, GroupSizes) -> y_NM, set by the FP8 policy
         self.fp8 = None
-        fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
-        # Swiglu fc1 columns: [:F] = gate (HF w1), [F:] = up (HF w3).
+        fc1_out = 2 * ffn_hidden_size if self.gated else ffn_hidden_size
+        # Gated fc1 columns: [:F] = gate (HF w1), [F:] = up (HF w3).
         self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out))
         self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, ffn_hidden_size,
                                                    hidden_size))
@@ -78,10 +91,7 @@ class GroupedExperts(nn.Module):
         return a_NF if p_N is None else a_NF * p_N.unsqueeze(-1)
 
     def activation(self, h_NF: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate_NF, up_NF = h_NF.chunk(2, dim=-1)
-            return F.silu(gate_NF) * up_NF
-        return F.gelu(h_NF)
+        return apply_activation(self.activation_name, h_NF)
 
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: Sizes,
                 probs_N: Optional[torch.Tensor] = None,
@@ -181,13 +191,15 @@ class SharedExpertMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, swiglu: bool,
                  add_bias: bool, gate: bool, init_method_std: float,
-                 output_init_std: float) -> None:
+                 output_init_std: float, activation: Optional[str] = None) -> None:
         super().__init__()
+        self.activation_name = resolve_activation(swiglu, activation)
         self.swiglu = swiglu
+        self.gated = is_gated(self.activation_name)
         self.linear_fc1 = ColumnParallelLinear(
-            hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size, bias=add_bias,
-            init_std=init_method_std, blocks=(ffn_hidden_size, ffn_hidden_size) if swiglu
-            else None)
+            hidden_size, 2 * ffn_hidden_size if self.gated else ffn_hidden_size,
+            bias=add_bias, init_std=init_method_std,
+            blocks=(ffn_hidden_size, ffn_hidden_size) if self.gated else None)
         self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=add_bias,
                                             init_std=output_init_std)
         # Before they were split over TP these were replicated whole tensors: their TP
@@ -209,11 +221,7 @@ class SharedExpertMLP(nn.Module):
         """First half (--moe-shared-expert-overlap runs it during the dispatch): fc1 and
         the activation, and the gate's score -> (activation, score or None)."""
         h_TF = self.linear_fc1(x_TH)  # [T (SP: gathered), F or 2F] (local: / TP)
-        if self.swiglu:
-            gate_TF, up_TF = h_TF.chunk(2, dim=-1)
-            h_TF = F.silu(gate_TF) * up_TF
-        else:
-            h_TF = F.gelu(h_TF)
+        h_TF = apply_activation(self.activation_name, h_TF)
         score_T1 = None
         if self.gate_weight is not None:
             score_T1 = torch.sigmoid(F.linear(x_TH, self.gate_weight))  # [T, 1]

@@ -45,6 +45,7 @@ class MoELayer(nn.Module):
     def __init__(self, config: Optional[MoEConfig] = None, hidden_size: Optional[int] = None,
                  *, layer_number: int = 0, num_layers: int = 1, init_method_std: float = 0.02,
                  add_bias_linear: bool = False, swiglu: bool = True,
+                 activation: Optional[str] = None,
                  experts: Optional[Sequence[nn.Module]] = None, sequence_dim: int = 0,
                  balancing_group: Optional[dist.ProcessGroup] = None,
                  grad_average_size: int = 1, grouped_gemm: bool = False,
@@ -65,13 +66,14 @@ class MoELayer(nn.Module):
             self.experts = GroupedExperts(
                 config.num_experts, hidden_size, config.ffn_hidden_size, swiglu=swiglu,
                 add_bias=add_bias_linear, init_method_std=init_method_std,
-                output_init_std=output_std, grouped_gemm=grouped_gemm)
+                output_init_std=output_std, grouped_gemm=grouped_gemm, activation=activation)
         self.shared_experts = None
         if config.shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(
                 hidden_size, config.shared_expert_intermediate_size, swiglu=swiglu,
                 add_bias=add_bias_linear, gate=config.shared_expert_gate,
-                init_method_std=init_method_std, output_init_std=output_std)
+                init_method_std=init_method_std, output_init_std=output_std,
+                activation=activation)
         self.dispatcher: TokenDispatcher = LocalDispatcher.for_experts(self.experts)
         self.recompute_shared = False  # --recompute-modules shared_experts (parallelize)
         # --moe-shared-expert-overlap (parallelize; moe/shared_overlap.py): the shared

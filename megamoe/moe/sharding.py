@@ -52,7 +52,7 @@ def shard_expert_hidden(experts: nn.Module, size: int, rank: int) -> None:
     if not isinstance(experts, GroupedExperts):
         raise ValueError("expert tensor parallelism (--expert-tensor-parallel-size > 1) "
                          "needs the built-in grouped experts, not custom expert modules")
-    blocks = 2 if experts.swiglu else 1
+    blocks = 2 if experts.gated else 1
 
     def columns(full: torch.Tensor) -> torch.Tensor:  # [..., blocks * F] -> own slices
         return torch.cat([b.chunk(size, dim=-1)[rank] for b in full.chunk(blocks, dim=-1)],

@@ -81,9 +81,10 @@ def attention_values(model: ModelConfig, tp: int, act_bytes: int,
     return values
 
 
-def _dense_mlp(h: int, f: int, swiglu: bool, tp: int) -> float:
-    """fc1's output, silu(gate) for SwiGLU, the activation (fc2's input)."""
-    return ((2 * f + f + f) if swiglu else (f + f)) / tp
+def _dense_mlp(h: int, f: int, gated: bool, tp: int) -> float:
+    """fc1's output, act(gate) when gated (SwiGLU, quick GeGLU), the activation (fc2's
+    input)."""
+    return ((2 * f + f + f) if gated else (f + f)) / tp
 
 
 def moe_values(model: ModelConfig, tp: int, ep: int, etp: int, act_bytes: int,
@@ -91,7 +92,7 @@ def moe_values(model: ModelConfig, tp: int, ep: int, etp: int, act_bytes: int,
     """The routed experts, router and shared experts of an MoE layer (without norm2 and the
     layer input), values per token."""
     m, h, f = model.moe, model.hidden_size, model.moe.ffn_hidden_size
-    fc1 = 2 * f if model.swiglu else f
+    fc1 = 2 * f if model.gated_linear_unit else f
     act = 0 if "moe_act" in recompute.selected else f
     copy = (fc1 + act) / etp
     if ep > 1:
@@ -104,7 +105,7 @@ def moe_values(model: ModelConfig, tp: int, ep: int, etp: int, act_bytes: int,
     if shared is not None and "shared_experts" not in recompute.selected:
         # A TP MLP on the layer's sequence shard: under SP fc1 keeps the gathered input
         # (without TP it is the router's input, counted above); the gate keeps the output.
-        values += _dense_mlp(h, shared, model.swiglu, tp) + (h if tp > 1 else 0)
+        values += _dense_mlp(h, shared, model.gated_linear_unit, tp) + (h if tp > 1 else 0)
         if m.shared_expert_gate:
             values += h / tp
     return values
@@ -132,7 +133,7 @@ def mlp_values(model: ModelConfig, i: int, tp: int, ep: int, etp: int, act_bytes
         values += h  # the MLP's / router's input
     if moe:
         return values + moe_values(model, tp, ep, etp, act_bytes, recompute)
-    return values + _dense_mlp(h, model.ffn_hidden_size, model.swiglu, tp)
+    return values + _dense_mlp(h, model.ffn_hidden_size, model.gated_linear_unit, tp)
 
 
 def layer_values(model: ModelConfig, i: int, recompute: RecomputeConfig, *, tp: int = 1,

@@ -69,11 +69,12 @@ def _largest_parameters(model: ModelConfig, lay: Layout, stage: int) -> tuple[in
             dense.append(m.num_experts * h)
             if m.shared_expert_intermediate_size is not None:
                 width = m.shared_expert_intermediate_size
-                dense.append((2 if model.swiglu else 1) * width * h)
-            fc1_one = (2 if model.swiglu else 1) * m.ffn_hidden_size * h // lay.etp
+                dense.append((2 if model.gated_linear_unit else 1) * width * h)
+            fc1_one = (2 if model.gated_linear_unit else 1) * m.ffn_hidden_size * h // lay.etp
             expert.append(m.num_experts // lay.ep * fc1_one)  # fc1 of the stacked experts
         else:
-            dense.append((2 if model.swiglu else 1) * model.ffn_hidden_size * h // lay.tp)
+            dense.append((2 if model.gated_linear_unit else 1) * model.ffn_hidden_size * h
+                         // lay.tp)
     return max(dense), max(expert)
 
 

@@ -288,7 +288,7 @@ class _Interval:
             iteration=state.iteration, train_iters=run.train.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms_per_iter=ms_per_iter,
             tokens_per_sec=tokens_per_iter / (ms_per_iter / 1000.0),
-            learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=self.batch_size,
+            learning_rate=state.history[-1]["lr"], global_batch_size=self.batch_size,
             losses={k: v for k, v in values.items() if k not in NOT_LOSSES and "/" not in k},
             loss_scale=optimizer.get_loss_scale(), grad_norm=values.get("grad norm"),
             skipped_iters=state.skipped_iters, nan_iters=state.nan_iters,
@@ -397,7 +397,7 @@ def _train_loop(run: RunConfig, mesh: Mesh, model, optimizer, scheduler, train_i
                 print_fn(f"> --compile: the first iteration took {step_ms / 1000.0:.1f} s "
                          f"(it compiles the layers; later iterations run the compiled code)")
         metrics.update(observer.after_step())  # expert load, summed over data parallel
-        lr = optimizer.param_groups[0]["lr"]
+        lr = scheduler.last_lr  # the run's --lr schedule (not a --decoupled-lr group's)
         skipped = _record(state, metrics, gbs, lr, interval)
         interval.add(metrics, gbs, skipped)
         console = state.iteration % lg.log_interval == 0

@@ -188,7 +188,8 @@ def test_crafted_pickle_in_common_state(saves, tmp_path, capsys):
 # ---------------------------------------------------------------- slow: the other variants
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["mixtral", "shared_dense", "qk_norm"])
+@pytest.mark.parametrize("variant", ["mixtral", "shared_dense", "qk_norm", "squared_relu",
+                                     "quick_geglu_interleaved"])
 def test_variant_both_ways_through_megatron_core(saves, mcore_python, tmp_path, variant):
     """Converted in, out (local spec), and loaded by megatron-core's own
     dist_checkpointing.load: the same logits as the model that was saved."""

@@ -206,7 +206,7 @@ def test_mla_mtp_args_read_with_their_flags():
     ("mtp_num_layers", 1.0, "expected an integer"),
     ("mtp_loss_scaling_factor", "0.1", "expected a number"),
     ("multi_latent_attention", 1, "expected True or False"),
-    ("rotary_interleaved", True, "not supported yet"),
+    ("rotary_interleaved", 1, "expected True or False"),
     ("mla_down_proj_fusion", True, "not supported yet"),
     ("mtp_use_repeated_layer", True, "not supported yet"),
     ("mtp_detach_heads", True, "not supported yet"),

@@ -134,7 +134,8 @@ def _layout(args, grouped_experts: bool = False) -> tuple[LegacyLayout, int]:
                 _int(args, "kv_lora_rank", 1) + _int(args, "qk_pos_emb_head_dim", 1))
     return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp if vpp > 1 else None,
                         num_layers=layers,
-                        num_experts=experts, swiglu=_flag(args, "swiglu"),
+                        num_experts=experts,  # gated fc1: --swiglu or --quick-geglu
+                        swiglu=_flag(args, "swiglu") or _flag(args, "quick_geglu"),
                         tied=not _flag(args, "untie_embeddings_and_output_weights"),
                         mla_down_rows=down), dp
 

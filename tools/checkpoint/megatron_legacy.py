@@ -95,7 +95,9 @@ def layout_of(ns: argparse.Namespace, where: str) -> LegacyLayout:
         down = (_size(ns, "q_lora_rank", where, None),
                 _size(ns, "kv_lora_rank", where) + _size(ns, "qk_pos_emb_head_dim", where))
     return LegacyLayout(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, num_layers=layers,
-                        num_experts=experts, swiglu=getattr(ns, "swiglu", False) is True,
+                        num_experts=experts,  # gated fc1: --swiglu or --quick-geglu
+                        swiglu=any(getattr(ns, f, False) is True
+                                   for f in ("swiglu", "quick_geglu")),
                         tied=not getattr(ns, "untie_embeddings_and_output_weights", False),
                         mla_down_rows=down)
 

@@ -78,7 +78,7 @@ def hidden_sliced_expert_params(experts: torch.nn.Module, params: Params, group)
     [gate | up] are sliced block-wise so each rank keeps [gate slice | up slice]."""
     size = dist.get_world_size(group)
     local = experts.num_local_experts
-    blocks = 2 if experts.swiglu else 1
+    blocks = 2 if experts.gated else 1
     fc1, fc2 = params["fc1_weight"], params["fc2_weight"]  # [El, H, blocks F], [El, F, H]
     send1 = torch.cat([torch.cat([b.chunk(size, dim=-1)[s] for b in fc1.chunk(blocks, dim=-1)],
                                  dim=-1) for s in range(size)])  # [W El, H, blocks F / W]

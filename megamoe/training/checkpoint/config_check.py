@@ -15,7 +15,8 @@ _SHAPE_FIELDS = {
     "padded_vocab_size": "the tokenizer's vocabulary / --make-vocab-size-divisible-by / "
                          "--padded-vocab-size",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "swiglu": "--swiglu", "quick_geglu": "--quick-geglu",
+    "add_bias_linear": "--disable-bias-linear",
     "position_embedding_type": "--position-embedding-type",
 }
 _MOE_SHAPE_FIELDS = {"num_experts": "--num-experts", "ffn_hidden_size": "--moe-ffn-hidden-size"}

@@ -190,7 +190,7 @@ def _layout_parts(module: nn.Module, pname: str, t: torch.Tensor, key: str,
         def over(dim: int) -> list[tuple[str, int]]:  # etp counts only when it is > 1
             return [("ep", 0), ("etp", dim)]
 
-        names = ["gate", "up"] if module.swiglu else [None]
+        names = ["gate", "up"] if module.gated else [None]
         if pname == "fc1_weight":
             return _split(key, shape, 2, names, over(2), meshes)
         if pname == "fc1_bias":

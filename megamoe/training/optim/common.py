@@ -12,18 +12,52 @@ from megamoe.model.apex_kernels import apex_kernels
 from megamoe.training.optim.state_precision import StoredStates, state_dtypes
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's rule: no weight decay on biases and on 1-D parameters (norm weights)."""
-    decay, no_decay = [], []
+def no_weight_decay(name: str, param: torch.Tensor, apply_wd_to_qk_layernorm: bool) -> bool:
+    """Megatron's get_standard_config_overrides: biases and 1-D parameters (norm weights)
+    get wd_mult 0; with --apply-wd-to-qk-layernorm the q/k layernorms' own parameters
+    ("q_layernorm." or "k_layernorm." in the name) keep their weight decay."""
+    skip = param.ndim == 1 or name.endswith(".bias")
+    if skip and apply_wd_to_qk_layernorm:
+        skip = not ("q_layernorm." in name or "k_layernorm." in name)
+    return skip
+
+
+# The parameters Megatron marks is_embedding_or_output_parameter (LanguageModule's
+# setup_embeddings_and_output_layer): the word embedding and the output layer's weight,
+# including a last pipeline stage's copy of a tied embedding (shared_output_weight).
+EMBEDDING_OR_OUTPUT = (("embedding", "word_embeddings", "weight"), ("output_layer", "weight"),
+                       ("shared_output_weight",))
+
+
+def is_embedding_or_output(name: str) -> bool:
+    parts = tuple(name.split("."))
+    return any(parts[-len(tail):] == tail for tail in EMBEDDING_OR_OUTPUT)
+
+
+def param_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[dict]:
+    """Megatron's _get_param_groups with its standard overrides: one group per (weight
+    decay?, decoupled LR?) combination, in that order. A decoupled group carries its own
+    "max_lr" / "min_lr" (--decoupled-lr, --decoupled-min-lr or --min-lr), which the
+    scheduler reads (schedules/lr.py), as Megatron's OptimizerParamScheduler; "wd_mult":
+    the scheduler sets weight_decay = scheduled value x wd_mult."""
+    buckets: dict[tuple[bool, bool], list] = {}
+    decoupled = config.decoupled_lr is not None
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    # wd_mult (Megatron's): the scheduler sets weight_decay = scheduled value x wd_mult
-    groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0})
-    return [g for g in groups if g["params"]]
+        key = (no_weight_decay(name, p, config.apply_wd_to_qk_layernorm),
+               decoupled and is_embedding_or_output(name))
+        buckets.setdefault(key, []).append(p)
+    groups = []
+    for (skip_wd, own_lr), params in sorted(buckets.items()):
+        group = {"params": params, "weight_decay": 0.0 if skip_wd else config.weight_decay,
+                 "wd_mult": 0.0 if skip_wd else 1.0}
+        if own_lr:
+            group.update(max_lr=config.decoupled_lr,
+                         min_lr=config.decoupled_min_lr if config.decoupled_min_lr is not None
+                         else config.min_lr)
+        groups.append(group)
+    return groups
 
 
 def build_inner_optimizer(groups: list[dict], config: OptimizerConfig):

@@ -109,7 +109,7 @@ class DistributedOptimizer:
         # distributed optimizer reduces its gradient statistics over the whole world)
         self.grad_scaler = build_grad_scaler(config, distributed=True)
         self.agree_found_inf = dist.is_initialized() and dist.get_world_size() > 1
-        groups = param_groups(model, config.weight_decay)
+        groups = param_groups(model, config)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.buffers = _shard_groups(
             self.model_params, dp_group, edp_group,

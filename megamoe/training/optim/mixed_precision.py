@@ -80,7 +80,7 @@ class MixedPrecisionOptimizer:
         # Other ranks exist (build_optimizer sets it from the mesh): the loss scaler's
         # overflow flag is agreed over all of them.
         self.agree_found_inf = False
-        groups = param_groups(model, config.weight_decay)
+        groups = param_groups(model, config)
         self.model_params: list[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.separate_main = any(p.dtype != torch.float32 for p in self.model_params)
         self.grad_sync: Optional[GradReduceOverlap] = None

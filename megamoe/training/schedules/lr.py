@@ -16,6 +16,10 @@ The weight decay follows Megatron's get_wd: constant --weight-decay, or from
 --start-weight-decay to --end-weight-decay (linear or cosine) over the whole run (train
 iterations x global batch size, or --train-samples), then the end value; each parameter
 group's weight_decay is that value times its wd_mult (0 for biases and norms).
+A parameter group with its own "max_lr" / "min_lr" (--decoupled-lr: the embedding and the
+output layer, training/optim/common.py) follows the same schedule between its own peak and
+floor, as Megatron's get_lr(param_group); the bounds are read from the groups when the
+scheduler is built, so this run's flags (not a loaded checkpoint's groups) set them.
 """
 
 from __future__ import annotations
@@ -68,26 +72,32 @@ class LRScheduler:
         self.end_wd = config.weight_decay if constant else config.end_weight_decay
         self.wd_incr_steps = (train_samples if train_samples is not None
                               else train_iters * global_batch_size)
+        # (max_lr, min_lr) per parameter group: its own (decoupled) or the run's
+        self.group_bounds = [(g.get("max_lr", self.max_lr), g.get("min_lr", self.min_lr))
+                             for g in optimizer.param_groups]
         self.num_steps = 0
         self.step(increment=0)
 
-    def get_lr(self) -> float:
-        """Megatron's OptimizerParamScheduler.get_lr, expression for expression."""
+    def get_lr(self, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+        """Megatron's OptimizerParamScheduler.get_lr(param_group), expression for
+        expression: the run's --lr / --min-lr unless a group's bounds are given."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         n = self.num_steps
         if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.init_lr + ((self.max_lr - self.init_lr) * float(n)
+            return self.init_lr + ((max_lr - self.init_lr) * float(n)
                                    / float(self.warmup_steps))
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
             warmup_steps = max(self.warmup_steps, 1)
             num_steps = max(n, 1)
-            return max(self.min_lr, self.max_lr * warmup_steps ** 0.5 / (num_steps ** 0.5))
+            return max(min_lr, max_lr * warmup_steps ** 0.5 / (num_steps ** 0.5))
         span = self.decay_steps - self.warmup_steps
         ratio = float(n - self.warmup_steps) / float(span) if span > 0 else 1.0
-        delta = self.max_lr - self.min_lr
+        delta = max_lr - min_lr
         if self.style == "linear":
             coeff = 1.0 - ratio
         elif self.style == "cosine":
@@ -96,7 +106,7 @@ class LRScheduler:
             coeff = self._wsd_coeff(n)
         else:
             raise ValueError(f"--lr-decay-style: unknown style {self.style!r}")
-        return self.min_lr + coeff * delta
+        return min_lr + coeff * delta
 
     def get_wd(self) -> float:
         """Megatron's OptimizerParamScheduler.get_wd."""
@@ -128,9 +138,10 @@ class LRScheduler:
         """Advance by `increment` samples (the training loop passes the step's global
         batch size, as Megatron)."""
         self.num_steps += increment
-        lr, wd = self.get_lr(), self.get_wd()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.last_lr = self.get_lr()  # the run's own schedule: what the log line shows
+        wd = self.get_wd()
+        for group, (max_lr, min_lr) in zip(self.optimizer.param_groups, self.group_bounds):
+            group["lr"] = self.get_lr(max_lr, min_lr)
             if "wd_mult" in group:
                 group["weight_decay"] = wd * group["wd_mult"]
 

@@ -62,7 +62,16 @@ VARIANTS = {
     # plain RoPE on the position part, no query latent, no latent norms, tied embeddings
     "mla_rope": ({**MLA, "q_lora_rank": None, "qk_layernorm": False, "rope_type": "rope",
                   "rotary_scaling_factor": 1.0, "mscale_all_dim": 0.0}, True),
+    # Megatron-LM's other activations (argument_utils.py: --squared-relu, --quick-geglu)
+    # and --rotary-interleaved; activation_func named here, resolved in transformer_config
+    "squared_relu": ({"activation_func": "squared_relu", "gated_linear_unit": False,
+                      "num_layers": 2, "moe_layer_freq": [0, 1]}, False),
+    "quick_geglu_interleaved": ({"activation_func": "quick_gelu", "rotary_interleaved": True,
+                                 "num_layers": 2, "moe_layer_freq": [0, 1]}, False),
 }
+# the flags megamoe reads for each activation (megatron_args: the saved args' names)
+ACTIVATION_ARGS = {"squared_relu": {"swiglu": False, "squared_relu": True},
+                   "quick_gelu": {"swiglu": False, "quick_geglu": True}}
 
 
 class MLACoreAttention(torch.nn.Module):
@@ -118,6 +127,10 @@ def transformer_config(variant: str, **layout):
                   gradient_accumulation_fusion=False, init_method_std=0.05)
     fields.update(VARIANTS[variant][0])
     fields.update(layout)
+    if isinstance(fields["activation_func"], str):
+        from megatron.core import activations
+
+        fields["activation_func"] = getattr(activations, fields["activation_func"])
     cls = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
     return cls(**fields)
 
@@ -222,19 +235,21 @@ def megatron_args(variant: str, iteration: int):
                                       "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
                                       "rotary_scaling_factor", "mscale", "mscale_all_dim")
            } if c.multi_latent_attention else {}
-    return argparse.Namespace(**mla,
+    act = ACTIVATION_ARGS.get(fields.get("activation_func"), {})
+    return argparse.Namespace(**mla, **act,
         num_layers=c.num_layers, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
         group_query_attention=not c.multi_latent_attention, num_query_groups=2,
         kv_channels=16, seq_length=SEQ,
         max_position_embeddings=SEQ, vocab_size=100, padded_vocab_size=VOCAB,
         make_vocab_size_divisible_by=128, normalization="RMSNorm", norm_epsilon=1e-5,
         position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
-        swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+        **({} if act else {"swiglu": True}), add_bias_linear=False, add_qkv_bias=False,
         untie_embeddings_and_output_weights=not tied, qk_layernorm=c.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05,
         apply_layernorm_1p=False, multi_latent_attention=c.multi_latent_attention,
         mtp_num_layers=c.mtp_num_layers, mtp_loss_scaling_factor=c.mtp_loss_scaling_factor,
-        rotary_interleaved=False, apply_rope_fusion=False, mla_down_proj_fusion=False,
+        rotary_interleaved=c.rotary_interleaved, apply_rope_fusion=False,
+        mla_down_proj_fusion=False,
         num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=80,
         moe_layer_freq=fields.get("moe_layer_freq", 1),
         moe_shared_expert_intermediate_size=fields.get("moe_shared_expert_intermediate_size"),
