@@ -33,8 +33,8 @@ from megamoe.cli.unbuilt_args import add_unbuilt_args
 from megamoe.cli.value_types import check_int_bounds, finite_float
 from megamoe.config import ConfigError
 
-FUSION_NO_OPS = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-                 "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+FUSION_NO_OPS = ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+                 "--no-bias-dropout-fusion", "--no-rope-fusion",
                  "--no-gradient-accumulation-fusion", "--attention-softmax-in-fp32",
                  "--no-persist-layer-norm")
 LOGGING_NO_OPS = ("--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard")

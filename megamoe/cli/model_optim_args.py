@@ -21,6 +21,9 @@ def add_model_optim_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quick-geglu", action="store_true",
                    help="gated MLP: quick_gelu(gate) * up, quick_gelu(x) = x sigmoid(1.702x) "
                         "(not with --swiglu; --ffn-hidden-size default stays 4 x hidden)")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="exact erf GELU in biased GELU MLPs (default: Megatron's fused "
+                        "bias-GELU, the tanh approximation)")
     g.add_argument("--openai-gelu", action="store_true",
                    help="accepted, no effect: Megatron-LM parses it and never reads it")
     g.add_argument("--rotary-interleaved", action="store_true",

@@ -85,6 +85,10 @@ class ModelConfig:
     use_rope_scaling: bool = flag("--use-rope-scaling", False)
     rope_scaling_factor: float = flag("--rope-scaling-factor", 8.0)
     add_bias_linear: bool = flag("--disable-bias-linear", True, dest="add_bias_linear")
+    # Megatron's bias_gelu_fusion (--no-bias-gelu-fusion turns it off): a GELU MLP with
+    # biases then runs the fused bias_gelu_impl, the tanh approximation of GELU, in the
+    # dense MLP, shared experts and routed experts (see `activation`).
+    bias_gelu_fusion: bool = flag("--no-bias-gelu-fusion", True, dest="bias_gelu_fusion")
     untie_embeddings_and_output_weights: bool = flag(
         "--untie-embeddings-and-output-weights", False)
     hidden_dropout: float = flag("--hidden-dropout", 0.1)
@@ -222,9 +226,16 @@ class ModelConfig:
 
     @property
     def activation(self) -> str:
-        """The MLP activation: gelu, swiglu, squared_relu or quick_geglu."""
-        return ("swiglu" if self.swiglu else "squared_relu" if self.squared_relu
-                else "quick_geglu" if self.quick_geglu else "gelu")
+        """The MLP activation: gelu, gelu_tanh, swiglu, squared_relu or quick_geglu.
+
+        Megatron-LM: validate_args turns bias_gelu_fusion off without linear biases, and
+        core_transformer_config_from_args makes it bias_activation_fusion (no --swiglu);
+        megatron-core's MLP then runs bias_gelu_impl, tanh GELU, for F.gelu and erf GELU
+        (F.gelu) otherwise."""
+        if self.swiglu or self.squared_relu or self.quick_geglu:
+            return ("swiglu" if self.swiglu else "squared_relu" if self.squared_relu
+                    else "quick_geglu")
+        return "gelu_tanh" if self.add_bias_linear and self.bias_gelu_fusion else "gelu"
 
     @property
     def gated_linear_unit(self) -> bool:

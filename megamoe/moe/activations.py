@@ -2,7 +2,14 @@
 megatron/core/activations.py), shared by the dense MLP, the shared experts and the routed
 experts:
 
-  gelu          F.gelu(h)                       (the default; exact erf GELU)
+  gelu          F.gelu(h)                       exact erf GELU: without linear biases
+                                                (--disable-bias-linear) or with
+                                                --no-bias-gelu-fusion
+  gelu_tanh     F.gelu(h, approximate="tanh")   the default GELU: Megatron's fused
+                                                bias_gelu_impl (fused_bias_gelu.py) is
+                                                the tanh approximation, and it runs
+                                                whenever GELU has biases and the fusion
+                                                is on (ModelConfig.activation)
   swiglu        silu(gate) * up                 (--swiglu; gated)
   squared_relu  relu(h)^2                       (--squared-relu)
   quick_geglu   quick_gelu(gate) * up           (--quick-geglu; gated)
@@ -17,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("gelu", "swiglu", "squared_relu", "quick_geglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu")
 GATED = ("swiglu", "quick_geglu")
 
 
@@ -31,8 +38,15 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-_ELEMENTWISE = {"gelu": F.gelu, "swiglu": F.silu, "squared_relu": squared_relu,
-                "quick_geglu": quick_gelu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's bias_gelu: x * 0.5 * (1 + tanh(0.79788456 x (1 + 0.044715 x^2))). torch's
+    tanh GELU is that formula (its sqrt(2/pi) rounds to the same fp32 constant), forward
+    and backward (tests/moe/test_gelu_tanh.py), and runs one fused kernel on CUDA."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ELEMENTWISE = {"gelu": F.gelu, "gelu_tanh": gelu_tanh, "swiglu": F.silu,
+                "squared_relu": squared_relu, "quick_geglu": quick_gelu}
 
 
 def check_activation(name: str) -> str:
