@@ -279,6 +279,8 @@ def megatron_namespace(saved_args: dict, config: ModelConfig, iteration: int,
         swiglu=config.swiglu, squared_relu=config.squared_relu, quick_geglu=config.quick_geglu,
         rotary_interleaved=config.rotary_interleaved, use_rope_scaling=config.use_rope_scaling,
         rope_scaling_factor=config.rope_scaling_factor, add_bias_linear=config.add_bias_linear,
+        # as Megatron's validate_args leaves it (off without biases): which GELU ran
+        bias_gelu_fusion=config.add_bias_linear and config.bias_gelu_fusion,
         add_qkv_bias=config.add_qkv_bias,
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         qk_layernorm=config.qk_layernorm, vocab_size=config.vocab_size,

@@ -123,3 +123,22 @@ def test_model_default_runs_megatrons_tanh_gelu_and_the_flag_changes_the_loss(mo
     erf.load_state_dict(model.state_dict())
     # erf moves this loss by ~2e-5 (20x the tolerance above)
     assert (erf(tokens, labels=tokens).mean() - loss).abs() > 1e-6
+
+
+def test_checkpoints_keep_loading_and_megatron_args_say_which_gelu():
+    """The GELU form changes no parameter: a checkpoint config without the field (written
+    before it) or with the other value passes the load's shape check (the run's flags
+    decide, docs/checkpoints-and-conversion.md#format-changes). Written as a Megatron-LM
+    run, the saved args carry bias_gelu_fusion as Megatron's validate_args leaves it."""
+    from megamoe.cli.megatron_args import megatron_namespace
+    from megamoe.training.checkpoint.config_check import check_model_config
+
+    run = ModelConfig(num_attention_heads=4, vocab_size=64)
+    old = {k: v for k, v in vars(run).items() if k not in ("bias_gelu_fusion", "moe")}
+    check_model_config("ckpt", old, run)
+    check_model_config("ckpt", dict(old, bias_gelu_fusion=False), run)
+    for kw, want in (({}, True), ({"bias_gelu_fusion": False}, False),
+                     ({"add_bias_linear": False}, False)):
+        ns = megatron_namespace({}, ModelConfig(num_attention_heads=4, vocab_size=64, **kw),
+                                iteration=1, consumed_samples=0, padded_vocab=128)
+        assert ns.bias_gelu_fusion is want, kw
