@@ -142,3 +142,36 @@ def test_checkpoints_keep_loading_and_megatron_args_say_which_gelu():
         ns = megatron_namespace({}, ModelConfig(num_attention_heads=4, vocab_size=64, **kw),
                                 iteration=1, consumed_samples=0, padded_vocab=128)
         assert ns.bias_gelu_fusion is want, kw
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_routed_experts_run_megatrons_bias_gelu(grouped):
+    """GroupedExperts with the model's gelu_tanh, per expert against Megatron's bias_gelu
+    written out (fc1's bias as its `bias`), times the combine weight; Megatron's
+    SequentialMLP computes this, its TEGroupedMLP refuses it (docs/megatron-compatibility.md)."""
+    from megamoe.moe.experts import GroupedExperts
+
+    torch.manual_seed(6)
+    experts = GroupedExperts(3, 8, 6, swiglu=False, add_bias=True, init_method_std=0.5,
+                             output_init_std=0.5, grouped_gemm=grouped,
+                             activation=ModelConfig().activation).double()
+    with torch.no_grad():
+        experts.fc1_bias.normal_()
+        experts.fc2_bias.normal_()
+    sizes = torch.tensor([4, 0, 6])
+    x = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    p = torch.rand(10, dtype=torch.float64)
+    got = experts(x, sizes, p)
+    rows, start = [], 0
+    for e, n in enumerate(sizes.tolist()):
+        y = x[start:start + n] @ experts.fc1_weight[e]
+        a = megatron_bias_gelu(experts.fc1_bias[e], y)
+        rows.append((a @ experts.fc2_weight[e] + experts.fc2_bias[e]) * p[start:start + n, None])
+        start += n
+    ref = torch.cat(rows)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-8)  # Megatron's 8-digit constants
+    g = torch.randn_like(ref)
+    params = [x, experts.fc1_weight, experts.fc1_bias, experts.fc2_weight]
+    for a, b in zip(torch.autograd.grad(got, params, g, retain_graph=True),
+                    torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-8)
