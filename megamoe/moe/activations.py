@@ -41,7 +41,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """Megatron's bias_gelu: x * 0.5 * (1 + tanh(0.79788456 x (1 + 0.044715 x^2))). torch's
     tanh GELU is that formula (its sqrt(2/pi) rounds to the same fp32 constant), forward
-    and backward (tests/moe/test_gelu_tanh.py), and runs one fused kernel on CUDA."""
+    and backward (tests/model/test_gelu_tanh.py), and runs one fused kernel on CUDA."""
     return F.gelu(x, approximate="tanh")
 
 
