@@ -66,7 +66,8 @@ class Timers:
         rank = dist.get_rank(group) if distributed else 0
         table = torch.zeros(world * k, dtype=torch.float64, device=self.device)
         table[rank * k:(rank + 1) * k] = torch.tensor(
-            [self.elapsed.get(n, 0.0) / max(iterations, 1) for n in names], dtype=torch.float64)
+            [self.elapsed.get(n, 0.0) / max(iterations, 1) for n in names], dtype=torch.float64,
+            device=self.device)  # (host floats to the device once, at a log line)
         if distributed:
             dist.all_reduce(table, group=group)  # each slot has one writer: the sum is it
         values = table.tolist()  # (at a log line, not on the step's path)

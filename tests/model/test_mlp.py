@@ -10,10 +10,13 @@ from megamoe.config import ModelConfig
 from megamoe.model.mlp import MLP
 
 
-@pytest.mark.parametrize("swiglu,bias", [(True, False), (False, True), (True, True)])
-def test_mlp_matches_formula(swiglu, bias):
+@pytest.mark.parametrize("swiglu,bias,fusion", [(True, False, True), (False, True, True),
+                                                (False, True, False), (True, True, True)])
+def test_mlp_matches_formula(swiglu, bias, fusion):
+    """GELU with biases is Megatron's fused tanh GELU unless --no-bias-gelu-fusion."""
     torch.manual_seed(0)
-    c = ModelConfig(hidden_size=8, ffn_hidden_size=12, swiglu=swiglu, add_bias_linear=bias)
+    c = ModelConfig(hidden_size=8, ffn_hidden_size=12, swiglu=swiglu, add_bias_linear=bias,
+                    bias_gelu_fusion=fusion)
     mlp = MLP(c)
     with torch.no_grad():
         for p in mlp.parameters():
@@ -28,6 +31,7 @@ def test_mlp_matches_formula(swiglu, bias):
         h = F.silu(h[..., :12]) * h[..., 12:]
     else:
         assert w1.shape == (12, 8)
-        h = 0.5 * h * (1 + torch.erf(h / 2**0.5))
+        h = (0.5 * h * (1 + torch.tanh(0.79788456 * h * (1 + 0.044715 * h * h))) if fusion
+             else 0.5 * h * (1 + torch.erf(h / 2**0.5)))
     torch.testing.assert_close(mlp(x), h @ w2.t() + b2, atol=1e-5, rtol=1e-5)
     assert (mlp.linear_fc1.bias is not None) == bias
