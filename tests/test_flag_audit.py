@@ -126,6 +126,7 @@ CLI_READ = {
     "--moe-layer-recompute":
         "tests/training/test_recompute_flags.py::test_moe_layer_recompute_adds_moe",
     "--logging-level": "tests/scripts/test_megatron_flags.py::test_logging_level",
+    "--local-rank": "tests/scripts/test_megatron_flags.py::test_local_rank_must_be_local_rank",
     "--no-weight-decay-cond-type":  # Megatron's deprecated spelling
         "tests/training/test_param_group_flags.py::test_deprecated_spelling",
     "--use-rotary-position-embeddings":

@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Optional
 
 from megamoe.config import ConfigError
 from megamoe.config.model import ATTENTION_BACKENDS
@@ -59,6 +61,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="flash / fused (cuDNN or memory-efficient) / unfused (math) / local "
                         "(math) SDPA kernels; auto lets SDPA choose")
+    g.add_argument("--local-rank", type=int, default=None,
+                   help="the launcher's local rank (torch.distributed.launch passes it); "
+                        "must equal LOCAL_RANK, from which this process takes its GPU")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="with --tokenizer-type HuggingFaceTokenizer: run the Python code a "
                         "tokenizer directory names in its tokenizer_config.json auto_map "
@@ -121,12 +126,28 @@ def add_refused_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, default=None, choices=["fp32", "bf16"], help="not supported yet")
 
 
+def check_local_rank(local_rank: Optional[int]) -> None:
+    """--local-rank (Megatron's default: LOCAL_RANK; torch.distributed.launch passes it as
+    a flag): megamoe takes the device from LOCAL_RANK (parallel/mesh.py), so the two must
+    agree, else the process would run on another GPU than its launcher gave it."""
+    if local_rank is None:
+        return
+    env = os.environ.get("LOCAL_RANK")
+    if env is None and local_rank != 0:
+        raise ConfigError(f"--local-rank {local_rank}: LOCAL_RANK is not set, and megamoe "
+                          "takes this process's GPU from it (launch with torchrun, which "
+                          "sets it)")
+    if env is not None and env.strip() != str(local_rank):
+        raise ConfigError(f"--local-rank {local_rank} disagrees with LOCAL_RANK={env}")
+
+
 def derive_compat(args: argparse.Namespace) -> None:
     """Megatron's validate_args steps for these flags: the deprecated RoPE spelling, and
     flex becoming the alltoall dispatcher; `args.declared_equivalents` lists the lines the
     run prints."""
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    check_local_rank(args.local_rank)
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
         raise ConfigError("--cross-entropy-fusion-impl te: Transformer Engine's cross entropy "
                           "fusion is disabled in Megatron-LM (stability); use native")

@@ -83,6 +83,19 @@ def test_logging_level(monkeypatch, capsys):
     parse_error(capsys, f"{TINY_MOE} --train-iters 1 --logging-level -1", 1)
 
 
+def test_local_rank_must_be_local_rank(monkeypatch, capsys):
+    """--local-rank (torch.distributed.launch passes it; Megatron's default is LOCAL_RANK):
+    accepted when it is LOCAL_RANK, from which megamoe takes the GPU; else one line."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _args("--train-iters 1 --local-rank 0").local_rank == 0
+    assert "LOCAL_RANK is not set" in parse_error(
+        capsys, f"{TINY_MOE} --train-iters 1 --local-rank 1", 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _args("--train-iters 1 --local-rank 1").local_rank == 1
+    assert "--local-rank 0 disagrees with LOCAL_RANK=1" in parse_error(
+        capsys, f"{TINY_MOE} --train-iters 1 --local-rank 0", 1)
+
+
 def test_transformer_engine_without_te_is_one_line(capsys):
     """The dry run sizes TE's layers as local's; a real run needs TE importable (this
     machine has none: tests/training/test_transformer_engine_training.py runs it on the
