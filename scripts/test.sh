@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test suite. `bash scripts/test.sh` runs the default set (budget: 10 min on 2 cores;
-# 5 min 42 s for 1,887 tests measured 2026-11-26, quiet machine);
+# 6 min 0 s for 2,010 tests measured 2026-11-26 in a fresh clone, quiet machine);
 # `bash scripts/test.sh --slow` runs only the tests marked slow (budget: 40 min; 29 min 7 s
-# for 355 tests measured quiet 2026-11-26; 414 tests took 65 min at load average 5-8, not
+# for 355 tests measured quiet 2026-11-26; 464 tests took 56 min at load average 4-7, not
 # a budget figure);
 # `bash scripts/test.sh --other-cpu` runs the numerics tests (fixtures, optimizer, model,
 # MoE, converters) again on another CPU code path: ATen's scalar kernels, MKL's SSE4.2
