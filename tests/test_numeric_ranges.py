@@ -162,6 +162,7 @@ BAD = [
     ("--peak-tflops", "-1", "", 1, "must be positive"),
     ("--timing-log-level", "2", "", 1, "not supported yet"),
     ("--logging-level", "-1", "", 1, "must be >= 0"),
+    ("--local-rank", "-1", "", 1, "--local-rank must be >= 0"),
     ("--profile-step-start", "-1", "", 1, "must be >= 0"),
     ("--profile-step-end", "10", "--profile-step-start 10", 1, "must be greater than"),
     ("--profile-ranks", "-1", "", 1, "must be >= 0"),

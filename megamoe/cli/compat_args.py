@@ -132,6 +132,8 @@ def check_local_rank(local_rank: Optional[int]) -> None:
     agree, else the process would run on another GPU than its launcher gave it."""
     if local_rank is None:
         return
+    if local_rank < 0:
+        raise ConfigError(f"--local-rank must be >= 0, got {local_rank}")
     env = os.environ.get("LOCAL_RANK")
     if env is None and local_rank != 0:
         raise ConfigError(f"--local-rank {local_rank}: LOCAL_RANK is not set, and megamoe "
