@@ -182,3 +182,35 @@ def test_recompute_replays_on_the_device(recompute):
         tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
         model(tokens, labels=tokens).float().mean().backward()
         assert all(p.grad is not None and p.grad.device == ACCEL for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_primary_weights_cast_and_gather_on_the_device(recipe):
+    """--fp8-param-gather (one rank): the FP8 byte buffers, the scales, the cast from the
+    main shard, the forward on the cast weights and the delayed update all on the device,
+    with no host read (training/optim/fp8_shards.py)."""
+    from megamoe.config.fp8 import Fp8Config
+    from megamoe.model.fp8.params import primary
+    from megamoe.model.fp8.policy import apply_fp8
+    from megamoe.training.optim.fp8_shards import Fp8FlatShards
+
+    model, mesh = _parallelized(DENSE, torch.bfloat16)
+    with _fake_mode():
+        model = materialize(model, mesh, seed=1)
+        fmt = "e4m3" if recipe == "blockwise" else "hybrid"
+        state = apply_fp8(model, Fp8Config(format=fmt, recipe=recipe, param_gather=True),
+                          ACCEL)
+        opt = DistributedOptimizer(model, OptimizerConfig(lr=1e-3, clip_grad=1.0, bf16=True),
+                                   tp_group=None, dp_group=None)
+        fp8 = [b for b in opt.buffers if isinstance(b, Fp8FlatShards)]
+        assert fp8 and all(b.param_buffer.device == ACCEL for b in fp8)
+        tokens = torch.randint(0, DENSE.vocab_size, (2, DENSE.seq_length), device=ACCEL)
+        for _ in range(2):
+            opt.zero_grad()
+            model(tokens, labels=tokens).float().mean().backward()
+            state.update()
+            opt.clip_and_update(opt.reduce_and_norm())
+        for b in fp8:
+            for _, p in b.params:
+                prim = primary(p)
+                assert prim.data.device == ACCEL and prim.scale.device == ACCEL
