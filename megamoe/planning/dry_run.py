@@ -48,11 +48,16 @@ def state_bytes(optim: OptimizerConfig) -> StateBytes:
 MAX_META_LAYERS = 1024  # 16x DeepSeek-V3's 61
 
 
+def param_bytes(run: RunConfig) -> int:
+    """Bytes per parameter value of the run's model dtype (fp16 sized as bf16)."""
+    return 2 if run.optim.bf16 or run.optim.fp16 else 4
+
+
 def per_rank_memory(run: RunConfig) -> tuple[dict, dict]:
     """(device bytes one rank of this layout needs, by part and "total"; the memory
     model's transients) for the largest pipeline stage, from shapes alone."""
     layout = launch_layout(run)
-    bytes_per = 2 if run.optim.bf16 or run.optim.fp16 else 4  # fp16 sizes as bf16
+    bytes_per = param_bytes(run)
     states = state_bytes(run.optim)
     static = model_bytes(run.model, layout, bytes_per, states)
     memory = {k: int(static[k]) for k in ("weights", "gradients", "optimizer")}
@@ -86,7 +91,7 @@ def _add_fp8_memory(memory: dict, fp8: dict, run: RunConfig) -> None:
     that: an upper bound)."""
     memory["activations"] += fp8["fp8_copy_bytes_per_rank"]
     held = fp8["fp8_primary_weight_values_per_rank"]
-    bytes_per = 2 if run.optim.bf16 or run.optim.fp16 else 4
+    bytes_per = param_bytes(run)
     memory["weights"] -= (bytes_per - 1) * held
     if bytes_per == 4:
         memory["optimizer"] += 4 * held // (run.parallel.data_parallel_size

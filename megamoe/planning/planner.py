@@ -280,17 +280,18 @@ def plan(model: ModelConfig, hw: Hardware, seq_length: int, global_batch_size: i
     for lay in legal_layouts(model, hw.gpus, global_batch_size, seq_length, hw.gpus_per_node,
                              fp8):
         mem = model_bytes(model, lay)
-        if fp8_on(fp8) and fp8.param_gather:  # FP8 weights: 1 byte per value, not bf16's 2
-            mem["weights"] -= fp8_primary_values(
-                layout_run(model, lay, hw.gpus, global_batch_size, fp8), meta, cache=fp8_cache)
+        lay_run = (layout_run(model, lay, hw.gpus, global_batch_size, fp8)
+                   if fp8_on(fp8) and fp8.param_gather else None)
+        if lay_run is not None:  # FP8 weights: 1 byte per value, not bf16's 2
+            mem["weights"] -= fp8_primary_values(lay_run, meta, cache=fp8_cache)
         act = activation_bytes(model, lay, seq_length)
         transient = largest_stage_transients(model, lay)
         opt_peak = max(transient["step"], transient["save_device"])
         # Activations are freed before the optimizer steps and a checkpoint is saved.
         total_mem = mem["weights"] + mem["gradients"] + mem["optimizer"] + max(act, opt_peak)
         if fp8_on(fp8) and total_mem <= 0.9 * hw.gpu_memory_gb * GB:  # (copies only add)
-            act += fp8_copy_bytes(layout_run(model, lay, hw.gpus, global_batch_size, fp8),
-                                  meta, cache=fp8_cache)
+            lay_run = lay_run or layout_run(model, lay, hw.gpus, global_batch_size, fp8)
+            act += fp8_copy_bytes(lay_run, meta, cache=fp8_cache)
             total_mem = (mem["weights"] + mem["gradients"] + mem["optimizer"]
                          + max(act, opt_peak))
         if total_mem > 0.9 * hw.gpu_memory_gb * GB:  # keep 10% for allocator/NCCL buffers

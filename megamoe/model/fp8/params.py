@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megamoe.model.fp8.block_linear import primary_blocks
 from megamoe.model.fp8.scaling import Fp8Meta
 
 
@@ -83,12 +84,14 @@ class Fp8Primary:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight's values (q / scale of each element) in `dtype`."""
         q, s = self.operand()
-        e, nr, nc = self.grid()
         if not self.block:
-            return (q.float().reshape(e, -1) / s.view(e, 1)).reshape(q.shape).to(dtype)
-        (r, c), b = self.shape[-2:], self.block
-        full = s.view(e, nr, nc).repeat_interleave(b, 1)[:, :r].repeat_interleave(b, 2)
-        return (q.float().reshape(e, r, c) / full[:, :, :c]).reshape(q.shape).to(dtype)
+            return (q.float().reshape(self.lead, -1) / s.view(self.lead, 1)
+                    ).reshape(q.shape).to(dtype)
+        # the GEMMs' own operands (block_linear.primary_blocks), per leading slice
+        r, c = self.shape[-2:]
+        slices = zip(q.reshape(self.lead, r, c), s.chunk(self.lead))
+        return torch.stack([primary_blocks(q_e, s_e).dequantize() for q_e, s_e in slices]
+                           ).reshape(q.shape).to(dtype)
 
 
 def primary(p: torch.Tensor) -> Optional[Fp8Primary]:
@@ -108,6 +111,11 @@ def release(p: nn.Parameter) -> None:
     """Drop the high-precision storage of an FP8 primary weight: one element broadcast to
     its shape (writing to it fails loudly; reads go through `value`)."""
     p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+
+def released(p: torch.Tensor) -> bool:
+    """Whether `release` dropped `p`'s storage (one element for the whole shape)."""
+    return p.numel() > 1 and p.untyped_storage().nbytes() <= p.element_size()
 
 
 def materialize(p: nn.Parameter) -> None:

@@ -198,10 +198,9 @@ def apply_fp8(model: nn.Module, config: Fp8Config, device: torch.device,
     return state
 
 
-def mark_fp8_primary(model: nn.Module) -> list[nn.Parameter]:
+def mark_fp8_primary(model: nn.Module) -> None:
     """--fp8-param-gather: give every weight of an FP8 GEMM (`m.fp8` set by apply_fp8) its
-    Fp8Primary (model/fp8/params.py); the marked parameters, in module order."""
-    marked = []
+    Fp8Primary (model/fp8/params.py)."""
     for m in model.modules():
         gemm = getattr(m, "fp8", None)
         if isinstance(gemm, Fp8Gemm):
@@ -215,8 +214,6 @@ def mark_fp8_primary(model: nn.Module) -> list[nn.Parameter]:
             if primary(p) is None:
                 block = 128 if meta.recipe == "blockwise" else 0  # 128x128 weight blocks
                 p.fp8_primary = Fp8Primary(meta, tuple(p.shape), lead, block)
-                marked.append(p)
-    return marked
 
 
 class _ExpertsGemm:

@@ -35,15 +35,11 @@ import torch
 import torch.distributed as dist
 
 from megamoe.model.fp8.blocks import pow2_scale
-from megamoe.model.fp8.params import materialize, primary, release
+from megamoe.model.fp8.params import materialize, primary, release, released
 from megamoe.model.fp8.quantize import current_scale, quantize
 from megamoe.training.optim.flat_shards import FlatShards, Piece, all_gather
 
 CHUNK = 1 << 22  # elements per pass of the cast
-
-
-def _released(p: torch.Tensor) -> bool:
-    return p.numel() > 1 and p.untyped_storage().nbytes() <= p.element_size()
 
 
 class Fp8FlatShards(FlatShards):
@@ -72,7 +68,7 @@ class Fp8FlatShards(FlatShards):
 
     def piece_values(self, piece: Piece) -> torch.Tensor:
         """A piece's values in its materialised parameter (checkpoint loads only)."""
-        if _released(piece.param):
+        if released(piece.param):
             raise RuntimeError("an FP8 primary weight was read without its values "
                                "(model/fp8/params.py materialize)")
         return piece.param.detach().reshape(-1)[piece.start:piece.end]
@@ -122,8 +118,6 @@ class Fp8FlatShards(FlatShards):
         for (_, p), lo in zip(self.params, self.scale_offsets):
             prim = primary(p)
             prim.scale = scales[lo:lo + prim.num_scales].clone()
-            if not _released(p):
-                release(p)
 
     @torch.no_grad()
     def start_all_gather_params(self) -> Optional[dist.Work]:
@@ -147,3 +141,5 @@ def fp8_weights_loading(optimizer) -> Iterator[None]:
     yield
     for buf in buffers:
         buf.all_gather_params()
+        for _, p in buf.params:
+            release(p)
